@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up a machine for cpushim's demo and tests, idempotently: the runtime packages
+# (containerd, runc, busybox-static) and a virtualenv with cpushim and its test tools.
+#   contrib/bootstrap.sh [PYTHON]      (PYTHON defaults to python3; the venv goes to .venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${1:-python3}
+venv=${VENV:-.venv}
+
+missing=()
+command -v containerd >/dev/null || missing+=(containerd)
+command -v runc >/dev/null || missing+=(runc)
+[ -x /bin/busybox ] || command -v busybox >/dev/null || missing+=(busybox-static)
+if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "bootstrap: need root to install ${missing[*]} (apt-get)" >&2
+        exit 1
+    fi
+    echo "bootstrap: installing ${missing[*]}" >&2
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "bootstrap: $python is older than Python 3.11" >&2
+    exit 1
+fi
+# Reinstall only when the declared dependencies change.
+stamp="$venv/.cpushim-deps"
+want="$("$python" --version 2>&1) $(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "bootstrap: installing cpushim and its test tools into $venv" >&2
+    "$python" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,dev]'
+    echo "$want" > "$stamp"
+fi
