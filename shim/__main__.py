@@ -1,0 +1,5 @@
+import sys
+
+from shim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,302 @@
+"""The relay's I/O: the listening socket, and per client connection one upstream connection
+with a :class:`~shim.cri.splice.Splice` between them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import socket
+import stat
+import time
+from typing import Protocol, cast
+
+from shim.cri.calls import Reply, Status, UnaryCall
+from shim.cri.splice import CallCancelled, CallReceived, ConnectionFailed, Splice
+from shim.cri.upstream import RuntimeChannel, unix_path
+
+log = logging.getLogger(__name__)
+
+
+class Interceptor(Protocol):
+    """Where cpushim hooks into the CRI: which calls it answers itself, and how."""
+
+    def intercepts(self, path: str) -> bool: ...
+
+    async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply: ...
+
+
+class AlreadyServingError(RuntimeError):
+    pass
+
+
+def prepare_socket_path(path: str) -> None:
+    """Create the parent directory (0750) and clear a stale socket; refuse a live one."""
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o750, exist_ok=True)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise AlreadyServingError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("removing stale socket", extra={"fields": {"path": path}})
+        os.unlink(path)
+        return
+    except OSError as exc:
+        raise AlreadyServingError(f"cannot probe existing socket {path}: {exc}") from exc
+    finally:
+        probe.close()
+    raise AlreadyServingError(f"another process already serves {path}; refusing to start")
+
+
+class RelayServer:
+    def __init__(
+        self,
+        *,
+        listen: str,
+        runtime_endpoint: str,
+        interceptor: Interceptor,
+        socket_group: str | None = None,
+        socket_mode: int = 0o660,
+    ) -> None:
+        self.listen_path = unix_path(listen)
+        self.runtime_path = unix_path(runtime_endpoint)
+        self.runtime = RuntimeChannel(runtime_endpoint)
+        self.interceptor = interceptor
+        self._socket_group = socket_group
+        self._socket_mode = socket_mode
+        self._server: asyncio.AbstractServer | None = None
+        self.connections: set[ClientConnection] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def start(self) -> None:
+        prepare_socket_path(self.listen_path)
+        gid = -1
+        if self._socket_group is not None:
+            try:
+                gid = grp.getgrnam(self._socket_group).gr_gid
+            except KeyError as exc:
+                raise ValueError(f"socket group {self._socket_group!r} does not exist") from exc
+        loop = asyncio.get_running_loop()
+        old_umask = os.umask(0o177)  # no window in which the socket is wider than asked
+        try:
+            self._server = await loop.create_unix_server(
+                lambda: ClientConnection(self), self.listen_path, backlog=256
+            )
+        finally:
+            os.umask(old_umask)
+        if gid != -1:
+            os.chown(self.listen_path, -1, gid)
+        os.chmod(self.listen_path, self._socket_mode)
+
+    def _connection_opened(self, conn: ClientConnection) -> None:
+        self.connections.add(conn)
+        self._idle.clear()
+
+    def _connection_closed(self, conn: ClientConnection) -> None:
+        self.connections.discard(conn)
+        if not self.connections:
+            self._idle.set()
+
+    async def shutdown(self, grace: float) -> bool:
+        """Stop accepting, let calls in flight finish for up to ``grace`` seconds, then close
+        every connection. True if everything finished in time."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.begin_shutdown()
+        finished = True
+        try:
+            async with asyncio.timeout(grace):
+                await self._idle.wait()
+        except TimeoutError:
+            finished = False
+            log.warning(
+                "calls still in flight at the end of the shutdown grace period",
+                extra={"fields": {"connections": len(self.connections), "grace_s": grace}},
+            )
+        for conn in list(self.connections):
+            conn.abort()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+        self.runtime.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.listen_path)
+        return finished
+
+
+class ClientConnection(asyncio.Protocol):
+    """One kubelet connection and its twin connection to the runtime."""
+
+    def __init__(self, server: RelayServer) -> None:
+        self.server = server
+        self.splice = Splice(server.interceptor.intercepts)
+        self.client: asyncio.Transport | None = None
+        self.upstream: asyncio.Transport | None = None
+        self._early: list[bytes] = []
+        self._connecting = True
+        self._calls: dict[int, asyncio.Task[None]] = {}
+        self._shutting_down = False
+        self._closed = False
+        self._opened_at = time.monotonic()
+
+    # client side
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A cast, not isinstance: uvloop's stream transports do not subclass asyncio's.
+        self.client = cast(asyncio.Transport, transport)
+        self.server._connection_opened(self)
+        asyncio.get_running_loop().create_task(self._connect_upstream())
+
+    async def _connect_upstream(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await loop.create_unix_connection(
+                lambda: UpstreamConnection(self), self.server.runtime_path
+            )
+        except OSError as exc:
+            self.unavailable_reason = f"{self.server.runtime.endpoint}: {exc.strerror or exc}"
+            log.warning(
+                "runtime unreachable; answering this connection's calls with UNAVAILABLE",
+                extra={"fields": {"runtime": self.server.runtime.endpoint, "error": str(exc)}},
+            )
+            self.splice.serve_without_upstream()
+        else:
+            if self._closed:
+                transport.close()
+                return
+            self.upstream = transport
+        self._connecting = False
+        early, self._early = self._early, []
+        for chunk in early:
+            self.splice.from_client(chunk)
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        if self._connecting:
+            self._early.append(data)
+            return
+        self.splice.from_client(data)
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        for task in self._calls.values():
+            task.cancel()
+        if self.upstream is not None:
+            self.upstream.close()
+        self.server._connection_closed(self)
+
+    def pause_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.resume_reading()
+
+    # upstream side
+    def upstream_data(self, data: bytes) -> None:
+        self.splice.from_upstream(data)
+        self._flush()
+
+    def upstream_lost(self, exc: Exception | None) -> None:
+        self.upstream = None
+        if self._closed:
+            return
+        reason = str(exc) if exc else "connection closed by the runtime"
+        log.warning("runtime connection lost", extra={"fields": {"error": reason}})
+        self.splice.upstream_lost(reason)
+        self._shutting_down = True
+        self._flush()
+
+    # plumbing
+    def _flush(self) -> None:
+        to_client, to_upstream = self.splice.take_output()
+        if to_upstream and self.upstream is not None:
+            self.upstream.writelines(to_upstream)
+        if to_client and self.client is not None and not self._closed:
+            self.client.writelines(to_client)
+        for event in self.splice.take_events():
+            if isinstance(event, CallReceived):
+                task = asyncio.get_running_loop().create_task(
+                    self._answer(event.stream_id, event.call)
+                )
+                self._calls[event.stream_id] = task
+            elif isinstance(event, CallCancelled):
+                task_to_cancel = self._calls.pop(event.stream_id, None)
+                if task_to_cancel is not None:
+                    task_to_cancel.cancel()
+            elif isinstance(event, ConnectionFailed):
+                log.warning("closing client connection", extra={"fields": {"reason": event.reason}})
+                self.abort()
+                return
+        if self._shutting_down and self.splice.idle:
+            self.abort()
+
+    async def _answer(self, sid: int, call: UnaryCall) -> None:
+        try:
+            if self.splice.upstream_absent:
+                reply = Reply.error(
+                    Status.UNAVAILABLE,
+                    f"cpushim: runtime {self.unavailable_reason} is unavailable",
+                )
+            else:
+                reply = await self.server.interceptor.handle(call, self.server.runtime)
+        except asyncio.CancelledError:
+            self._calls.pop(sid, None)
+            raise
+        except Exception as exc:
+            log.exception("intercepted call failed", extra={"fields": {"path": call.path}})
+            reply = Reply.error(Status.INTERNAL, f"cpushim: {call.path} failed: {exc}")
+        self._calls.pop(sid, None)
+        self.splice.reply(sid, reply)
+        if self.splice.upstream_absent:
+            # Send the client to a new connection for its next call, where the runtime
+            # is tried again.
+            self.splice.goaway()
+            self._shutting_down = True
+        self._flush()
+
+    def begin_shutdown(self) -> None:
+        self._shutting_down = True
+        self.splice.goaway()
+        self._flush()
+
+    def abort(self) -> None:
+        """Close both sides after what is queued has been written."""
+        if self.client is not None:
+            self.client.close()
+        if self.upstream is not None:
+            self.upstream.close()
+
+    unavailable_reason = ""
+
+
+class UpstreamConnection(asyncio.Protocol):
+    def __init__(self, owner: ClientConnection) -> None:
+        self.owner = owner
+
+    def data_received(self, data: bytes) -> None:
+        self.owner.upstream_data(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner.upstream_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.owner.client is not None:
+            self.owner.client.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.owner.client is not None:
+            self.owner.client.resume_reading()

@@ -1,0 +1,155 @@
+"""The relay's own channel to the runtime, for calls it terminated and calls it makes itself.
+
+Built on grpclib's connection and stream layer rather than its message API: a reply must reach
+kubelet with the runtime's headers and trailers as they were (``grpc-status-details-bin``
+included), which the message API would digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Sequence
+
+from grpclib.client import Channel
+from grpclib.const import Status as GrpclibStatus
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.protocol import H2Protocol
+from grpclib.utils import Wrapper
+from h2.errors import ErrorCodes
+
+from shim.cri.calls import (
+    GRPC_CONTENT_TYPE,
+    MessageError,
+    Reply,
+    Status,
+    UnaryCall,
+    format_timeout,
+    frame_message,
+    unframe_messages,
+)
+from shim.cri.hpack_blocks import Header, header_value
+
+log = logging.getLogger(__name__)
+
+_PREFIX = struct.Struct(">BI")
+_HOP_HEADERS = frozenset(
+    {b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
+)
+
+
+def unix_path(endpoint: str) -> str:
+    """The socket path of a ``unix://`` endpoint (a bare path is accepted too)."""
+    if endpoint.startswith("unix://"):
+        path = endpoint[len("unix://") :]
+    elif "://" in endpoint:
+        raise ValueError(f"unsupported endpoint {endpoint!r}: only unix:// sockets are served")
+    else:
+        path = endpoint
+    if not path.startswith("/"):
+        raise ValueError(f"endpoint {endpoint!r} must name an absolute socket path")
+    return path
+
+
+class RuntimeChannel:
+    """One persistent HTTP/2 connection to the runtime, reconnected on demand."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._path = unix_path(endpoint)
+        self._channel: Channel | None = None
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    async def unary(self, call: UnaryCall, request: bytes | None = None) -> Reply:
+        """Send ``call`` (with ``request`` in place of its message if given) and return the
+        runtime's reply; transport failures become UNAVAILABLE or DEADLINE_EXCEEDED replies."""
+        body = call.request if request is None else request
+        try:
+            if call.timeout is None:
+                return await self._exchange(call, body)
+            async with asyncio.timeout(call.timeout):
+                return await self._exchange(call, body)
+        except TimeoutError:
+            return Reply.error(
+                Status.DEADLINE_EXCEEDED, f"cpushim: {call.path} exceeded its deadline"
+            )
+        except (OSError, StreamTerminatedError, ConnectionError) as exc:
+            return Reply.error(
+                Status.UNAVAILABLE, f"cpushim: runtime {self.endpoint} unavailable: {exc}"
+            )
+        except GRPCError as exc:
+            return Reply.error(Status(exc.status.value), exc.message or str(exc))
+        except MessageError as exc:
+            return Reply.error(exc.status, f"cpushim: bad reply from the runtime: {exc}")
+
+    async def _exchange(self, call: UnaryCall, body: bytes) -> Reply:
+        if self._channel is None:
+            # Made here, not in __init__: grpclib binds a channel to the loop it is made in.
+            self._channel = Channel(path=self._path)
+        protocol: H2Protocol = await self._channel.__connect__()
+        wrapper = Wrapper()
+        stream = protocol.processor.connection.create_stream(wrapper=wrapper)
+        release = None
+        try:
+            with wrapper:
+                release = await stream.send_request(
+                    self._request_headers(call), _processor=protocol.processor
+                )
+                await stream.send_data(frame_message(body), end_stream=True)
+                headers = _as_bytes(await stream.recv_headers())
+                if header_value(headers, b"grpc-status") is not None:
+                    return Reply(trailers=headers)
+                raw = bytearray()
+                while True:
+                    # grpclib's buffer hands out exact sizes: a prefix, then its message.
+                    prefix = await stream.recv_data(5)
+                    if not prefix:
+                        break
+                    if len(prefix) < 5:
+                        raise MessageError(Status.INTERNAL, "truncated gRPC message prefix")
+                    raw += prefix
+                    raw += await stream.recv_data(_PREFIX.unpack(prefix)[1])
+                trailers = _as_bytes(await stream.recv_trailers())
+        except asyncio.CancelledError:
+            if stream.id is not None and stream.closable:
+                stream.reset_nowait(ErrorCodes.CANCEL)
+            raise
+        finally:
+            if release is not None:
+                release()
+        messages = unframe_messages(bytes(raw), header_value(headers, b"grpc-encoding"))
+        return Reply(headers=headers, messages=tuple(messages), trailers=trailers)
+
+    def _request_headers(self, call: UnaryCall) -> list[tuple[str, str]]:
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", call.path),
+            (":authority", "localhost"),
+            ("te", "trailers"),
+            ("content-type", GRPC_CONTENT_TYPE.decode()),
+        ]
+        if call.timeout is not None:
+            headers.append(("grpc-timeout", format_timeout(call.timeout).decode()))
+        for name, value in call.headers:
+            if name.startswith(b":") or name in _HOP_HEADERS:
+                continue
+            headers.append((name.decode("ascii", "replace"), value.decode("latin-1")))
+        return headers
+
+
+def _as_bytes(headers: Sequence[tuple[str | bytes, str | bytes]]) -> tuple[Header, ...]:
+    out = []
+    for name, value in headers:
+        n = name.encode("latin-1") if isinstance(name, str) else bytes(name)
+        v = value.encode("latin-1") if isinstance(value, str) else bytes(value)
+        out.append((n, v))
+    return tuple(out)
+
+
+__all__ = ["GrpclibStatus", "RuntimeChannel", "unix_path"]

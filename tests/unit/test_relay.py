@@ -1,0 +1,367 @@
+"""The relay against a fake runtime, driven by grpcio (an independent gRPC implementation, as
+kubelet's grpc-go client is). Each behaviour is checked both on the splice's fast path and on
+the path of calls the relay terminates (the container lifecycle methods)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shim.cri.methods import ALL_METHODS
+from shim.cri.passthrough import LIFECYCLE_PATHS, PassthroughInterceptor
+from shim.cri.server import RelayServer
+from tests.fake_cri import DETAILS, FUTURE_STREAM, FUTURE_UNARY, script, short_tmpdir
+from tests.unit.relay_env import RUNTIME, LoopThread, RelayEnv, failure, relay_env, unary
+
+SPLICED = RUNTIME + "Version"
+TERMINATED = RUNTIME + "StartContainer"
+BOTH_PATHS = pytest.mark.parametrize("path", [SPLICED, TERMINATED], ids=["spliced", "terminated"])
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[RelayEnv]:
+    with relay_env() as environment:
+        yield environment
+
+
+@pytest.fixture(scope="module")
+def channel(env: RelayEnv) -> Iterator[grpc.Channel]:
+    with env.channel() as ch:
+        yield ch
+
+
+@pytest.mark.parametrize(
+    "method", [m for m in ALL_METHODS if not m.server_streaming], ids=lambda m: m.path
+)
+def test_every_unary_method_is_relayed(channel: grpc.Channel, method: object) -> None:
+    path = method.path  # type: ignore[attr-defined]
+    request = b"echo:" + path.encode()
+    assert (
+        unary(channel, path, request, timeout=10) == b"reply-to:" + path.encode() + b":" + request
+    )
+
+
+@pytest.mark.parametrize(
+    "method", [m for m in ALL_METHODS if m.server_streaming], ids=lambda m: m.path
+)
+def test_every_streaming_method_is_relayed(channel: grpc.Channel, method: object) -> None:
+    path = method.path  # type: ignore[attr-defined]
+    events = list(channel.unary_stream(path)(script(b"stream:5"), timeout=10))
+    assert events == [b"event-%d" % i for i in range(5)]
+
+
+def test_lifecycle_methods_are_terminated_at_the_relay(env: RelayEnv) -> None:
+    assert env.relay is not None
+    for path in LIFECYCLE_PATHS:
+        assert env.relay.interceptor.intercepts(path)
+    assert not env.relay.interceptor.intercepts(RUNTIME + "ListContainers")
+
+
+def test_long_server_stream_and_its_error_status(channel: grpc.Channel) -> None:
+    stream = channel.unary_stream(RUNTIME + "GetContainerEvents")(
+        script(b"stream:2000!"), timeout=20
+    )
+    received, error = drain(stream)
+    assert received == [b"event-%d" % i for i in range(2000)]
+    assert error is not None
+    assert error.code() == grpc.StatusCode.ABORTED
+    assert error.details() == "stream aborted"
+    assert dict(error.trailing_metadata())["grpc-status-details-bin"] == DETAILS
+
+
+def drain(stream: Iterator[bytes]) -> tuple[list[bytes], grpc.RpcError | None]:
+    """Every message of a server stream, and the error that ended it, if any."""
+    received = []
+    try:
+        for message in stream:
+            received.append(message)
+    except grpc.RpcError as exc:
+        return received, exc
+    return received, None
+
+
+def test_unknown_methods_pass_both_unary_and_streaming(channel: grpc.Channel) -> None:
+    assert unary(channel, FUTURE_UNARY, b"new", timeout=10) == (
+        b"reply-to:" + FUTURE_UNARY.encode() + b":new"
+    )
+    assert list(channel.unary_stream(FUTURE_STREAM)(script(b"stream:3"), timeout=10)) == [
+        b"event-0",
+        b"event-1",
+        b"event-2",
+    ]
+    missing = failure(channel, RUNTIME + "NoSuchCallAnywhere", b"", timeout=10)
+    assert missing.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@BOTH_PATHS
+@pytest.mark.parametrize(
+    "code", [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK], ids=lambda c: c.name
+)
+def test_error_codes_messages_and_details_pass_unchanged(
+    env: RelayEnv, channel: grpc.Channel, path: str, code: grpc.StatusCode
+) -> None:
+    number = code.value[0]
+    request = b"error:%d:it failed: 100%% \xc3\xa9" % number
+    with env.channel(env.direct_target) as direct:
+        expected = failure(direct, path, request, timeout=10)
+    got = failure(channel, path, request, timeout=10)
+    assert (
+        (got.code(), got.details())
+        == (expected.code(), expected.details())
+        == (
+            code,
+            "it failed: 100% é",
+        )
+    )
+    assert dict(got.trailing_metadata())["grpc-status-details-bin"] == DETAILS
+
+
+@BOTH_PATHS
+def test_metadata_passes_both_ways(env: RelayEnv, channel: grpc.Channel, path: str) -> None:
+    call = channel.unary_unary(path)
+    reply, outcome = call.with_call(
+        script(b"meta"), metadata=[("x-request-id", "abc-123"), ("x-tenant", "t1")], timeout=10
+    )
+    assert reply == b"meta-reply"
+    assert ("x-request-id", "abc-123") in outcome.initial_metadata()
+    trailing = dict(outcome.trailing_metadata())
+    assert trailing["x-trailer"] == "t1"
+    assert trailing["x-tenant"] == "t1"
+    _, _, seen = env.fake.runtime.calls[-1]
+    assert seen["x-request-id"] == "abc-123"
+
+
+@BOTH_PATHS
+def test_deadline_is_propagated_and_enforced(
+    env: RelayEnv, channel: grpc.Channel, path: str
+) -> None:
+    marker = b"echo:deadline:" + path.encode()
+    unary(channel, path, marker, timeout=7)
+    remaining = env.fake.runtime.deadlines[marker]
+    # grpc-timeout is rounded up to its unit by the client: allow a few milliseconds.
+    assert remaining is not None
+    assert 5 < remaining <= 7.05
+
+    started = time.monotonic()
+    late = failure(channel, path, b"sleep:3", timeout=0.3)
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 2.5  # the call did not wait for the runtime's answer
+
+
+def test_large_reply_passes(channel: grpc.Channel) -> None:
+    size = 16 * 1024 * 1024
+    reply = unary(channel, RUNTIME + "ListContainerStats", b"big:%d" % size, timeout=30)
+    assert len(reply) == size
+    assert reply == b"x" * size
+
+
+def test_large_terminated_request_passes_intact(env: RelayEnv, channel: grpc.Channel) -> None:
+    # Bigger than every HTTP/2 window: the relay must hand back flow-control credit itself.
+    request = b"echo:" + os.urandom(3 * 1024 * 1024)
+    assert unary(channel, RUNTIME + "CreateContainer", request, timeout=30) == (
+        b"reply-to:" + (RUNTIME + "CreateContainer").encode() + b":" + request
+    )
+    assert env.fake.runtime.wire[-1] == (RUNTIME + "CreateContainer", script(request))
+
+
+@BOTH_PATHS
+def test_unknown_fields_reach_the_runtime_byte_for_byte(
+    env: RelayEnv, channel: grpc.Channel, path: str
+) -> None:
+    # Field 999 is in no CRI message; a known field (1) rides along on the terminated path.
+    request = b"\x0a\x03abc" + script(b"echo:unknown-field") + b"\xf8\x3e\x07"
+    channel.unary_unary(path)(request, timeout=10)
+    assert env.fake.runtime.wire[-1] == (path, request)
+
+
+def test_large_terminated_reply_then_spliced_traffic(channel: grpc.Channel) -> None:
+    # A reply the relay writes itself uses the client's window behind the runtime's back;
+    # spliced traffic after it must still respect the client's real window.
+    big = unary(channel, RUNTIME + "UpdateContainerResources", b"big:%d" % (5 << 20), timeout=30)
+    assert len(big) == 5 << 20
+    for _ in range(3):
+        assert len(
+            unary(channel, RUNTIME + "ListContainers", b"big:%d" % (3 << 20), timeout=30)
+        ) == (3 << 20)
+
+
+def test_concurrent_mixed_calls(channel: grpc.Channel) -> None:
+    errors: list[str] = []
+
+    def worker(n: int) -> None:
+        for i in range(60):
+            path = TERMINATED if i % 3 == 0 else SPLICED
+            request = b"echo:%d:%d" % (n, i)
+            try:
+                got = unary(channel, path, request, timeout=20)
+            except grpc.RpcError as exc:  # pragma: no cover - reported below
+                errors.append(f"{path}: {exc.code()} {exc.details()}")
+                continue
+            if got != b"reply-to:" + path.encode() + b":" + request:
+                errors.append(f"{path}: wrong reply {got[:60]!r}")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+
+
+def test_client_encoder_drops_its_dynamic_table(env: RelayEnv, channel: grpc.Channel) -> None:
+    # The relay relies on self-contained header blocks; grpcio must honour the setting.
+    unary(channel, SPLICED, b"echo:1", timeout=10)
+    unary(channel, SPLICED, b"echo:2", timeout=10)
+    assert env.relay is not None
+    readers = [conn.splice._reader.stateless for conn in env.relay.connections]
+    assert readers
+    assert all(readers)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_undecodable_request_is_invalid_argument_and_relay_keeps_serving(
+    env: RelayEnv, channel: grpc.Channel
+) -> None:
+    path = RUNTIME + "CreateContainer"
+    calls_before = len(env.fake.runtime.calls)
+    try:
+        channel.unary_unary(path)(b"\xff\xff\xff\xff", timeout=10)
+        raise AssertionError("an undecodable request was accepted")
+    except grpc.RpcError as exc:
+        bad = exc
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "CreateContainerRequest" in bad.details()
+    assert len(env.fake.runtime.calls) == calls_before  # nothing reached the runtime
+    assert unary(channel, SPLICED, b"echo:after", timeout=10).endswith(b"echo:after")
+
+
+def test_garbage_on_the_socket_closes_only_that_connection(
+    env: RelayEnv, channel: grpc.Channel
+) -> None:
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(env.relay_socket))
+        raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64)
+        raw.settimeout(10)
+        reply = b""
+        while chunk := raw.recv(4096):
+            reply += chunk
+    assert b"preface" in reply  # GOAWAY debug data says why, then the socket closes
+    assert unary(channel, SPLICED, b"echo:still", timeout=10).endswith(b"echo:still")
+
+
+def test_bad_frame_sequence_closes_only_that_connection(
+    env: RelayEnv, channel: grpc.Channel
+) -> None:
+    from shim.cri import frames as fr
+
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(env.relay_socket))
+        # A CONTINUATION frame with no header block open.
+        raw.sendall(fr.PREFACE + fr.settings_frame([]) + fr.frame(fr.CONTINUATION, 4, 1, b"\x82"))
+        raw.settimeout(10)
+        reply = b""
+        while chunk := raw.recv(4096):
+            reply += chunk
+    assert b"CONTINUATION" in reply
+    assert unary(channel, SPLICED, b"echo:ok", timeout=10).endswith(b"echo:ok")
+
+
+# ---------------------------------------------------------------------------- runtime outage
+
+
+def _spawn_runtime(socket_path: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fake_cri", str(socket_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "serving"
+    return proc
+
+
+def attempt(channel: grpc.Channel, path: str, command: bytes) -> bytes | grpc.RpcError:
+    try:
+        return unary(channel, path, command, timeout=5)
+    except grpc.RpcError as exc:
+        return exc
+
+
+def test_runtime_crash_fails_fast_then_recovers() -> None:
+    loop = LoopThread()
+    runtime: subprocess.Popen[str] | None = None
+    try:
+        with short_tmpdir() as workdir:
+            runtime_socket = workdir / "runtime.sock"
+            runtime = _spawn_runtime(runtime_socket)
+            relay = RelayServer(
+                listen=f"unix://{workdir}/cri.sock",
+                runtime_endpoint=f"unix://{runtime_socket}",
+                interceptor=PassthroughInterceptor(),
+            )
+            loop.run(relay.start())
+            with grpc.insecure_channel(f"unix://{workdir}/cri.sock") as ch:
+                for path in (SPLICED, TERMINATED):
+                    assert unary(ch, path, b"echo:before", timeout=10).endswith(b"before")
+                in_flight: dict[str, grpc.RpcError] = {}
+
+                def slow() -> None:
+                    in_flight["error"] = failure(ch, SPLICED, b"sleep:30", timeout=60)
+
+                caller = threading.Thread(target=slow)
+                caller.start()
+                deadline = time.monotonic() + 10
+                while not any(conn.splice.open_streams for conn in relay.connections):
+                    assert time.monotonic() < deadline, "the slow call never reached the relay"
+                    time.sleep(0.01)
+                runtime.kill()
+                runtime.wait(10)
+                runtime_socket.unlink()
+                caller.join(20)
+                assert in_flight["error"].code() == grpc.StatusCode.UNAVAILABLE
+                assert "lost the connection to the runtime" in in_flight["error"].details()
+                for path in (SPLICED, TERMINATED):
+                    started = time.monotonic()
+                    down = failure(ch, path, b"echo:during", timeout=20)
+                    assert down.code() == grpc.StatusCode.UNAVAILABLE, down.details()
+                    assert "cpushim" in down.details()
+                    assert time.monotonic() - started < 10
+                runtime = _spawn_runtime(runtime_socket)
+                deadline = time.monotonic() + 30
+                for path in (SPLICED, TERMINATED):
+                    outcome = attempt(ch, path, b"echo:after")
+                    while isinstance(outcome, grpc.RpcError):
+                        assert outcome.code() == grpc.StatusCode.UNAVAILABLE, outcome.details()
+                        assert time.monotonic() < deadline, "relay did not recover"
+                        time.sleep(0.05)
+                        outcome = attempt(ch, path, b"echo:after")
+                    assert outcome.endswith(b"echo:after")
+            loop.run(relay.shutdown(2.0))
+    finally:
+        if runtime is not None:
+            runtime.kill()
+            runtime.wait(10)
+        loop.stop()
+
+
+# ---------------------------------------------------------------------------- listen socket
+
+
+def test_socket_mode_and_parent_directory(env: RelayEnv) -> None:
+    st = os.stat(env.relay_socket)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(env.relay_socket.parent).st_mode) == 0o750

@@ -1,0 +1,195 @@
+"""``cpushim run`` as a real process in front of the fake runtime: start-up, the listen
+socket's rules, logs, and shutdown on SIGTERM with a call in flight."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import orjson
+import pytest
+
+from shim.cri.server import AlreadyServingError, prepare_socket_path
+from tests.fake_cri import FakeRuntimeServer, short_tmpdir
+from tests.unit.relay_env import RUNTIME, LoopThread, failure, unary
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeRuntimeServer]:
+    loop = LoopThread()
+    with short_tmpdir() as workdir:
+        server = FakeRuntimeServer(workdir / "runtime.sock")
+        loop.run(server.start())
+        try:
+            yield server
+        finally:
+            loop.run(server.stop())
+            loop.stop()
+
+
+def start_cpushim(listen: Path, runtime: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shim",
+            "run",
+            "--listen",
+            f"unix://{listen}",
+            "--runtime-endpoint",
+            runtime,
+            "--log-level",
+            "debug",
+            *extra,
+        ],
+        stderr=log.open("wb"),
+        cwd=REPO,
+    )
+
+
+def wait_serving(proc: subprocess.Popen[bytes], listen: Path, log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"cpushim exited {proc.returncode}:\n{log.read_text()}")
+        if listen.exists():
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(str(listen))
+                    return
+                except OSError:
+                    pass
+        time.sleep(0.02)
+    raise AssertionError(f"cpushim did not serve {listen}:\n{log.read_text()}")
+
+
+def log_events(log: Path) -> list[dict[str, object]]:
+    return [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeServer) -> None:
+    listen = fake.socket_path.parent / "sock" / "cri.sock"
+    log = fake.socket_path.parent / "cpushim.log"
+    proc = start_cpushim(listen, fake.endpoint, log)
+    try:
+        wait_serving(proc, listen, log)
+        assert any(e["msg"] == "serving" for e in log_events(log))
+        outcome: dict[str, object] = {}
+        with grpc.insecure_channel(f"unix://{listen}") as ch:
+            assert unary(ch, RUNTIME + "Version", b"echo:v", timeout=10).endswith(b"echo:v")
+
+            def slow_call() -> None:
+                try:
+                    outcome["reply"] = unary(
+                        ch, RUNTIME + "ListContainers", b"sleep:1.5", timeout=20
+                    )
+                except grpc.RpcError as exc:
+                    outcome["error"] = exc
+
+            caller = threading.Thread(target=slow_call)
+            caller.start()
+            deadline = time.monotonic() + 10
+            while not any(call[1] == b"sleep:1.5" for call in fake.runtime.calls):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            caller.join(20)
+        assert proc.wait(20) == 0
+        assert "error" not in outcome, outcome
+        assert outcome["reply"] == b"reply-to:/runtime.v1.RuntimeService/ListContainers:sleep:1.5"
+        messages = [e["msg"] for e in log_events(log)]
+        assert "shutting down" in messages
+        assert "stopped" in messages
+        assert not listen.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_refuses_a_socket_another_process_serves(fake: FakeRuntimeServer) -> None:
+    listen = fake.socket_path.parent / "live.sock"
+    log = fake.socket_path.parent / "first.log"
+    first = start_cpushim(listen, fake.endpoint, log)
+    try:
+        wait_serving(first, listen, log)
+        second_log = fake.socket_path.parent / "second.log"
+        second = start_cpushim(listen, fake.endpoint, second_log)
+        assert second.wait(20) == 1
+        errors = [e for e in log_events(second_log) if e["level"] == "error"]
+        assert errors
+        assert "already serves" in str(errors[0]["error"])
+        with grpc.insecure_channel(f"unix://{listen}") as ch:  # the first one still serves
+            assert unary(ch, RUNTIME + "Version", b"echo:x", timeout=10).endswith(b"echo:x")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(20) == 0
+
+
+def test_gives_up_clearly_when_the_runtime_never_appears() -> None:
+    with short_tmpdir() as workdir:
+        log = workdir / "cpushim.log"
+        proc = start_cpushim(
+            workdir / "cri.sock", f"unix://{workdir}/absent.sock", log, "--upstream-wait", "0.5"
+        )
+        assert proc.wait(20) == 1
+        events = log_events(log)
+        assert any(e["msg"] == "waiting for the runtime" for e in events)
+        error = next(e for e in events if e["level"] == "error")
+        assert "did not answer within 0.5s" in str(error["error"])
+        assert not (workdir / "cri.sock").exists()
+
+
+def test_stale_socket_file_is_replaced(tmp_path: Path) -> None:
+    with short_tmpdir() as workdir:
+        path = workdir / "stale.sock"
+        dead = socket.socket(socket.AF_UNIX)
+        dead.bind(str(path))
+        dead.close()  # the file stays, nobody listens
+        prepare_socket_path(str(path))
+        assert not path.exists()
+
+
+def test_non_socket_file_is_never_replaced() -> None:
+    with short_tmpdir() as workdir:
+        path = workdir / "precious"
+        path.write_text("data")
+        with pytest.raises(AlreadyServingError, match="not a socket"):
+            prepare_socket_path(str(path))
+        assert path.read_text() == "data"
+
+
+def test_parent_directory_is_created_0750() -> None:
+    with short_tmpdir() as workdir:
+        path = workdir / "a" / "b" / "cri.sock"
+        prepare_socket_path(str(path))
+        assert oct(os.stat(path.parent).st_mode & 0o777) == oct(0o750)
+
+
+def test_calls_fail_with_a_clear_unavailable_when_runtime_is_gone(
+    fake: FakeRuntimeServer,
+) -> None:
+    listen = fake.socket_path.parent / "gone.sock"
+    log = fake.socket_path.parent / "gone.log"
+    proc = start_cpushim(listen, fake.endpoint, log)
+    try:
+        wait_serving(proc, listen, log)
+        os.rename(fake.socket_path, fake.socket_path.with_suffix(".moved"))
+        with grpc.insecure_channel(f"unix://{listen}") as ch:
+            err = failure(ch, RUNTIME + "Version", b"echo:x", timeout=10)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "cpushim" in err.details()
+        assert "runtime" in err.details()
+    finally:
+        os.rename(fake.socket_path.with_suffix(".moved"), fake.socket_path)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0

@@ -1,0 +1,278 @@
+"""The splice between two strict HTTP/2 state machines (python-hyper's h2) as client and
+runtime: h2 raises on any framing, HPACK or flow-control violation, so these tests catch
+accounting mistakes that tolerant peers would hide."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import pytest
+
+from shim.cri.calls import Reply, Status, frame_message
+from shim.cri.splice import CallCancelled, CallReceived, Splice
+
+INTERCEPTED = "/runtime.v1.RuntimeService/CreateContainer"
+SPLICED = "/runtime.v1.RuntimeService/ListContainers"
+
+
+def grpc_body(message: bytes) -> bytes:
+    return frame_message(message)
+
+
+@dataclass
+class Pair:
+    splice: Splice
+    client: h2.connection.H2Connection
+    server: h2.connection.H2Connection
+    client_events: list[Any] = field(default_factory=list)
+    server_events: list[Any] = field(default_factory=list)
+    splice_events: list[Any] = field(default_factory=list)
+    auto_ack: bool = True
+
+    def pump(self) -> None:
+        for _ in range(10_000):
+            moved = False
+            data = self.client.data_to_send()
+            if data:
+                self.splice.from_client(data)
+                moved = True
+            data = self.server.data_to_send()
+            if data:
+                self.splice.from_upstream(data)
+                moved = True
+            to_client, to_upstream = self.splice.take_output()
+            self.splice_events += self.splice.take_events()
+            for chunk in to_upstream:
+                self._handle(self.server, self.server.receive_data(chunk), self.server_events)
+                moved = True
+            for chunk in to_client:
+                self._handle(self.client, self.client.receive_data(chunk), self.client_events)
+                moved = True
+            if not moved:
+                return
+        raise AssertionError("pump did not settle")
+
+    def _handle(self, conn: h2.connection.H2Connection, events: list[Any], sink: list[Any]) -> None:
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and self.auto_ack:
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            sink.append(event)
+
+    def received(self, events: list[Any], stream_id: int) -> bytes:
+        return b"".join(
+            e.data
+            for e in events
+            if isinstance(e, h2.events.DataReceived) and e.stream_id == stream_id
+        )
+
+
+def make_pair(*, client_window: int | None = None) -> Pair:
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    server = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=False, header_encoding=None)
+    )
+    client.initiate_connection()
+    if client_window is not None:
+        client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: client_window})
+    server.initiate_connection()
+    pair = Pair(Splice(lambda path: path == INTERCEPTED), client, server)
+    pair.pump()
+    return pair
+
+
+def request_headers(path: str, extra: list[tuple[bytes, bytes]] | None = None) -> list[Any]:
+    return [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", path.encode()),
+        (b":authority", b"localhost"),
+        (b"te", b"trailers"),
+        (b"content-type", b"application/grpc"),
+        (b"grpc-timeout", b"9S"),
+        *(extra or []),
+    ]
+
+
+def send_request(pair: Pair, path: str, body: bytes, **headers: Any) -> int:
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(sid, request_headers(path, headers.get("extra")))
+    pair.pump()
+    view = memoryview(body)
+    while view:
+        pad = headers.get("pad")
+        overhead = pad + 1 if pad is not None else 0  # padding counts against both limits
+        window = pair.client.local_flow_control_window(sid) - overhead
+        step = min(window, pair.client.max_outbound_frame_size - overhead, len(view))
+        assert step > 0, "client stalled: the relay never returned flow-control credit"
+        pair.client.send_data(sid, bytes(view[:step]), pad_length=pad)
+        view = view[step:]
+        pair.pump()
+    pair.client.end_stream(sid)
+    pair.pump()
+    return sid
+
+
+def respond(pair: Pair, sid: int, body: bytes) -> None:
+    pair.server.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+    view = memoryview(body)
+    while view:
+        window = pair.server.local_flow_control_window(sid)
+        step = min(window, pair.server.max_outbound_frame_size, len(view))
+        assert step > 0, "runtime stalled for lack of client credit"
+        pair.server.send_data(sid, bytes(view[:step]))
+        view = view[step:]
+        pair.pump()
+    pair.server.send_headers(sid, [(b"grpc-status", b"0")], end_stream=True)
+    pair.pump()
+
+
+def test_both_peers_are_told_to_use_no_dynamic_table() -> None:
+    pair = make_pair()
+    assert pair.client.remote_settings.header_table_size == 0
+    assert pair.server.remote_settings.header_table_size == 0
+
+
+def test_spliced_call_reaches_the_runtime_verbatim() -> None:
+    pair = make_pair()
+    sid = send_request(pair, SPLICED, grpc_body(b"list"))
+    assert pair.received(pair.server_events, sid) == grpc_body(b"list")
+    respond(pair, sid, grpc_body(b"containers"))
+    assert pair.received(pair.client_events, sid) == grpc_body(b"containers")
+    assert pair.splice.idle
+
+
+@pytest.mark.parametrize("size", [10, 70_000, 1_000_000])
+@pytest.mark.parametrize("pad", [None, 17])
+def test_intercepted_request_is_consumed_here_with_credit_returned(
+    size: int, pad: int | None
+) -> None:
+    pair = make_pair()
+    message = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    sid = send_request(pair, INTERCEPTED, grpc_body(message), pad=pad)
+    # Nothing of this call reached the runtime: not the request, not even its headers.
+    assert not [e for e in pair.server_events if getattr(e, "stream_id", 0) == sid]
+    (event,) = [e for e in pair.splice_events if isinstance(e, CallReceived)]
+    assert event.stream_id == sid
+    assert event.call.request == message
+    assert event.call.timeout == 9.0
+    # The client's connection window is whole again: it can keep calling.
+    assert pair.client.outbound_flow_control_window == pair.server.inbound_flow_control_window
+
+
+def test_large_reply_written_here_then_spliced_traffic_respects_the_real_window() -> None:
+    pair = make_pair()
+    pair.auto_ack = False  # the client consumes slowly
+    sid = send_request(pair, INTERCEPTED, grpc_body(b"create"))
+    pair.splice.reply(sid, Reply.ok(b"r" * 200_000))
+    pair.pump()
+    spliced = send_request(pair, SPLICED, grpc_body(b"list"))
+    respond_started = pair.server.local_flow_control_window(spliced)
+    assert respond_started > 0
+    # Let the client read everything, step by step, while the runtime also sends 300 KB.
+    pair.auto_ack = True
+    for event in list(pair.client_events):
+        if isinstance(event, h2.events.DataReceived):
+            pair.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+    pair.pump()
+    respond(pair, spliced, grpc_body(b"s" * 300_000))
+    assert pair.received(pair.client_events, sid) == grpc_body(b"r" * 200_000)
+    assert pair.received(pair.client_events, spliced) == grpc_body(b"s" * 300_000)
+    ended = {e.stream_id for e in pair.client_events if isinstance(e, h2.events.StreamEnded)}
+    assert {sid, spliced} <= ended
+    assert pair.splice.idle
+    # Credit the relay kept back equals what it wrote itself: the runtime's view is exact.
+    assert pair.server.outbound_flow_control_window == pair.client.inbound_flow_control_window
+
+
+def test_error_reply_is_trailers_only() -> None:
+    pair = make_pair()
+    sid = send_request(pair, INTERCEPTED, grpc_body(b"create"))
+    pair.splice.reply(sid, Reply.error(Status.RESOURCE_EXHAUSTED, "no CPUs: 4 asked, 2 free"))
+    pair.pump()
+    (response,) = [e for e in pair.client_events if isinstance(e, h2.events.ResponseReceived)]
+    headers = dict(response.headers)
+    assert headers[b"grpc-status"] == b"8"
+    assert headers[b"grpc-message"] == b"no CPUs: 4 asked, 2 free"
+    assert sid in {e.stream_id for e in pair.client_events if isinstance(e, h2.events.StreamEnded)}
+
+
+def test_header_blocks_split_over_continuation_frames() -> None:
+    pair = make_pair()
+    big = [(b"x-big", b"v" * 40_000)]
+    spliced = send_request(pair, SPLICED, grpc_body(b"a"), extra=big)
+    intercepted = send_request(pair, INTERCEPTED, grpc_body(b"b"), extra=big)
+    (server_request,) = [e for e in pair.server_events if isinstance(e, h2.events.RequestReceived)]
+    assert server_request.stream_id == spliced
+    assert (b"x-big", b"v" * 40_000) in server_request.headers
+    (call,) = [e for e in pair.splice_events if isinstance(e, CallReceived)]
+    assert call.stream_id == intercepted
+    assert (b"x-big", b"v" * 40_000) in call.call.headers
+    pair.splice.reply(intercepted, Reply.ok(b"ok"))
+    respond(pair, spliced, grpc_body(b"ok"))
+    assert pair.splice.idle
+
+
+def test_client_reset_cancels_the_call() -> None:
+    pair = make_pair()
+    sid = send_request(pair, INTERCEPTED, grpc_body(b"create"))
+    pair.client.reset_stream(sid)
+    pair.pump()
+    assert CallCancelled(sid) in pair.splice_events
+    pair.splice.reply(sid, Reply.ok(b"late"))  # the handler finishing late writes nothing
+    pair.pump()
+    assert pair.received(pair.client_events, sid) == b""
+
+
+def test_calls_racing_our_goaway_never_reach_the_runtime() -> None:
+    # (h2 closes its connection on GOAWAY, so the drain of calls in flight is covered by the
+    # grpcio SIGTERM test; here: a call the client sent before it saw our GOAWAY.)
+    pair = make_pair()
+    first = send_request(pair, SPLICED, grpc_body(b"before"))
+    pair.splice.goaway()
+    goaway_bytes, _ = pair.splice.take_output()  # not yet seen by the client
+    late = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(late, request_headers(SPLICED))
+    pair.client.send_data(late, grpc_body(b"late"), end_stream=True)
+    pair.splice.from_client(pair.client.data_to_send())
+    _, to_upstream = pair.splice.take_output()
+    assert to_upstream == []  # the client retries it elsewhere: it must not run here
+    events = pair.client.receive_data(b"".join(goaway_bytes))
+    (goaway,) = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert goaway.last_stream_id == first
+    assert goaway.error_code == 0
+
+
+def test_runtime_loss_ends_open_calls_with_unavailable() -> None:
+    pair = make_pair()
+    waiting = send_request(pair, SPLICED, grpc_body(b"w"))
+    started = send_request(pair, SPLICED, grpc_body(b"s"))
+    pair.server.send_headers(
+        started, [(b":status", b"200"), (b"content-type", b"application/grpc")]
+    )
+    pair.pump()
+    pair.splice.upstream_lost("connection reset")
+    to_client, _ = pair.splice.take_output()
+    events = [e for chunk in to_client for e in pair.client.receive_data(chunk)]
+    statuses = {}
+    for event in events:
+        if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+            statuses[event.stream_id] = dict(event.headers)[b"grpc-status"]
+    assert statuses == {waiting: b"14", started: b"14"}
+    assert any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+
+
+def test_malformed_grpc_body_on_an_intercepted_call_is_answered_not_forwarded() -> None:
+    pair = make_pair()
+    sid = send_request(pair, INTERCEPTED, struct.pack(">BI", 0, 100) + b"short")
+    (response,) = [e for e in pair.client_events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(response.headers)[b"grpc-status"] == b"13"
+    assert not [e for e in pair.splice_events if isinstance(e, CallReceived)]
+    assert sid not in {getattr(e, "stream_id", 0) for e in pair.server_events}
