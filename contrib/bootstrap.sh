@@ -32,6 +32,12 @@ want="$("$python" --version 2>&1) $(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "bootstrap: installing cpushim and its test tools into $venv" >&2
     "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,dev]'
+    log="$venv/bootstrap.log"
+    if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,dev]' \
+            >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "bootstrap: pip install failed (log above, also in $log)" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 fi

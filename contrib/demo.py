@@ -1,0 +1,199 @@
+"""Show cpushim at work on this machine: two pods through the relay, and what the kernel says.
+
+Run as root from the repository root::
+
+    .venv/bin/python contrib/demo.py            # through cpushim
+    .venv/bin/python contrib/demo.py --direct   # straight to containerd, for comparison
+
+It starts a private containerd (nothing else on the machine is touched), imports a busybox
+image built locally, starts ``python -m shim run`` in front of it, and runs, the way kubelet
+would, a Guaranteed pod whose container asks for 1 whole CPU and a Burstable pod whose
+container asks for a quarter of one. For each container it prints the CPUs the kernel lets it
+run on, from its cgroup (``cpuset.cpus``) and from its process (``Cpus_allowed_list``). Then it
+tears everything down, also when something failed on the way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+# Imports from the repository come after the path is set up.
+from tests.harness.containerd import (  # noqa: E402
+    ContainerdError,
+    PrivateContainerd,
+    ServingProcess,
+    ServingProcessError,
+    cpushim_command,
+)
+from tests.harness.images import TEST_IMAGE, ImageBuildError, build_image  # noqa: E402
+from tests.harness.kubelet import KubeletClient, QoSClass, new_pod_uid  # noqa: E402
+
+MIB = 1024 * 1024
+WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoPod:
+    pod: str
+    container: str
+    qos: QoSClass
+    cpu_milli_request: int
+    cpu_milli_limit: int
+    memory: int
+
+
+PODS = (
+    DemoPod("exclusive", "worker", "guaranteed", 1000, 1000, 64 * MIB),
+    DemoPod("shared", "web", "burstable", 250, 500, 32 * MIB),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    container: str
+    qos: str
+    requested: str
+    cgroup_cpus: str
+    allowed_cpus: str
+
+
+def preflight() -> list[str]:
+    problems: list[str] = []
+    if os.geteuid() != 0:
+        problems.append("run as root: containerd and runc need it")
+    problems += [
+        f"{tool} is not installed (apt-get install containerd runc)"
+        for tool in ("containerd", "runc", "ctr")
+        if shutil.which(tool) is None
+    ]
+    return problems
+
+
+def cpus_text(milli: int) -> str:
+    return f"{milli // 1000}" if milli % 1000 == 0 else f"{milli / 1000:g}"
+
+
+def run_pods(client: KubeletClient) -> list[Row]:
+    rows: list[Row] = []
+    for spec in PODS:
+        sandbox = client.run_pod_sandbox(spec.pod, "demo", new_pod_uid(), spec.qos)
+        container_id = client.create_container(
+            sandbox,
+            spec.container,
+            TEST_IMAGE,
+            WORKLOAD,
+            cpu_milli_request=spec.cpu_milli_request,
+            cpu_milli_limit=spec.cpu_milli_limit,
+            memory_request=spec.memory,
+            memory_limit=spec.memory,
+        )
+        client.start_container(container_id)
+        kernel = client.kernel_cpus(container_id)
+        requested = cpus_text(spec.cpu_milli_request)
+        if spec.cpu_milli_limit != spec.cpu_milli_request:
+            requested += f" (limit {cpus_text(spec.cpu_milli_limit)})"
+        rows.append(
+            Row(
+                f"{spec.pod}/{spec.container}",
+                spec.qos.capitalize(),
+                requested,
+                kernel.cgroup_cpuset_cpus,
+                kernel.cpus_allowed_list,
+            )
+        )
+    return rows
+
+
+def print_table(rows: list[Row], online: str) -> None:
+    headers = ("container", "QoS", "requested CPUs", "cgroup cpuset.cpus", "Cpus_allowed_list")
+    table = [
+        headers,
+        *((r.container, r.qos, r.requested, r.cgroup_cpus, r.allowed_cpus) for r in rows),
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    print()
+    for index, line in enumerate(table):
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        )
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+    print(f"\nonline CPUs on this machine: {online}")
+    # Keep in step with what `cpushim run` does by default.
+    print(
+        "cpushim runs the 'none' policy for now: it relays every call and checks the lifecycle"
+        "\ncalls, so each container still runs on every online CPU. Exclusive CPUs for the"
+        "\nGuaranteed container arrive with the static policy on the CRI path."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--direct", action="store_true", help="talk to containerd directly, without cpushim"
+    )
+    args = parser.parse_args(argv)
+
+    problems = preflight()
+    if problems:
+        for problem in problems:
+            print(f"demo: {problem}", file=sys.stderr)
+        return 2
+
+    online = Path("/sys/devices/system/cpu/online").read_text().strip()
+    with contextlib.ExitStack() as cleanup:
+        try:
+            image = build_image(TEST_IMAGE)
+            print(f"starting a private containerd (sandbox image {image.ref}) ...")
+            containerd = cleanup.enter_context(PrivateContainerd(sandbox_image=image.ref))
+            containerd.import_image(image)
+            endpoint = containerd.address
+            if not args.direct:
+                work = Path(
+                    cleanup.enter_context(tempfile.TemporaryDirectory(prefix="cpushim-demo-"))
+                )
+                shim = ServingProcess(
+                    cpushim_command(f"unix://{work / 'cpushim.sock'}", containerd.address),
+                    socket_path=work / "cpushim.sock",
+                    log_path=work / "cpushim.log",
+                    cwd=REPO_ROOT,
+                )
+                print("starting cpushim in front of it ...")
+                shim.start()
+                cleanup.callback(shim.stop)
+                endpoint = shim.address
+            client = cleanup.enter_context(
+                KubeletClient(endpoint, log_root=containerd.dir / "pod-logs")
+            )
+            # Registered after the client, so pods go before the relay and containerd do.
+            cleanup.callback(client.teardown_all)
+            client.wait_ready()
+            print(
+                f"running {len(PODS)} pods {'directly' if args.direct else 'through cpushim'} ..."
+            )
+            rows = run_pods(client)
+        except (ContainerdError, ServingProcessError, ImageBuildError, TimeoutError) as error:
+            print(f"demo: {error}", file=sys.stderr)
+            return 1
+        except grpc.RpcError as error:
+            print(f"demo: CRI call failed: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+        print_table(rows, online)
+        print("\ntearing down ...")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
