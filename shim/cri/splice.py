@@ -72,6 +72,40 @@ class ConnectionFailed:
 Event = CallReceived | CallCancelled | ConnectionFailed
 
 
+class _RecentIds:
+    """Stream ids remembered for a while: frames for them may still be in flight, but a
+    connection that lives for months must not remember every id it ever saw."""
+
+    def __init__(self, capacity: int = _CLOSED_LOCAL_MEMORY) -> None:
+        self._ids: set[int] = set()
+        self._order: deque[int] = deque()
+        self._capacity = capacity
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._ids
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, sid: int) -> None:
+        if sid in self._ids:
+            return
+        self._ids.add(sid)
+        self._order.append(sid)
+        if len(self._order) > self._capacity:
+            self._ids.discard(self._order.popleft())
+
+    def discard(self, sid: int) -> None:
+        self._ids.discard(sid)  # its place in _order ages out harmlessly
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self._order.clear()
+
+
 @dataclass
 class _LocalStream:
     """A call the relay answers itself."""
@@ -117,9 +151,9 @@ class Splice:
 
         self.open_streams: dict[int, bool] = {}  # spliced stream -> response started
         self._local: dict[int, _LocalStream] = {}
-        self._local_closed: set[int] = set()
-        self._local_closed_order: deque[int] = deque()
-        self._relayed_by_upstream: set[int] = set()  # local streams whose HEADERS went upstream
+        self._local_closed = _RecentIds()
+        # Calls answered here whose HEADERS still went upstream (then reset there).
+        self._relayed_by_upstream = _RecentIds()
         self.highest_stream = 0
         self._goaway_last: int | None = None
         self.failed = False
@@ -550,9 +584,6 @@ class Splice:
 
     def _remember_closed(self, sid: int) -> None:
         self._local_closed.add(sid)
-        self._local_closed_order.append(sid)
-        if len(self._local_closed_order) > _CLOSED_LOCAL_MEMORY:
-            self._local_closed.discard(self._local_closed_order.popleft())
 
     # ------------------------------------------------------------------ connection lifecycle
 
@@ -581,8 +612,7 @@ class Splice:
                 fr.header_frames(sid, block, self._client_max_frame, end_stream=True)
             )
         self.open_streams.clear()
-        for sid in list(self._relayed_by_upstream):
-            self._relayed_by_upstream.discard(sid)
+        self._relayed_by_upstream.clear()
         if self._goaway_last is None:
             self._goaway_last = self.highest_stream
             self._out_client.append(fr.goaway(self.highest_stream, fr.NO_ERROR))

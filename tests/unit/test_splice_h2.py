@@ -276,3 +276,45 @@ def test_malformed_grpc_body_on_an_intercepted_call_is_answered_not_forwarded() 
     assert dict(response.headers)[b"grpc-status"] == b"13"
     assert not [e for e in pair.splice_events if isinstance(e, CallReceived)]
     assert sid not in {getattr(e, "stream_id", 0) for e in pair.server_events}
+
+
+def test_client_that_keeps_its_dynamic_table_still_works() -> None:
+    # A client that ignores HEADER_TABLE_SIZE = 0: its blocks are decoded in order, and an
+    # intercepted call's HEADERS must reach the runtime (to keep its decoder in step) but be
+    # reset there before any request byte.
+    pair = make_pair()
+    pair.client.encoder.header_table_size = 4096  # as if the setting had been ignored
+    spliced = send_request(pair, SPLICED, grpc_body(b"one"))
+    respond(pair, spliced, grpc_body(b"r1"))
+    assert not pair.splice._reader.stateless
+    intercepted = send_request(pair, INTERCEPTED, grpc_body(b"create"))
+    server_streams = [e for e in pair.server_events if getattr(e, "stream_id", 0) == intercepted]
+    assert [type(e) for e in server_streams] == [h2.events.RequestReceived, h2.events.StreamReset]
+    (call,) = [e for e in pair.splice_events if isinstance(e, CallReceived)]
+    assert call.call.request == b"create"
+    pair.splice.reply(intercepted, Reply.ok(b"created"))
+    pair.pump()
+    assert pair.received(pair.client_events, intercepted) == grpc_body(b"created")
+    again = send_request(pair, SPLICED, grpc_body(b"two"))  # indexed headers still decode
+    (request,) = [
+        e
+        for e in pair.server_events
+        if isinstance(e, h2.events.RequestReceived) and e.stream_id == again
+    ]
+    assert (b":path", SPLICED.encode()) in request.headers
+    respond(pair, again, grpc_body(b"r2"))
+    assert pair.received(pair.client_events, again) == grpc_body(b"r2")
+    assert pair.splice.idle
+
+
+def test_memory_of_finished_calls_stays_bounded() -> None:
+    pair = make_pair()
+    pair.client.encoder.header_table_size = 4096  # the fallback path remembers the most
+    for i in range(1500):
+        sid = send_request(pair, INTERCEPTED, grpc_body(b"%d" % i))
+        pair.splice.reply(sid, Reply.ok(b"ok"))
+        pair.pump()
+    assert pair.splice.idle
+    assert len(pair.splice._local_closed) <= 1024
+    assert len(pair.splice._relayed_by_upstream) <= 1024
+    assert len(pair.splice.take_events()) == 0
