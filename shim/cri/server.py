@@ -10,7 +10,6 @@ import logging
 import os
 import socket
 import stat
-import time
 from typing import Protocol, cast
 
 from shim.cri.calls import Reply, Status, UnaryCall
@@ -149,7 +148,7 @@ class ClientConnection(asyncio.Protocol):
         self._calls: dict[int, asyncio.Task[None]] = {}
         self._shutting_down = False
         self._closed = False
-        self._opened_at = time.monotonic()
+        self._blocks_self_contained = False
 
     # client side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -187,6 +186,9 @@ class ClientConnection(asyncio.Protocol):
             self._early.append(data)
             return
         self.splice.from_client(data)
+        if not self._blocks_self_contained and self.splice.client_blocks_self_contained:
+            self._blocks_self_contained = True
+            log.debug("client header blocks are self-contained (HPACK table size 0 applied)")
         self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -179,6 +179,11 @@ class Splice:
         return not self.open_streams and not self._local
 
     @property
+    def client_blocks_self_contained(self) -> bool:
+        """True once the client encodes header blocks without a dynamic table."""
+        return self._reader.stateless
+
+    @property
     def local_stream_count(self) -> int:
         return len(self._local)
 
