@@ -225,9 +225,10 @@ class ClientConnection(asyncio.Protocol):
     # plumbing
     def _flush(self) -> None:
         to_client, to_upstream = self.splice.take_output()
-        if to_upstream and self.upstream is not None:
+        # A closing transport must not be written to (Python 3.13 fails on it).
+        if to_upstream and self.upstream is not None and not self.upstream.is_closing():
             self.upstream.writelines(to_upstream)
-        if to_client and self.client is not None and not self._closed:
+        if to_client and self.client is not None and not self.client.is_closing():
             self.client.writelines(to_client)
         for event in self.splice.take_events():
             if isinstance(event, CallReceived):
