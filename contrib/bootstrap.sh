@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up a machine for cpushim's demo and tests, idempotently: the runtime packages
-# (containerd, runc, busybox-static) and a virtualenv with cpushim and its test tools.
+# (containerd, runc, busybox-static), Go and grpc-go's sources (golang-go,
+# golang-google-grpc-dev: the e2e tests build a grpc-go client offline from them) and a
+# virtualenv with cpushim and its test tools.
 #   contrib/bootstrap.sh [PYTHON]      (PYTHON defaults to python3; the venv goes to .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +14,11 @@ missing=()
 command -v containerd >/dev/null || missing+=(containerd)
 command -v runc >/dev/null || missing+=(runc)
 [ -x /bin/busybox ] || command -v busybox >/dev/null || missing+=(busybox-static)
+# Debian installs Go library sources under /usr/share/gocode/src; tests/harness/goclient.py
+# builds against them in GOPATH mode, since there is no Go module proxy to fetch from.
+if ! command -v go >/dev/null || [ ! -d /usr/share/gocode/src/google.golang.org/grpc ]; then
+    missing+=(golang-go golang-google-grpc-dev)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
         echo "bootstrap: need root to install ${missing[*]} (apt-get)" >&2
