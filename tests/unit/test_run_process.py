@@ -3,9 +3,11 @@ socket's rules, logs, and shutdown on SIGTERM with a call in flight."""
 
 from __future__ import annotations
 
+import grp
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -193,3 +195,28 @@ def test_calls_fail_with_a_clear_unavailable_when_runtime_is_gone(
         os.rename(fake.socket_path.with_suffix(".moved"), fake.socket_path)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+def test_socket_group_is_applied(fake: FakeRuntimeServer) -> None:
+    group = grp.getgrnam("daemon")  # present on every Debian system, and not root's group
+    listen = fake.socket_path.parent / "grp.sock"
+    log = fake.socket_path.parent / "grp.log"
+    proc = start_cpushim(listen, fake.endpoint, log, "--socket-group", group.gr_name)
+    try:
+        wait_serving(proc, listen, log)
+        st = os.stat(listen)
+        assert st.st_gid == group.gr_gid
+        assert stat.S_IMODE(st.st_mode) == 0o660
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+
+
+def test_unknown_socket_group_is_a_clear_error(fake: FakeRuntimeServer) -> None:
+    listen = fake.socket_path.parent / "nogrp.sock"
+    log = fake.socket_path.parent / "nogrp.log"
+    proc = start_cpushim(listen, fake.endpoint, log, "--socket-group", "no-such-group-here")
+    assert proc.wait(20) == 1
+    (error,) = [e for e in log_events(log) if e["level"] == "error"]
+    assert "no-such-group-here" in str(error["error"])
+    assert not listen.exists()
