@@ -1,0 +1,356 @@
+"""The machine's CPU topology as plain data, and its discovery from sysfs.
+
+Only online CPUs are described: an offline CPU has no topology in sysfs and cannot be given to a
+container. Every grouping (socket, NUMA node, core, last-level cache) is also precomputed as a
+bitmask so the allocator can work with int operations only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from types import MappingProxyType
+from typing import TypeAlias, TypeVar
+
+from shim.cpuset import CPUSet
+
+__all__ = ["CPUInfo", "CoreKey", "Topology", "TopologyError"]
+
+# A physical core. Core ids restart in every package (and on some parts in every die), so
+# the core id alone does not name a core.
+CoreKey: TypeAlias = tuple[int, int, int]  # (socket, die, core id)
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class TopologyError(ValueError):
+    """The topology is inconsistent, or sysfs lacks a file we cannot do without."""
+
+
+@dataclass(frozen=True, slots=True)
+class CPUInfo:
+    """Where one logical CPU (hardware thread) sits."""
+
+    cpu: int
+    socket: int
+    core_id: int
+    numa_node: int = 0
+    die: int = 0
+    # The group of CPUs sharing the last-level cache; cache-less machines use the socket id.
+    uncore_cache: int = 0
+
+    @property
+    def core(self) -> CoreKey:
+        return (self.socket, self.die, self.core_id)
+
+
+def _freeze(mapping: Mapping[_K, _V]) -> Mapping[_K, _V]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Online CPUs and where they sit, plus the kernel's isolated CPUs (``isolcpus``).
+
+    Build from plain data (``Topology(cpus=[CPUInfo(...), ...])``) or with ``from_sysfs``.
+    Isolated CPUs that are not online are dropped: they cannot be used either way.
+    """
+
+    cpus: tuple[CPUInfo, ...]
+    isolated: CPUSet = field(default_factory=CPUSet)
+
+    # Derived in __post_init__; masks are CPUSet.mask ints for the allocator's hot loops.
+    online: CPUSet = field(init=False, compare=False)
+    socket_masks: Mapping[int, int] = field(init=False, repr=False, compare=False)
+    numa_masks: Mapping[int, int] = field(init=False, repr=False, compare=False)
+    uncore_masks: Mapping[int, int] = field(init=False, repr=False, compare=False)
+    core_masks: Mapping[CoreKey, int] = field(init=False, repr=False, compare=False)
+    cpu_core: Mapping[int, CoreKey] = field(init=False, repr=False, compare=False)
+    cpus_per_core: int = field(init=False, compare=False)
+    _by_cpu: Mapping[int, CPUInfo] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        infos = tuple(sorted(self.cpus, key=lambda info: info.cpu))
+        by_cpu: dict[int, CPUInfo] = {}
+        for info in infos:
+            if info.cpu in by_cpu:
+                raise TopologyError(f"CPU {info.cpu} is described twice")
+            by_cpu[info.cpu] = info
+        if not by_cpu:
+            raise TopologyError("a topology needs at least one online CPU")
+        online = CPUSet(by_cpu)
+
+        sockets: dict[int, int] = {}
+        numas: dict[int, int] = {}
+        uncores: dict[int, int] = {}
+        cores: dict[CoreKey, int] = {}
+        for info in infos:
+            bit = 1 << info.cpu
+            sockets[info.socket] = sockets.get(info.socket, 0) | bit
+            numas[info.numa_node] = numas.get(info.numa_node, 0) | bit
+            uncores[info.uncore_cache] = uncores.get(info.uncore_cache, 0) | bit
+            cores[info.core] = cores.get(info.core, 0) | bit
+
+        def by_id(masks: dict[int, int]) -> dict[int, int]:
+            return dict(sorted(masks.items()))
+
+        # Cores are ordered by their lowest CPU, which is how kubelet numbers cores too.
+        ordered_cores = dict(sorted(cores.items(), key=lambda item: item[1] & -item[1]))
+        setattr_ = object.__setattr__
+        setattr_(self, "cpus", infos)
+        setattr_(self, "isolated", self.isolated & online)
+        setattr_(self, "online", online)
+        setattr_(self, "socket_masks", _freeze(by_id(sockets)))
+        setattr_(self, "numa_masks", _freeze(by_id(numas)))
+        setattr_(self, "uncore_masks", _freeze(by_id(uncores)))
+        setattr_(self, "core_masks", _freeze(ordered_cores))
+        setattr_(self, "cpu_core", _freeze({info.cpu: info.core for info in infos}))
+        setattr_(self, "cpus_per_core", max((m.bit_count() for m in cores.values()), default=1))
+        setattr_(self, "_by_cpu", _freeze(by_cpu))
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_sysfs(cls, root: Path = Path("/sys")) -> Topology:
+        """Read the topology below ``root``, which plays the part of ``/sys``."""
+        cpus, isolated = _read_sysfs(root)
+        return cls(cpus=tuple(cpus), isolated=isolated)
+
+    # -- queries --------------------------------------------------------------------------
+
+    def info(self, cpu: int) -> CPUInfo:
+        try:
+            return self._by_cpu[cpu]
+        except KeyError:
+            raise KeyError(f"CPU {cpu} is not online") from None
+
+    @property
+    def sockets(self) -> tuple[int, ...]:
+        return tuple(self.socket_masks)
+
+    @property
+    def numa_nodes(self) -> tuple[int, ...]:
+        return tuple(self.numa_masks)
+
+    @property
+    def uncore_caches(self) -> tuple[int, ...]:
+        return tuple(self.uncore_masks)
+
+    @property
+    def cores(self) -> tuple[CoreKey, ...]:
+        """Physical cores, ordered by their lowest CPU id."""
+        return tuple(self.core_masks)
+
+    @property
+    def num_sockets(self) -> int:
+        return len(self.socket_masks)
+
+    @property
+    def num_numa_nodes(self) -> int:
+        return len(self.numa_masks)
+
+    @property
+    def num_cores(self) -> int:
+        return len(self.core_masks)
+
+    def cpus_in_socket(self, socket: int) -> CPUSet:
+        return CPUSet.from_mask(self.socket_masks.get(socket, 0))
+
+    def cpus_in_numa_node(self, node: int) -> CPUSet:
+        return CPUSet.from_mask(self.numa_masks.get(node, 0))
+
+    def cpus_in_uncore_cache(self, cache: int) -> CPUSet:
+        return CPUSet.from_mask(self.uncore_masks.get(cache, 0))
+
+    def cpus_in_core(self, core: CoreKey) -> CPUSet:
+        return CPUSet.from_mask(self.core_masks.get(core, 0))
+
+    def core_of(self, cpu: int) -> CoreKey:
+        return self.info(cpu).core
+
+    def siblings(self, cpu: int) -> CPUSet:
+        """The hardware threads sharing ``cpu``'s core, ``cpu`` included (like the kernel's
+        ``thread_siblings_list``)."""
+        return self.cpus_in_core(self.core_of(cpu))
+
+    def numa_nodes_of(self, cpus: CPUSet) -> frozenset[int]:
+        return frozenset(n for n, m in self.numa_masks.items() if m & cpus.mask)
+
+    def sockets_of(self, cpus: CPUSet) -> frozenset[int]:
+        return frozenset(s for s, m in self.socket_masks.items() if m & cpus.mask)
+
+    def numa_nodes_in_socket(self, socket: int) -> tuple[int, ...]:
+        mask = self.socket_masks.get(socket, 0)
+        return tuple(n for n, m in self.numa_masks.items() if m & mask)
+
+    def sockets_in_numa_node(self, node: int) -> tuple[int, ...]:
+        mask = self.numa_masks.get(node, 0)
+        return tuple(s for s, m in self.socket_masks.items() if m & mask)
+
+    @cached_property
+    def layout(self) -> TopologyLayout:
+        """Containment relations between the groupings, for the allocator."""
+        return TopologyLayout.of(self)
+
+    def whole_cores_in(self, cpus: CPUSet) -> CPUSet:
+        """The CPUs of ``cpus`` whose every online sibling is also in ``cpus``."""
+        return CPUSet.from_mask(whole_cores_mask(self, cpus.mask))
+
+
+@dataclass(frozen=True, slots=True)
+class TopologyLayout:
+    """Which groupings contain which, with cores named by their index in ``core_list``."""
+
+    core_list: tuple[int, ...]  # core masks, ordered by lowest CPU
+    socket_cores: Mapping[int, tuple[int, ...]]
+    numa_cores: Mapping[int, tuple[int, ...]]
+    uncore_cores: Mapping[int, tuple[int, ...]]
+    socket_numas: Mapping[int, tuple[int, ...]]
+    numa_sockets: Mapping[int, tuple[int, ...]]
+    numa_uncores: Mapping[int, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, topology: Topology) -> TopologyLayout:
+        core_list = tuple(topology.core_masks.values())
+
+        def cores_in(masks: Mapping[int, int]) -> Mapping[int, tuple[int, ...]]:
+            return _freeze(
+                {
+                    key: tuple(i for i, core in enumerate(core_list) if core & mask)
+                    for key, mask in masks.items()
+                }
+            )
+
+        def groups_in(
+            outer: Mapping[int, int], inner: Mapping[int, int]
+        ) -> Mapping[int, tuple[int, ...]]:
+            return _freeze(
+                {key: tuple(k for k, m in inner.items() if m & mask) for key, mask in outer.items()}
+            )
+
+        return cls(
+            core_list=core_list,
+            socket_cores=cores_in(topology.socket_masks),
+            numa_cores=cores_in(topology.numa_masks),
+            uncore_cores=cores_in(topology.uncore_masks),
+            socket_numas=groups_in(topology.socket_masks, topology.numa_masks),
+            numa_sockets=groups_in(topology.numa_masks, topology.socket_masks),
+            numa_uncores=groups_in(topology.numa_masks, topology.uncore_masks),
+        )
+
+
+def whole_cores_mask(topology: Topology, mask: int) -> int:
+    """The CPUs of ``mask`` whose core is entirely within ``mask``."""
+    result = 0
+    for core in topology.core_masks.values():
+        if core & mask == core:
+            result |= core
+    return result
+
+
+# -- sysfs discovery ----------------------------------------------------------------------
+
+_NODE_DIR = re.compile(r"node([0-9]+)")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise TopologyError(f"cannot read {path}: {reason}") from exc
+
+
+def _read_int(path: Path) -> int:
+    text = _read_text(path).strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise TopologyError(f"{path} holds {text!r}, not an integer") from None
+
+
+def _read_cpulist(path: Path) -> CPUSet:
+    text = _read_text(path)
+    try:
+        return CPUSet.parse(text)
+    except ValueError as exc:
+        raise TopologyError(f"{path}: {exc}") from None
+
+
+def _numa_nodes(node_dir: Path) -> dict[int, int]:
+    """CPU -> NUMA node; empty when the kernel has no NUMA support (no node directory)."""
+    node_of: dict[int, int] = {}
+    if not node_dir.is_dir():
+        return node_of
+    for entry in sorted(node_dir.iterdir()):
+        match = _NODE_DIR.fullmatch(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        for cpu in _read_cpulist(entry / "cpulist"):
+            node_of[cpu] = int(match.group(1))
+    return node_of
+
+
+def _last_level_cache(cache_dir: Path) -> CPUSet | None:
+    """The CPUs sharing this CPU's highest-level cache, or None when sysfs does not say."""
+    if not cache_dir.is_dir():
+        return None
+    best_level, best_cpus = -1, None
+    for index in sorted(cache_dir.glob("index[0-9]*")):
+        level_file, shared_file = index / "level", index / "shared_cpu_list"
+        if not (level_file.is_file() and shared_file.is_file()):
+            continue
+        level = _read_int(level_file)
+        if level > best_level:
+            best_level, best_cpus = level, _read_cpulist(shared_file)
+    return best_cpus
+
+
+def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
+    cpu_dir = root / "devices" / "system" / "cpu"
+    online = _read_cpulist(cpu_dir / "online")
+    isolated_file = cpu_dir / "isolated"
+    isolated = _read_cpulist(isolated_file) if isolated_file.exists() else CPUSet()
+    node_of = _numa_nodes(root / "devices" / "system" / "node")
+
+    found: list[tuple[int, int, int, int]] = []
+    llc_of: dict[int, CPUSet | None] = {}
+    for cpu in online:
+        topology_dir = cpu_dir / f"cpu{cpu}" / "topology"
+        # A CPU taken offline after we read the online list loses its topology directory.
+        if not topology_dir.is_dir():
+            continue
+        socket = _read_int(topology_dir / "physical_package_id")
+        core_id = _read_int(topology_dir / "core_id")
+        die_file = topology_dir / "die_id"
+        die = _read_int(die_file) if die_file.exists() else 0
+        found.append((cpu, socket, die, core_id))
+        llc_of[cpu] = _last_level_cache(cpu_dir / f"cpu{cpu}" / "cache")
+
+    infos = [
+        CPUInfo(cpu=cpu, socket=socket, core_id=core_id, numa_node=node_of.get(cpu, 0), die=die)
+        for cpu, socket, die, core_id in found
+    ]
+    return _with_uncore_ids(infos, llc_of), isolated
+
+
+def _with_uncore_ids(infos: list[CPUInfo], llc_of: Mapping[int, CPUSet | None]) -> list[CPUInfo]:
+    """Number the last-level-cache groups densely, in order of their lowest online CPU.
+
+    Without cache data for every CPU the socket id stands in for all of them, so the two
+    numberings never mix.
+    """
+    present = CPUSet(info.cpu for info in infos)
+    groups: dict[int, int] = {}
+    for info in infos:
+        llc = llc_of.get(info.cpu)
+        if llc is None:
+            return [replace(info, uncore_cache=info.socket) for info in infos]
+        groups[info.cpu] = ((llc & present) | CPUSet([info.cpu])).mask
+    ordered = sorted(set(groups.values()), key=lambda group: group & -group)
+    dense = {group: index for index, group in enumerate(ordered)}
+    return [replace(info, uncore_cache=dense[groups[info.cpu]]) for info in infos]

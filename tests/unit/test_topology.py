@@ -1,0 +1,243 @@
+"""Topology: queries on plain data, and discovery from generated and real sysfs trees."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shim.cpuset import CPUSet
+from shim.topology import CPUInfo, Topology, TopologyError
+from tests.harness.sysfs import (
+    AMD_EPYC_LIKE,
+    OFFLINE_NONCONTIGUOUS,
+    PROPERTY_SETTINGS,
+    SINGLE_SOCKET_NO_HT,
+    TWO_SOCKET_FOUR_NUMA,
+    XEON_E5_2680_V3_X2,
+    MachineSpec,
+    expected_topology,
+    write_sysfs,
+)
+
+FIXTURES = [
+    XEON_E5_2680_V3_X2,
+    SINGLE_SOCKET_NO_HT,
+    TWO_SOCKET_FOUR_NUMA,
+    AMD_EPYC_LIKE,
+    OFFLINE_NONCONTIGUOUS,
+]
+
+
+def discover(spec: MachineSpec, root: Path) -> Topology:
+    return Topology.from_sysfs(write_sysfs(spec, root))
+
+
+@pytest.mark.parametrize("spec", FIXTURES, ids=lambda spec: spec.name)
+def test_discovery_matches_the_description(spec: MachineSpec, tmp_path: Path) -> None:
+    assert discover(spec, tmp_path) == expected_topology(spec)
+
+
+def test_xeon(tmp_path: Path) -> None:
+    topo = discover(XEON_E5_2680_V3_X2, tmp_path)
+    assert topo.online == CPUSet.parse("0-47")
+    assert topo.sockets == (0, 1)
+    assert topo.numa_nodes == (0, 1)
+    assert topo.num_cores == 24
+    assert topo.cpus_per_core == 2
+    assert topo.cpus_in_socket(0) == CPUSet.parse("0-11,24-35")
+    assert topo.cpus_in_numa_node(1) == CPUSet.parse("12-23,36-47")
+    assert topo.siblings(0) == CPUSet([0, 24])
+    assert topo.siblings(47) == CPUSet([23, 47])
+    # Core ids repeat in each socket (and skip 6-7 as the real part does).
+    assert topo.info(6).core_id == 8
+    assert topo.info(18).core_id == 8
+    assert topo.core_of(6) == (0, 0, 8)
+    assert topo.core_of(18) == (1, 0, 8)
+    assert topo.cpus_in_core((0, 0, 8)) == CPUSet([6, 30])
+    assert topo.cores[:3] == ((0, 0, 0), (0, 0, 1), (0, 0, 2))
+    assert topo.cpus_in_uncore_cache(1) == topo.cpus_in_socket(1)
+    assert topo.numa_nodes_in_socket(1) == (1,)
+    assert topo.sockets_in_numa_node(0) == (0,)
+    assert topo.sockets_of(CPUSet([0, 13])) == {0, 1}
+    assert topo.numa_nodes_of(CPUSet([13])) == {1}
+    assert topo.whole_cores_in(CPUSet([0, 24, 1])) == CPUSet([0, 24])
+
+
+def test_amd_like_l3_groups_and_consecutive_siblings(tmp_path: Path) -> None:
+    topo = discover(AMD_EPYC_LIKE, tmp_path)
+    assert len(topo.online) == 128
+    assert topo.cpus_per_core == 2
+    assert topo.siblings(6) == CPUSet([6, 7])
+    assert topo.uncore_caches == tuple(range(16))
+    assert topo.cpus_in_uncore_cache(0) == CPUSet.parse("0-7")
+    assert topo.cpus_in_uncore_cache(9) == CPUSet.parse("72-79")
+    assert topo.info(72).socket == 1
+
+
+def test_four_numa_nodes_on_two_sockets(tmp_path: Path) -> None:
+    topo = discover(TWO_SOCKET_FOUR_NUMA, tmp_path)
+    assert topo.num_sockets == 2
+    assert topo.num_numa_nodes == 4
+    assert topo.cpus_in_numa_node(1) == CPUSet.parse("5-9,25-29")
+    assert topo.numa_nodes_in_socket(1) == (2, 3)
+
+
+def test_offline_cpus_and_gaps(tmp_path: Path) -> None:
+    topo = discover(OFFLINE_NONCONTIGUOUS, tmp_path)
+    assert topo.online == CPUSet.parse("0-4,6-7,16-22")
+    assert 5 not in topo.online
+    assert 23 not in topo.online
+    # CPU 21's sibling 5 is offline: its core has one usable thread.
+    assert topo.siblings(21) == CPUSet([21])
+    assert topo.cpus_per_core == 2
+    assert topo.isolated == CPUSet([7, 22])
+    # The offline CPU stays out of its L3 group even though sysfs lists it there.
+    assert 5 not in topo.cpus_in_uncore_cache(topo.info(4).uncore_cache)
+
+
+def test_optional_files_missing(tmp_path: Path) -> None:
+    spec = MachineSpec(
+        sockets=2,
+        cores_per_die=2,
+        threads_per_core=2,
+        write_numa=False,
+        write_cache=False,
+        write_die_id=False,
+        write_isolated=False,
+    )
+    topo = discover(spec, tmp_path)
+    assert topo == expected_topology(spec)
+    assert topo.numa_nodes == (0,)
+    assert topo.isolated == CPUSet()
+    assert [info.uncore_cache for info in topo.cpus] == [info.socket for info in topo.cpus]
+    assert {info.die for info in topo.cpus} == {0}
+
+
+def test_cpu_in_online_list_without_topology_is_skipped(tmp_path: Path) -> None:
+    root = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path)
+    cpu3 = root / "devices/system/cpu/cpu3/topology"
+    for child in cpu3.iterdir():
+        child.unlink()
+    cpu3.rmdir()
+    assert Topology.from_sysfs(root).online == CPUSet.parse("0-2,4-7")
+
+
+@pytest.mark.parametrize(
+    "relative",
+    [
+        "devices/system/cpu/online",
+        "devices/system/cpu/cpu2/topology/physical_package_id",
+        "devices/system/cpu/cpu2/topology/core_id",
+        "devices/system/node/node0/cpulist",
+    ],
+)
+def test_missing_mandatory_file_names_the_path(tmp_path: Path, relative: str) -> None:
+    root = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path)
+    (root / relative).unlink()
+    with pytest.raises(TopologyError, match=str(root / relative)):
+        Topology.from_sysfs(root)
+
+
+@pytest.mark.parametrize(
+    ("relative", "content"),
+    [
+        ("devices/system/cpu/online", "0-x\n"),
+        ("devices/system/cpu/isolated", "3-1\n"),
+        ("devices/system/cpu/cpu1/topology/core_id", "one\n"),
+        ("devices/system/cpu/cpu1/cache/index3/level", "\n"),
+    ],
+)
+def test_malformed_file_names_the_path(tmp_path: Path, relative: str, content: str) -> None:
+    root = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path)
+    (root / relative).write_text(content)
+    with pytest.raises(TopologyError, match=str(root / relative)):
+        Topology.from_sysfs(root)
+
+
+def test_empty_root_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="online"):
+        Topology.from_sysfs(tmp_path)
+
+
+def test_this_machine() -> None:
+    topo = Topology.from_sysfs(Path("/sys"))
+    online = CPUSet.parse(Path("/sys/devices/system/cpu/online").read_text())
+    assert topo.online == online
+    assert CPUSet(os.sched_getaffinity(0)).issubset(topo.online)
+    assert topo.num_sockets >= 1
+    assert topo.num_cores >= 1
+    assert sum(len(topo.cpus_in_core(core)) for core in topo.cores) == len(online)
+    assert topo.cpus_per_core * topo.num_cores >= len(online)
+    for cpu in topo.online:
+        path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        if path.exists():
+            assert topo.siblings(cpu) == CPUSet.parse(path.read_text()) & online
+
+
+def test_plain_data_constructor_and_validation() -> None:
+    topo = Topology(
+        cpus=(
+            CPUInfo(cpu=1, socket=0, core_id=0),
+            CPUInfo(cpu=0, socket=0, core_id=0),
+            CPUInfo(cpu=2, socket=0, core_id=1, uncore_cache=1),
+        ),
+        isolated=CPUSet([2, 9]),
+    )
+    assert [info.cpu for info in topo.cpus] == [0, 1, 2]
+    assert topo.isolated == CPUSet([2])  # 9 is not online
+    assert topo.cpus_per_core == 2
+    assert topo.cores == ((0, 0, 0), (0, 0, 1))
+    with pytest.raises(KeyError, match="not online"):
+        topo.info(5)
+    with pytest.raises(TopologyError, match="at least one online CPU"):
+        Topology(cpus=())
+    with pytest.raises(TopologyError, match="twice"):
+        Topology(cpus=(CPUInfo(cpu=0, socket=0, core_id=0),) * 2)
+
+
+machine_specs = st.builds(
+    MachineSpec,
+    sockets=st.integers(1, 2),
+    dies_per_socket=st.integers(1, 2),
+    cores_per_die=st.sampled_from([1, 2, 4, 6]),
+    threads_per_core=st.integers(1, 2),
+    sibling_numbering=st.sampled_from(["intel", "amd"]),
+    write_numa=st.booleans(),
+    write_cache=st.booleans(),
+)
+
+
+# Each example writes a whole tree to disk: capped even under the thorough profile.
+@settings(PROPERTY_SETTINGS, max_examples=min(PROPERTY_SETTINGS.max_examples, 150))
+@given(machine_specs, st.data())
+def test_discovery_round_trips_random_machines(spec: MachineSpec, data: st.DataObject) -> None:
+    everything = sorted(spec.all_cpus())
+    offline = data.draw(st.frozensets(st.sampled_from(everything), max_size=len(everything) - 1))
+    isolated = data.draw(st.frozensets(st.sampled_from(everything)))
+    numa = data.draw(st.sampled_from([n for n in (1, 2) if spec.cores_per_socket % n == 0]))
+    l3 = data.draw(st.sampled_from([n for n in (1, 2) if spec.cores_per_die % n == 0]))
+    spec = MachineSpec(
+        **{
+            **{f: getattr(spec, f) for f in spec.__dataclass_fields__},
+            "offline": offline,
+            "isolated": isolated,
+            "numa_per_socket": numa,
+            "l3_per_die": l3,
+        }
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        found = Topology.from_sysfs(write_sysfs(spec, Path(tmp)))
+    assert found == expected_topology(spec)
+    assert found.online == spec.online()
+    # Every grouping partitions the online CPUs.
+    for masks in (found.socket_masks, found.numa_masks, found.core_masks, found.uncore_masks):
+        union = 0
+        for mask in masks.values():
+            assert union & mask == 0
+            union |= mask
+        assert union == found.online.mask
