@@ -1,0 +1,540 @@
+"""The static policy: topology-aware best fit, reserved CPUs, the shared pool, isolcpus.
+
+Expected sets are derived from the rules in docs/allocator.md; several cases mirror the
+results kubelet's own tests expect for the same machine shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from shim.cpuset import CPUSet
+from shim.policy.options import OptionsError, StaticPolicyOptions
+from shim.policy.reserved import ReservedCPUsError, reserved_cpus
+from shim.policy.static import (
+    AllocationError,
+    ExclusiveRequest,
+    SMTAlignmentError,
+    StaticPolicy,
+    take_by_topology,
+)
+from shim.topology import Topology
+from tests.harness.sysfs import (
+    AMD_EPYC_LIKE,
+    OFFLINE_NONCONTIGUOUS,
+    PROPERTY_SETTINGS,
+    SINGLE_SOCKET_NO_HT,
+    TWO_SOCKET_FOUR_NUMA,
+    XEON_E5_2680_V3_X2,
+    MachineSpec,
+    expected_topology,
+)
+
+XEON = expected_topology(XEON_E5_2680_V3_X2)
+NO_HT = expected_topology(SINGLE_SOCKET_NO_HT)
+FOUR_NUMA = expected_topology(TWO_SOCKET_FOUR_NUMA)
+EPYC = expected_topology(AMD_EPYC_LIKE)
+GAPS = expected_topology(OFFLINE_NONCONTIGUOUS)
+# kubelet's test shapes: "dual socket HT" (socket 0 = even ids, siblings n and n+6) and
+# "dual socket, multi NUMA per socket, HT" (80 CPUs, 4 NUMA nodes, siblings n and n+40).
+DUAL_HT = expected_topology(
+    MachineSpec(
+        sockets=2,
+        cores_per_die=3,
+        threads_per_core=2,
+        cpu_ids=(0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11),
+    )
+)
+MULTI_NUMA_80 = expected_topology(
+    MachineSpec(sockets=2, cores_per_die=20, threads_per_core=2, numa_per_socket=2)
+)
+SINGLE_HT = expected_topology(MachineSpec(sockets=1, cores_per_die=4, threads_per_core=2))
+
+PACKED = StaticPolicyOptions()
+FULL = StaticPolicyOptions(full_pcpus_only=True)
+NUMA = StaticPolicyOptions(distribute_cpus_across_numa=True)
+NUMA_FULL = StaticPolicyOptions(distribute_cpus_across_numa=True, full_pcpus_only=True)
+SPREAD = StaticPolicyOptions(distribute_cpus_across_cores=True)
+UNCORE = StaticPolicyOptions(prefer_align_cpus_by_uncorecache=True)
+
+P = CPUSet.parse
+
+
+@pytest.mark.parametrize(
+    ("name", "topology", "available", "count", "options", "expected"),
+    [
+        # Packed best fit on the 2 x 12-core Xeon (siblings n, n+24).
+        ("one thread", XEON, P("0-47"), 1, PACKED, "0"),
+        ("two threads: one whole core", XEON, P("0-47"), 2, PACKED, "0,24"),
+        ("three: a core then a thread on the same socket", XEON, P("0-47"), 3, PACKED, "0-1,24"),
+        ("a socket's worth: the whole socket", XEON, P("0-47"), 24, PACKED, "0-11,24-35"),
+        ("socket plus a core", XEON, P("0-47"), 26, PACKED, "0-12,24-36"),
+        ("everything", XEON, P("0-47"), 48, PACKED, "0-47"),
+        ("fill the partly used core first", XEON, P("1-47"), 1, PACKED, "24"),
+        ("prefer the busier socket", XEON, P("1-23,25-47"), 2, PACKED, "1,25"),
+        ("free socket is taken whole", XEON, P("1-47"), 24, PACKED, "12-23,36-47"),
+        ("kubelet: single socket HT, some taken", SINGLE_HT, P("1,3,5-7"), 1, PACKED, "6"),
+        ("no HT: lowest ids", NO_HT, P("0-7"), 3, PACKED, "0-2"),
+        # Two sockets with two NUMA nodes each: sockets are taken whole first, then nodes.
+        ("4 NUMA: a node's worth", FOUR_NUMA, P("0-39"), 10, PACKED, "0-4,20-24"),
+        ("4 NUMA: node plus a core", FOUR_NUMA, P("0-39"), 12, PACKED, "0-5,20-25"),
+        ("4 NUMA: a socket's worth", FOUR_NUMA, P("0-39"), 20, PACKED, "0-9,20-29"),
+        ("4 NUMA: socket plus node", FOUR_NUMA, P("0-39"), 30, PACKED, "0-14,20-34"),
+        # Consecutive sibling ids (AMD numbering).
+        ("amd: one whole core", EPYC, EPYC.online, 2, PACKED, "0-1"),
+        ("amd: packed crosses an L3 boundary", EPYC, EPYC.online - P("0-5"), 4, PACKED, "6-9"),
+        # full-pcpus-only: whole cores, never the sibling of a taken thread.
+        ("full cores skip a half-used core", XEON, P("1-47"), 2, FULL, "1,25"),
+        ("full cores: four", XEON, P("1-47"), 4, FULL, "1-2,25-26"),
+        # distribute-cpus-across-cores: one thread per core first, group by group.
+        ("spread: one thread per core", XEON, P("0-47"), 3, SPREAD, "0-2"),
+        ("spread: amd numbering", EPYC, EPYC.online, 3, SPREAD, "0,2,4"),
+        ("spread: kubelet dual socket, 3", DUAL_HT, P("0-11"), 3, SPREAD, "0,2,4"),
+        ("spread: kubelet dual socket, 8", DUAL_HT, P("0-11"), 8, SPREAD, "0-4,6,8,10"),
+        ("spread: second threads last", XEON, P("0-47"), 14, SPREAD, "0-11,24-25"),
+        # prefer-align-cpus-by-uncorecache: keep the request inside one L3 group.
+        ("uncore: fits one L3 group", EPYC, EPYC.online - P("0-5"), 4, UNCORE, "8-11"),
+        ("uncore: fullest group that fits", EPYC, EPYC.online - P("0-3,8-13"), 2, UNCORE, "14-15"),
+        ("uncore: whole groups then a partial", EPYC, EPYC.online, 10, UNCORE, "0-9"),
+        ("uncore: two whole groups", EPYC, EPYC.online - P("0"), 16, UNCORE, "8-23"),
+        # distribute-cpus-across-numa (kubelet's takeByTopologyNUMADistributed cases).
+        ("numa: 12 over two nodes", FOUR_NUMA, P("0-39"), 12, NUMA, "0-2,5-7,20-22,25-27"),
+        ("numa: balance picks the emptier node", DUAL_HT, P("1-5,7-11"), 1, NUMA, "1"),
+        ("numa: kubelet 8 on dual socket", DUAL_HT, P("0-11"), 8, NUMA, "0-3,6-9"),
+        ("numa: 26 over 2", MULTI_NUMA_80, P("0-79"), 26, NUMA, "0-6,10-16,40-45,50-55"),
+        ("numa: 26 in cores", MULTI_NUMA_80, P("0-79"), 26, NUMA_FULL, "0-6,10-15,40-46,50-55"),
+        (
+            "numa: 62 with spill-over to 0 and 1",
+            MULTI_NUMA_80,
+            P("0-79"),
+            62,
+            NUMA,
+            "0-7,10-17,20-27,30-37,40-47,50-57,60-66,70-76",
+        ),
+        (
+            "numa: spill-over keeps balance",
+            MULTI_NUMA_80,
+            P("0-8,10-18,20-39,40-48,50-58,60-79"),
+            62,
+            NUMA,
+            "0-7,10-17,20-27,30-37,40-46,50-56,60-67,70-77",
+        ),
+        (
+            "numa: spill-over in cores keeps balance",
+            MULTI_NUMA_80,
+            P("0-8,10-18,20-39,40-48,50-58,60-79"),
+            62,
+            NUMA_FULL,
+            "0-7,10-16,20-27,30-37,40-47,50-56,60-67,70-77",
+        ),
+        (
+            "numa: remainder only where it fits",
+            MULTI_NUMA_80,
+            P("0-3,10-13,20-23,30-36,40-43,50-53,60-63,70-76"),
+            34,
+            NUMA,
+            "0-3,10-13,20-23,30-34,40-43,50-53,60-63,70-74",
+        ),
+        (
+            "numa: last 3 nodes for balance",
+            MULTI_NUMA_80,
+            P("2-29,31-39,42-69,71-79"),
+            48,
+            NUMA,
+            "10-17,20-27,31-38,50-57,60-67,71-78",
+        ),
+        ("numa: small request stays in one node", XEON, P("0-47"), 3, NUMA, "0-1,24"),
+        # Cores 5 and 7 each lost a sibling to offlining: they count as half-used cores.
+        ("offline siblings: lone threads first", GAPS, P("6-7,21-22"), 1, PACKED, "7"),
+        ("offline siblings: whole core", GAPS, P("6-7,21-22"), 2, PACKED, "6,22"),
+    ],
+)
+def test_take_by_topology(
+    name: str,
+    topology: Topology,
+    available: CPUSet,
+    count: int,
+    options: StaticPolicyOptions,
+    expected: str,
+) -> None:
+    assert str(take_by_topology(topology, available, count, options=options)) == expected
+
+
+def test_take_zero_and_negative() -> None:
+    assert take_by_topology(XEON, XEON.online, 0) == CPUSet()
+    with pytest.raises(ValueError, match="negative"):
+        take_by_topology(XEON, XEON.online, -1)
+
+
+def test_take_more_than_available() -> None:
+    with pytest.raises(AllocationError, match="cannot allocate 49 CPUs: only 48 available"):
+        take_by_topology(XEON, XEON.online, 49)
+    with pytest.raises(AllocationError, match="only 0 available"):
+        take_by_topology(XEON, CPUSet(), 1)
+    # Offline CPUs in `available` do not count.
+    with pytest.raises(AllocationError, match=r"only 1 available \(4\)"):
+        take_by_topology(GAPS, P("4-5,23"), 3)
+
+
+def test_full_pcpus_only_errors() -> None:
+    with pytest.raises(SMTAlignmentError, match=r"3 CPUs requested.*multiple of 2 CPUs per core"):
+        take_by_topology(XEON, XEON.online, 3, options=FULL)
+    # 4 free threads but only one whole core among them.
+    with pytest.raises(SMTAlignmentError, match="4 CPUs requested but only 2 CPUs in whole"):
+        take_by_topology(XEON, P("0-2,24"), 4, options=FULL)
+
+
+# -- reserved CPUs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("topology", "count", "expected"),
+    [
+        (XEON, 1, "0"),
+        (XEON, 2, "0,24"),
+        (XEON, 3, "0-1,24"),
+        (XEON, 4, "0-1,24-25"),
+        (NO_HT, 2, "0-1"),
+        (FOUR_NUMA, 10, "0-4,20-24"),
+        # Best fit, as kubelet: socket 1 has fewer usable CPUs (offline, isolated), so the
+        # reservation lands there rather than on CPU 0.
+        (GAPS, 2, "4,20"),
+    ],
+)
+def test_reserved_by_count_takes_lowest_whole_cores(
+    topology: Topology, count: int, expected: str
+) -> None:
+    assert str(reserved_cpus(topology, count=count)) == expected
+
+
+def test_reserved_by_count_leaves_isolated_cpus_alone() -> None:
+    topology = Topology(cpus=XEON.cpus, isolated=P("0-5,24-29"))
+    assert str(reserved_cpus(topology, count=2)) == "6,30"
+
+
+def test_reserved_explicit() -> None:
+    assert reserved_cpus(XEON, cpus=P("0,24")) == P("0,24")
+    with pytest.raises(ReservedCPUsError, match=r"reserved CPUs 5,23 are not online"):
+        reserved_cpus(GAPS, cpus=P("0,5,23"))
+    with pytest.raises(ReservedCPUsError, match="at least one"):
+        reserved_cpus(XEON, cpus=CPUSet())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "either"),
+        ({"cpus": P("0"), "count": 1}, "either"),
+        ({"count": 0}, "at least one"),
+        ({"count": 48}, "cannot reserve 48"),
+    ],
+)
+def test_reserved_bad_input(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ReservedCPUsError, match=message):
+        reserved_cpus(XEON, **kwargs)
+
+
+# -- the policy --------------------------------------------------------------------------------
+
+
+def test_policy_allocates_and_keeps_the_shared_pool() -> None:
+    policy = StaticPolicy.create(XEON, reserved_count=2)
+    assert policy.reserved == P("0,24")
+    assignments: dict[str, CPUSet] = {}
+    assignments["a"] = policy.allocate(assignments, 2)
+    assert assignments["a"] == P("1,25")
+    assignments["b"] = policy.allocate(assignments, ExclusiveRequest(24))
+    assert assignments["b"] == P("12-23,36-47")
+    assert policy.shared_pool(assignments) == P("0,2-11,24,26-35")
+    assert policy.free_cpus(assignments) == P("2-11,26-35")
+
+
+def test_request_for_more_than_free() -> None:
+    policy = StaticPolicy.create(XEON, reserved_count=2)
+    with pytest.raises(AllocationError, match="cannot allocate 47 CPUs: only 46 available"):
+        policy.allocate({}, 47)
+
+
+def test_shared_pool_is_never_emptied() -> None:
+    loose = StaticPolicy.create(NO_HT, reserved_count=1)
+    assert loose.allocate({}, 7) == P("1-7")
+    assert loose.shared_pool({"x": P("1-7")}) == P("0")
+
+    strict = StaticPolicy.create(
+        NO_HT, reserved_count=1, options=StaticPolicyOptions(strict_cpu_reservation=True)
+    )
+    assert strict.shareable == P("1-7")
+    assert strict.allocate({}, 6) == P("1-6")
+    with pytest.raises(AllocationError, match=r"shared pool \(1-7\) must keep at least one CPU"):
+        strict.allocate({}, 7)
+
+
+def test_policy_refuses_a_machine_with_nothing_to_share() -> None:
+    topology = Topology(cpus=NO_HT.cpus, isolated=P("1-7"))
+    with pytest.raises(ValueError, match="shared pool"):
+        StaticPolicy.create(
+            topology, reserved=P("0"), options=StaticPolicyOptions(strict_cpu_reservation=True)
+        )
+
+
+def test_policy_checks_options_against_the_machine() -> None:
+    one_numa = expected_topology(MachineSpec(sockets=2, cores_per_die=2, sockets_per_numa=2))
+    with pytest.raises(OptionsError, match="2 sockets and 1 NUMA nodes"):
+        StaticPolicy.create(
+            one_numa, reserved_count=1, options=StaticPolicyOptions(align_by_socket=True)
+        )
+
+
+def test_corrupt_assignments_are_refused() -> None:
+    policy = StaticPolicy.create(XEON, reserved_count=2)
+    with pytest.raises(ValueError, match="reserved CPUs 0"):
+        policy.allocate({"x": P("0-1")}, 1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "count", "expected"),
+    [
+        # Socket 1 has fewer usable CPUs (5 and 23 offline, 7 and 22 isolated): best fit.
+        ("avoid", 2, "4,20"),
+        ("avoid", 5, "1,4,6,17,20"),
+        ("require", 2, "7,22"),
+        ("require", 1, "22"),  # core {6,22} sorts before core {7}
+        ("prefer", 2, "7,22"),
+        ("prefer", 3, "4,6,20"),
+    ],
+)
+def test_isolated_cpus(mode: Any, count: int, expected: str) -> None:
+    policy = StaticPolicy.create(GAPS, reserved=P("0,16"))
+    assert policy.shareable == GAPS.online - P("7,22")
+    got = policy.allocate({}, ExclusiveRequest(count, isolated=mode))
+    assert str(got) == expected
+
+
+def test_isolated_required_but_too_few() -> None:
+    policy = StaticPolicy.create(GAPS, reserved=P("0,16"))
+    with pytest.raises(AllocationError, match="isolated CPUs: cannot allocate 3 CPUs: only 2"):
+        policy.allocate({}, ExclusiveRequest(3, isolated="require"))
+
+
+def test_numa_affinity_hint() -> None:
+    policy = StaticPolicy.create(XEON, reserved_count=2)
+    hinted = ExclusiveRequest(2, numa_affinity=frozenset({1}))
+    assert policy.allocate({}, hinted) == P("12,36")
+    # More than the hinted node holds: fill it, then the rest from elsewhere.
+    big = policy.allocate({}, ExclusiveRequest(26, numa_affinity=frozenset({1})))
+    assert big.issuperset(XEON.cpus_in_numa_node(1))
+    assert len(big) == 26
+
+
+def test_align_by_socket_widens_the_hint_to_the_socket() -> None:
+    request = ExclusiveRequest(12, numa_affinity=frozenset({1}))
+    plain = StaticPolicy.create(FOUR_NUMA, reserved_count=2)
+    by_socket = StaticPolicy.create(
+        FOUR_NUMA, reserved_count=2, options=StaticPolicyOptions(align_by_socket=True)
+    )
+    # Socket 1 is the busier one, so best fit sends the CPUs that do not fit node 1 there.
+    held = {"x": P("10-16,30-35")}
+    from_plain = plain.allocate(held, request)
+    assert from_plain.issuperset(FOUR_NUMA.cpus_in_numa_node(1))
+    assert not from_plain.issubset(FOUR_NUMA.cpus_in_socket(0))
+    from_socket = by_socket.allocate(held, request)
+    assert from_socket.issuperset(FOUR_NUMA.cpus_in_numa_node(1))
+    assert from_socket.issubset(FOUR_NUMA.cpus_in_socket(0))
+
+
+def test_full_pcpus_only_policy() -> None:
+    policy = StaticPolicy.create(XEON, reserved_count=1, options=FULL)
+    assert policy.allocate({}, 2) == P("1,25")
+    with pytest.raises(SMTAlignmentError, match="3 CPUs requested"):
+        policy.allocate({}, 3)
+    # 46 free threads, but 24 (its sibling is reserved) and 25 (its sibling is held) are
+    # halves of cores: 44 in whole cores.
+    with pytest.raises(SMTAlignmentError, match="46 CPUs requested but only 44 CPUs in whole"):
+        policy.allocate({"x": P("1")}, 46)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"count": 0}, "at least one CPU"), ({"count": 1, "isolated": "maybe"}, "isolated must")],
+)
+def test_request_validation(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ExclusiveRequest(**kwargs)
+
+
+# -- properties over random machines and request sequences ------------------------------------
+
+
+@st.composite
+def machines(draw: st.DrawFn) -> Topology:
+    sockets = draw(st.integers(1, 2))
+    cores = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    spec = MachineSpec(
+        sockets=sockets,
+        dies_per_socket=draw(st.integers(1, 2)),
+        cores_per_die=cores,
+        threads_per_core=draw(st.integers(1, 2)),
+        sibling_numbering=draw(st.sampled_from(["intel", "amd"])),
+        numa_per_socket=draw(st.sampled_from([n for n in (1, 2) if cores % n == 0])),
+        l3_per_die=draw(st.sampled_from([n for n in (1, 2, 3) if cores % n == 0])),
+    )
+    everything = sorted(spec.all_cpus())
+    offline = draw(st.frozensets(st.sampled_from(everything), max_size=len(everything) // 3))
+    assume(len(everything) - len(offline) >= 2)
+    spec = MachineSpec(**{**_fields(spec), "offline": offline})
+    online = sorted(spec.online())
+    isolated = draw(st.frozensets(st.sampled_from(online), max_size=len(online) // 2))
+    return Topology(cpus=expected_topology(spec).cpus, isolated=CPUSet(isolated))
+
+
+def _fields(spec: MachineSpec) -> dict[str, Any]:
+    return {name: getattr(spec, name) for name in spec.__dataclass_fields__}
+
+
+@st.composite
+def option_sets(draw: st.DrawFn) -> StaticPolicyOptions:
+    flags = draw(st.fixed_dictionaries({name: st.booleans() for name in _OPTION_FIELDS}))
+    try:
+        return StaticPolicyOptions(**flags)
+    except OptionsError:
+        assume(False)
+        raise
+
+
+_OPTION_FIELDS = [
+    "full_pcpus_only",
+    "distribute_cpus_across_numa",
+    "align_by_socket",
+    "distribute_cpus_across_cores",
+    "strict_cpu_reservation",
+    "prefer_align_cpus_by_uncorecache",
+]
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("alloc"),
+            st.integers(1, 8),
+            st.sampled_from(["avoid", "avoid", "prefer", "require"]),
+            st.one_of(st.none(), st.frozensets(st.integers(0, 3), min_size=1, max_size=2)),
+        ),
+        st.tuples(st.just("release"), st.integers(0, 50)),
+    ),
+    max_size=12,
+)
+
+
+def _union(assignments: Mapping[Any, CPUSet]) -> CPUSet:
+    return CPUSet().union(*assignments.values())
+
+
+@PROPERTY_SETTINGS
+@given(machines(), option_sets(), st.data(), operations)
+def test_policy_invariants(
+    topology: Topology, options: StaticPolicyOptions, data: st.DataObject, ops: list[Any]
+) -> None:
+    online = sorted(topology.online)
+    if data.draw(st.booleans(), label="reserve by count"):
+        count = data.draw(st.integers(1, max(1, min(3, len(online) - 1))), label="count")
+        reserved = reserved_cpus(topology, count=count)
+    else:
+        reserved = CPUSet(data.draw(st.frozensets(st.sampled_from(online), min_size=1)))
+    try:
+        policy = StaticPolicy(topology, reserved, options)
+    except ValueError:  # align-by-socket on the wrong machine, or nothing left to share
+        assume(False)
+        raise
+    assert not policy.reserved & policy.exclusive_candidates
+
+    assignments: dict[int, CPUSet] = {}
+    serial = 0
+    for op in ops:
+        if op[0] == "release":
+            if assignments:
+                del assignments[sorted(assignments)[op[1] % len(assignments)]]
+        else:
+            _, count, mode, hint = op
+            request = ExclusiveRequest(count, isolated=mode, numa_affinity=hint)
+            free_before = policy.free_cpus(assignments)
+            plain_free = free_before - topology.isolated
+            try:
+                got = policy.allocate(assignments, request)
+            except AllocationError:
+                _check_refusal_was_needed(policy, assignments, request, plain_free)
+            else:
+                assert len(got) == count
+                assert got.issubset(free_before)
+                assert got.isdisjoint(policy.reserved)
+                assert got.isdisjoint(_union(assignments))
+                if mode == "avoid":
+                    assert got.isdisjoint(topology.isolated)
+                elif mode == "require":
+                    assert got.issubset(topology.isolated)
+                else:
+                    assert got.issubset(topology.isolated) or got.isdisjoint(topology.isolated)
+                if options.full_pcpus_only:
+                    assert topology.whole_cores_in(got) == got
+                assignments[serial] = got
+                serial += 1
+
+        shared = policy.shared_pool(assignments)
+        exclusive = _union(assignments)
+        assert shared, "the shared pool must never be empty"
+        assert shared.isdisjoint(exclusive)
+        assert shared | exclusive == policy.shareable | exclusive
+        assert sum(len(cpus) for cpus in assignments.values()) == len(exclusive)
+
+
+def _check_refusal_was_needed(
+    policy: StaticPolicy,
+    assignments: Mapping[Any, CPUSet],
+    request: ExclusiveRequest,
+    plain_free: CPUSet,
+) -> None:
+    """Without full-pcpus-only, a plain request fails only when too few CPUs are free (keeping
+    one for the shared pool when nothing else would be left in it)."""
+    if policy.options.full_pcpus_only or request.isolated != "avoid":
+        return
+    keeps_shared = policy.shared_pool(assignments) - plain_free  # shared CPUs nobody can take
+    needed_spare = 0 if keeps_shared else 1
+    assert request.count > len(plain_free) - needed_spare
+
+
+@PROPERTY_SETTINGS
+@given(machines(), option_sets(), st.data())
+def test_take_by_topology_properties(
+    topology: Topology, options: StaticPolicyOptions, data: st.DataObject
+) -> None:
+    online = sorted(topology.online)
+    available = CPUSet(data.draw(st.frozensets(st.sampled_from(online))))
+    count = data.draw(st.integers(0, len(online)))
+    try:
+        got = take_by_topology(topology, available, count, options=options)
+    except SMTAlignmentError:
+        assert options.full_pcpus_only
+        return
+    except AllocationError:
+        assert count > len(available)
+        return
+    assert len(got) == count
+    assert got.issubset(available)
+    if options.full_pcpus_only:
+        assert topology.whole_cores_in(got) == got
+    # Whole-socket rule: on a machine of equal sockets, one NUMA node each, a request of
+    # exactly a socket's worth gets a whole socket when one is free.
+    sizes = {len(topology.cpus_in_socket(s)) for s in topology.sockets}
+    if (
+        not options.distribute_cpus_across_numa
+        and len(sizes) == 1
+        and topology.num_numa_nodes == topology.num_sockets
+    ):
+        for socket in topology.sockets:
+            cpus = topology.cpus_in_socket(socket)
+            if cpus.issubset(available) and len(cpus) == count:
+                assert got in {topology.cpus_in_socket(s) for s in topology.sockets}
+                break
