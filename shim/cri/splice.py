@@ -230,9 +230,15 @@ class Splice:
                     self._client_header_frame(ftype, flags, sid, bytes(memoryview(buf)[pos:end]))
                     span = end
                 elif ftype == fr.WINDOW_UPDATE:
-                    self._flush_span(buf, span, pos)
-                    self._client_window_update(sid, bytes(memoryview(buf)[pos:end]))
-                    span = end
+                    if sid == 0 and not (self._credit_to_keep or self._held_for_client):
+                        # The common case: nothing owed or waiting, so it passes verbatim.
+                        self._client_window += fr.window_increment(buf[pos + 9 : end])
+                        if self._local:
+                            self._pump_local_all()
+                    else:
+                        self._flush_span(buf, span, pos)
+                        self._client_window_update(sid, bytes(memoryview(buf)[pos:end]))
+                        span = end
                 elif ftype == fr.SETTINGS:
                     self._flush_span(buf, span, pos)
                     self._client_settings(flags, bytes(memoryview(buf)[pos:end]))

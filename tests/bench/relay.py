@@ -4,9 +4,10 @@
 
 Needs root, containerd and runc (as the end-to-end tests do). For ``Version`` and for
 ``ListContainers`` with 50 containers it reports p50/p99 latency with one call in flight,
-throughput with 16 in flight, and cpushim's CPU time per call. Runs alternate direct/relay, and
-each figure is the median over ``--rounds``; ratios compare the two. The client is grpcio's
-asyncio API (C core), an independent gRPC implementation, as kubelet's grpc-go is.
+throughput with 16 in flight, and cpushim's CPU time per call. Runs alternate between direct,
+a plain byte pipe (``tests.bench.pipe``: no HTTP/2 parsing, the floor of any relay process) and
+cpushim; each figure is the median over ``--rounds``, and ratios compare with direct. The client
+is grpcio's asyncio API (C core), an independent gRPC implementation, as kubelet's grpc-go is.
 """
 
 from __future__ import annotations
@@ -177,6 +178,20 @@ def main() -> int:
         relay = start_cpushim(
             listen, containerd.address, containerd.dir / "cpushim.log", args.event_loop
         )
+        pipe_socket = containerd.dir / "pipe.sock"
+        pipe = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.bench.pipe",
+                str(pipe_socket),
+                str(containerd.socket_path),
+                "asyncio" if args.event_loop == "asyncio" else "uvloop",
+            ],
+            stdout=subprocess.DEVNULL,
+            cwd=REPO,
+        )
+        wait_for(lambda: socket_accepts(pipe_socket), 20, "byte pipe serving")
         try:
             listed = pb.ListContainersResponse.FromString(
                 grpc.insecure_channel(containerd.address).unary_unary(RUNTIME + "ListContainers")(
@@ -190,6 +205,7 @@ def main() -> int:
                 for name, request in cases:
                     for label, target, pid in (
                         ("direct", containerd.address, None),
+                        ("pipe", f"unix://{pipe_socket}", pipe.pid),
                         ("cpushim", f"unix://{listen}", relay.pid),
                     ):
                         figures = asyncio.run(
@@ -199,6 +215,8 @@ def main() -> int:
         finally:
             relay.terminate()
             relay.wait(20)
+            pipe.terminate()
+            pipe.wait(20)
 
     print(
         f"# relay benchmark  {time.strftime('%Y-%m-%d')}  {machine()}  "
@@ -216,18 +234,20 @@ def main() -> int:
     print(header)
     for name, _ in cases:
         direct = median(results[(name, "direct")])
+        piped = median(results[(name, "pipe")])
         relayed = median(results[(name, "cpushim")])
-        for label, fig in (("direct", direct), ("cpushim", relayed)):
+        for label, fig in (("direct", direct), ("pipe", piped), ("cpushim", relayed)):
             cpu = f"{fig.relay_cpu_us:.0f}" if fig.relay_cpu_us is not None else "-"
             print(
                 f"{name:<15} {label:<8} {fig.p50_us:8.0f} {fig.p99_us:8.0f}"
                 f" {fig.calls_per_s:9.0f} {cpu:>18}"
             )
-        print(
-            f"{name:<15} {'ratio':<8} {'+%.0f' % (relayed.p50_us - direct.p50_us):>8}"
-            f" {'+%.0f' % (relayed.p99_us - direct.p99_us):>8}"
-            f" {relayed.calls_per_s / direct.calls_per_s:9.0%}"
-        )
+        for label, fig in (("pipe/dir", piped), ("shim/dir", relayed)):
+            print(
+                f"{name:<15} {label:<8} {fig.p50_us - direct.p50_us:>+8.0f}"
+                f" {fig.p99_us - direct.p99_us:>+8.0f}"
+                f" {fig.calls_per_s / direct.calls_per_s:9.0%}"
+            )
     return 0
 
 
