@@ -4,7 +4,6 @@ from kube-reserved + system-reserved)."""
 from __future__ import annotations
 
 from shim.cpuset import CPUSet
-from shim.policy.take import AllocationError, take_by_topology
 from shim.topology import Topology
 
 __all__ = ["ReservedCPUsError", "reserved_cpus"]
@@ -19,10 +18,12 @@ def reserved_cpus(
 ) -> CPUSet:
     """The reserved set, from an explicit list or from a count; give exactly one.
 
-    A count is taken the way kubelet takes it, by topology-aware best fit over all online
-    CPUs, which yields whole cores from the lowest-numbered socket first. Isolated CPUs are
-    left out when the rest can cover the count: reserved CPUs run system daemons, and isolated
-    CPUs are kept for exclusive use.
+    A count is taken from the lowest-numbered physical cores, whole cores first: cores in the
+    order of their lowest CPU id, each taken whole while it fits, then single threads of the
+    lowest-numbered remaining CPUs. Operators expect the system's CPUs at the bottom of the
+    map (CPU 0 and its siblings), even where a best fit would pick an emptier socket. Isolated
+    CPUs are left out when the rest can cover the count: reserved CPUs run system daemons, and
+    isolated CPUs are kept for exclusive use.
     """
     if (cpus is None) == (count is None):
         raise ReservedCPUsError("give either an explicit reserved CPU list or a count, not both")
@@ -45,7 +46,20 @@ def reserved_cpus(
         )
     housekeeping = topology.online - topology.isolated
     pool = housekeeping if len(housekeeping) >= count else topology.online
-    try:
-        return take_by_topology(topology, pool, count)
-    except AllocationError as exc:  # pragma: no cover - the size checks above rule it out
-        raise ReservedCPUsError(str(exc)) from exc
+    return lowest_cores_first(topology, pool, count)
+
+
+def lowest_cores_first(topology: Topology, pool: CPUSet, count: int) -> CPUSet:
+    """``count`` CPUs of ``pool``: whole cores by lowest CPU id, then the lowest threads."""
+    cores = sorted(
+        (cpus for cpus in (topology.cpus_in_core(core) & pool for core in topology.cores) if cpus),
+        key=lambda cpus: cpus.first(),
+    )
+    taken = CPUSet()
+    for core in cores:
+        if len(taken) + len(core) > count:
+            break  # lowest-numbered first: the remainder comes from this core's threads
+        taken |= core
+    if len(taken) < count:
+        taken |= (pool - taken).take_lowest(count - len(taken))
+    return taken

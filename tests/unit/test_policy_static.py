@@ -201,9 +201,10 @@ def test_full_pcpus_only_errors() -> None:
         (XEON, 4, "0-1,24-25"),
         (NO_HT, 2, "0-1"),
         (FOUR_NUMA, 10, "0-4,20-24"),
-        # Best fit, as kubelet: socket 1 has fewer usable CPUs (offline, isolated), so the
-        # reservation lands there rather than on CPU 0.
-        (GAPS, 2, "4,20"),
+        # Lowest-numbered cores even where kubelet's best fit would pick the socket with fewer
+        # usable CPUs (offline, isolated): the system's CPUs stay at the bottom of the map.
+        (GAPS, 2, "0,16"),
+        (GAPS, 3, "0-1,16"),
     ],
 )
 def test_reserved_by_count_takes_lowest_whole_cores(
