@@ -21,7 +21,7 @@ import pytest
 
 from shim.cri.server import AlreadyServingError, prepare_socket_path
 from tests.fake_cri import FakeRuntimeServer, short_tmpdir
-from tests.unit.relay_env import RUNTIME, LoopThread, failure, unary
+from tests.unit.relay_env import IMAGE, RUNTIME, LoopThread, failure, unary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -220,3 +220,31 @@ def test_unknown_socket_group_is_a_clear_error(fake: FakeRuntimeServer) -> None:
     (error,) = [e for e in log_events(log) if e["level"] == "error"]
     assert "no-such-group-here" in str(error["error"])
     assert not listen.exists()
+
+
+def test_image_calls_go_to_their_own_endpoint(fake: FakeRuntimeServer) -> None:
+    loop = LoopThread()
+    images = FakeRuntimeServer(fake.socket_path.parent / "images.sock")
+    loop.run(images.start())
+    listen = fake.socket_path.parent / "split.sock"
+    log = fake.socket_path.parent / "split.log"
+    proc = start_cpushim(listen, fake.endpoint, log, "--image-endpoint", images.endpoint)
+    try:
+        wait_serving(proc, listen, log)
+        with grpc.insecure_channel(f"unix://{listen}") as ch:
+            assert unary(ch, IMAGE + "ListImages", b"echo:i", timeout=10).endswith(b"echo:i")
+            assert unary(ch, RUNTIME + "Version", b"echo:v", timeout=10).endswith(b"echo:v")
+            err = failure(ch, IMAGE + "ImageStatus", b"error:5:no such image", timeout=10)
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        assert err.details() == "no such image"
+        assert [call[0] for call in images.runtime.calls] == [
+            IMAGE + "ListImages",
+            IMAGE + "ImageStatus",
+        ]
+        assert not [call for call in fake.runtime.calls if call[0].startswith(IMAGE)]
+        assert (RUNTIME + "Version", b"echo:v") in [call[:2] for call in fake.runtime.calls]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        loop.run(images.stop())
+        loop.stop()
