@@ -45,10 +45,14 @@ DEFAULT_MAX_REQUEST = 16 * 1024 * 1024
 _CLOSED_LOCAL_MEMORY = 1024
 
 
-def _piece(buf: bytes | bytearray, start: int, stop: int) -> bytes:
+def _forward(out: list[bytes], buf: bytes | bytearray, start: int, stop: int) -> None:
+    """Queue ``buf[start:stop]`` verbatim; a whole read is queued as the same object."""
+    if stop <= start:
+        return
     if start == 0 and stop == len(buf) and isinstance(buf, bytes):
-        return buf
-    return bytes(memoryview(buf)[start:stop])
+        out.append(buf)
+    else:
+        out.append(bytes(memoryview(buf)[start:stop]))
 
 
 @dataclass(frozen=True)
@@ -222,11 +226,11 @@ class Splice:
                     break
                 if ftype == fr.DATA:
                     if sid in self._local or sid in self._local_closed:
-                        self._flush_span(buf, span, pos)
+                        _forward(self._out_upstream, buf, span, pos)
                         self._client_data_local(sid, flags, buf[pos + 9 : end], length)
                         span = end
                 elif ftype == fr.HEADERS or ftype == fr.CONTINUATION:
-                    self._flush_span(buf, span, pos)
+                    _forward(self._out_upstream, buf, span, pos)
                     self._client_header_frame(ftype, flags, sid, bytes(memoryview(buf)[pos:end]))
                     span = end
                 elif ftype == fr.WINDOW_UPDATE:
@@ -236,22 +240,22 @@ class Splice:
                         if self._local:
                             self._pump_local_all()
                     else:
-                        self._flush_span(buf, span, pos)
+                        _forward(self._out_upstream, buf, span, pos)
                         self._client_window_update(sid, bytes(memoryview(buf)[pos:end]))
                         span = end
                 elif ftype == fr.SETTINGS:
-                    self._flush_span(buf, span, pos)
+                    _forward(self._out_upstream, buf, span, pos)
                     self._client_settings(flags, bytes(memoryview(buf)[pos:end]))
                     span = end
                 elif ftype == fr.RST_STREAM:
                     if sid in self._local or sid in self._local_closed:
-                        self._flush_span(buf, span, pos)
+                        _forward(self._out_upstream, buf, span, pos)
                         self._client_reset_local(sid)
                         span = end
                     else:
                         self.open_streams.pop(sid, None)
                 elif ftype == fr.PRIORITY and (sid in self._local or sid in self._local_closed):
-                    self._flush_span(buf, span, pos)
+                    _forward(self._out_upstream, buf, span, pos)
                     span = end
                 elif ftype == fr.PING and self.upstream_absent and not flags & fr.FLAG_ACK:
                     self._out_client.append(fr.ping_ack(bytes(memoryview(buf)[pos + 9 : end])))
@@ -261,12 +265,8 @@ class Splice:
         except (fr.FrameError, HeaderBlockError) as exc:
             self._fail(f"client sent a malformed HTTP/2 stream: {exc}")
             return
-        self._flush_span(buf, span, pos)
+        _forward(self._out_upstream, buf, span, pos)
         self._client_buf = bytearray(buf[pos:]) if pos < len(buf) else bytearray()
-
-    def _flush_span(self, buf: bytes | bytearray, start: int, stop: int) -> None:
-        if stop > start:
-            self._out_upstream.append(_piece(buf, start, stop))
 
     def _client_settings(self, flags: int, raw: bytes) -> None:
         if flags & fr.FLAG_ACK:
@@ -454,12 +454,12 @@ class Splice:
                     break
                 if ftype == fr.DATA:
                     if sid in self._relayed_by_upstream:
-                        self._flush_to_client(buf, span, pos)
+                        _forward(self._out_client, buf, span, pos)
                         span = end
                         if length:
                             self._out_upstream.append(fr.window_update(0, length))
                     elif held or length > self._client_window:
-                        self._flush_to_client(buf, span, pos)
+                        _forward(self._out_client, buf, span, pos)
                         held.append((bytes(memoryview(buf)[pos:end]), length))
                         span = end
                     else:
@@ -467,11 +467,11 @@ class Splice:
                     if flags & fr.FLAG_END_STREAM:
                         self.open_streams.pop(sid, None)
                 elif ftype == fr.HEADERS or ftype == fr.CONTINUATION:
-                    self._flush_to_client(buf, span, pos)
+                    _forward(self._out_client, buf, span, pos)
                     self._upstream_header_frame(ftype, flags, sid, bytes(memoryview(buf)[pos:end]))
                     span = end
                 elif ftype == fr.SETTINGS and not flags & fr.FLAG_ACK:
-                    self._flush_to_client(buf, span, pos)
+                    _forward(self._out_client, buf, span, pos)
                     settings = fr.parse_settings(memoryview(buf)[pos + 9 : end])
                     rewritten = fr.with_setting(settings, fr.SETTINGS_HEADER_TABLE_SIZE, 0)
                     self._to_client(fr.settings_frame(rewritten), 0)
@@ -479,26 +479,22 @@ class Splice:
                 elif ftype == fr.RST_STREAM:
                     self.open_streams.pop(sid, None)
                     if sid in self._relayed_by_upstream:
-                        self._flush_to_client(buf, span, pos)
+                        _forward(self._out_client, buf, span, pos)
                         self._relayed_by_upstream.discard(sid)
                         span = end
                 elif ftype == fr.WINDOW_UPDATE and sid in self._relayed_by_upstream:
-                    self._flush_to_client(buf, span, pos)
+                    _forward(self._out_client, buf, span, pos)
                     span = end
                 elif held:
-                    self._flush_to_client(buf, span, pos)
+                    _forward(self._out_client, buf, span, pos)
                     held.append((bytes(memoryview(buf)[pos:end]), 0))
                     span = end
                 pos = end
         except (fr.FrameError, HeaderBlockError) as exc:
             self._fail(f"runtime sent a malformed HTTP/2 stream: {exc}")
             return
-        self._flush_to_client(buf, span, pos)
+        _forward(self._out_client, buf, span, pos)
         self._upstream_buf = bytearray(buf[pos:]) if pos < len(buf) else bytearray()
-
-    def _flush_to_client(self, buf: bytes | bytearray, start: int, stop: int) -> None:
-        if stop > start:
-            self._out_client.append(_piece(buf, start, stop))
 
     def _to_client(self, chunk: bytes, data_length: int) -> None:
         """Write in order behind anything held for lack of client window."""

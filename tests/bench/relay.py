@@ -28,7 +28,12 @@ import grpc
 import grpc.aio
 
 from shim.cri import runtime_v1_pb2 as pb
-from tests.harness.containerd import PrivateContainerd, socket_accepts, wait_for
+from tests.harness.containerd import (
+    PrivateContainerd,
+    cpushim_command,
+    socket_accepts,
+    wait_for,
+)
 from tests.harness.images import build_image
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,24 +140,10 @@ def populate(target: str, image: str, containers: int) -> None:
 def start_cpushim(
     listen: Path, runtime: str, log: Path, event_loop: str
 ) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shim",
-            "run",
-            "--listen",
-            f"unix://{listen}",
-            "--runtime-endpoint",
-            runtime,
-            "--log-level",
-            "warning",
-            "--event-loop",
-            event_loop,
-        ],
-        stderr=log.open("wb"),
-        cwd=REPO,
+    command = cpushim_command(
+        f"unix://{listen}", runtime, "--event-loop", event_loop, log_level="warning"
     )
+    proc = subprocess.Popen(command, stderr=log.open("wb"), cwd=REPO)
     wait_for(lambda: socket_accepts(listen), 20, f"cpushim serving {listen}")
     return proc
 

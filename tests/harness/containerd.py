@@ -478,7 +478,9 @@ def remove_cgroup(cgroup_path: str, *, with_empty_pod_parent: bool = False) -> N
 # -- a relay in front of containerd -----------------------------------------------------------
 
 
-def cpushim_command(listen: str, runtime_endpoint: str, log_level: str = "debug") -> list[str]:
+def cpushim_command(
+    listen: str, runtime_endpoint: str, *extra: str, log_level: str = "debug"
+) -> list[str]:
     """The command line that starts the cpushim relay (its contract with these tests)."""
     return [
         sys.executable,
@@ -491,6 +493,7 @@ def cpushim_command(listen: str, runtime_endpoint: str, log_level: str = "debug"
         runtime_endpoint,
         "--log-level",
         log_level,
+        *extra,
     ]
 
 

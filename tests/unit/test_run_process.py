@@ -9,7 +9,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import pytest
 
 from shim.cri.server import AlreadyServingError, prepare_socket_path
 from tests.fake_cri import FakeRuntimeServer, short_tmpdir
+from tests.harness.containerd import cpushim_command
 from tests.unit.relay_env import IMAGE, RUNTIME, LoopThread, failure, unary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,21 +41,7 @@ def fake() -> Iterator[FakeRuntimeServer]:
 
 def start_cpushim(listen: Path, runtime: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shim",
-            "run",
-            "--listen",
-            f"unix://{listen}",
-            "--runtime-endpoint",
-            runtime,
-            "--log-level",
-            "debug",
-            *extra,
-        ],
-        stderr=log.open("wb"),
-        cwd=REPO,
+        cpushim_command(f"unix://{listen}", runtime, *extra), stderr=log.open("wb"), cwd=REPO
     )
 
 
