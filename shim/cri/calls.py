@@ -16,6 +16,9 @@ from urllib.parse import quote, unquote
 from shim.cri.hpack_blocks import Header, header_value
 
 _PREFIX = struct.Struct(">BI")
+_HOP_HEADERS = frozenset(
+    {b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
+)
 GRPC_CONTENT_TYPE = b"application/grpc"
 # Characters grpc-message may carry unescaped (gRPC over HTTP/2: printable ASCII but '%').
 _GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
@@ -109,12 +112,10 @@ class UnaryCall:
 
     @property
     def metadata(self) -> tuple[Header, ...]:
-        """Request headers other than HTTP/2 pseudo-headers and per-hop gRPC ones."""
+        """Request headers other than HTTP/2 pseudo-headers and per-hop gRPC ones (the relay
+        sets those itself when it forwards the call)."""
         return tuple(
-            (k, v)
-            for k, v in self.headers
-            if not k.startswith(b":")
-            and k not in (b"te", b"content-type", b"grpc-timeout", b"grpc-encoding")
+            (k, v) for k, v in self.headers if not k.startswith(b":") and k not in _HOP_HEADERS
         )
 
 

@@ -132,18 +132,6 @@ def ping_ack(payload: bytes) -> bytes:
     return frame(PING, FLAG_ACK, 0, payload)
 
 
-def data_frames(stream_id: int, body: bytes, max_frame: int, *, end_stream: bool) -> list[bytes]:
-    """``body`` cut into DATA frames of at most ``max_frame`` bytes."""
-    if not body:
-        return [frame(DATA, FLAG_END_STREAM if end_stream else 0, stream_id)]
-    out = []
-    for start in range(0, len(body), max_frame):
-        chunk = body[start : start + max_frame]
-        last = start + max_frame >= len(body)
-        out.append(frame(DATA, FLAG_END_STREAM if last and end_stream else 0, stream_id, chunk))
-    return out
-
-
 def header_frames(stream_id: int, block: bytes, max_frame: int, *, end_stream: bool) -> list[bytes]:
     """A header block as one HEADERS frame plus CONTINUATION frames when it is large."""
     first, rest = block[:max_frame], block[max_frame:]

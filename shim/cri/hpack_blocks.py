@@ -69,8 +69,7 @@ def _string(block: bytes, pos: int) -> tuple[bytes, int]:
 
 
 def _fresh_decoder() -> hpack.Decoder:
-    decoder = hpack.Decoder(max_header_list_size=_MAX_HEADER_LIST)
-    return decoder
+    return hpack.Decoder(max_header_list_size=_MAX_HEADER_LIST)
 
 
 def decode_block(block: bytes) -> list[Header]:

@@ -149,6 +149,7 @@ class ClientConnection(asyncio.Protocol):
         self._shutting_down = False
         self._closed = False
         self._blocks_self_contained = False
+        self.unavailable_reason = ""  # why the runtime could not be reached, if it could not
 
     # client side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -282,8 +283,6 @@ class ClientConnection(asyncio.Protocol):
             self.client.close()
         if self.upstream is not None:
             self.upstream.close()
-
-    unavailable_reason = ""
 
 
 class UpstreamConnection(asyncio.Protocol):

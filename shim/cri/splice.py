@@ -45,6 +45,20 @@ DEFAULT_MAX_REQUEST = 16 * 1024 * 1024
 _CLOSED_LOCAL_MEMORY = 1024
 
 
+def _with_pending(pending: bytearray, data: bytes) -> bytes | bytearray:
+    """What to parse: usually a read holds whole frames, so the bytes object itself is parsed
+    and a read forwarded whole goes on as the very same object, never copied."""
+    if pending:
+        pending += data
+        return pending
+    return data
+
+
+def _pending_after(buf: bytes | bytearray, pos: int) -> bytearray:
+    """The partial frame left after ``pos``, kept for the next read."""
+    return bytearray(buf[pos:]) if pos < len(buf) else bytearray()
+
+
 def _forward(out: list[bytes], buf: bytes | bytearray, start: int, stop: int) -> None:
     """Queue ``buf[start:stop]`` verbatim; a whole read is queued as the same object."""
     if stop <= start:
@@ -187,21 +201,12 @@ class Splice:
         """True once the client encodes header blocks without a dynamic table."""
         return self._reader.stateless
 
-    @property
-    def local_stream_count(self) -> int:
-        return len(self._local)
-
     # ------------------------------------------------------------------ client -> upstream
 
     def from_client(self, data: bytes) -> None:
         if self.failed:
             return
-        # Usually a read holds whole frames: parse the bytes object itself, so that a read
-        # forwarded whole is written on as the very same object, never copied.
-        buf: bytes | bytearray = data
-        if self._client_buf:
-            self._client_buf += data
-            buf = self._client_buf
+        buf = _with_pending(self._client_buf, data)
         pos = 0
         if not self._preface_seen:
             if len(buf) < len(fr.PREFACE):
@@ -266,7 +271,7 @@ class Splice:
             self._fail(f"client sent a malformed HTTP/2 stream: {exc}")
             return
         _forward(self._out_upstream, buf, span, pos)
-        self._client_buf = bytearray(buf[pos:]) if pos < len(buf) else bytearray()
+        self._client_buf = _pending_after(buf, pos)
 
     def _client_settings(self, flags: int, raw: bytes) -> None:
         if flags & fr.FLAG_ACK:
@@ -440,10 +445,7 @@ class Splice:
     def from_upstream(self, data: bytes) -> None:
         if self.failed:
             return
-        buf: bytes | bytearray = data
-        if self._upstream_buf:
-            self._upstream_buf += data
-            buf = self._upstream_buf
+        buf = _with_pending(self._upstream_buf, data)
         pos, span, end_buf = 0, 0, len(buf)
         held = self._held_for_client
         try:
@@ -494,7 +496,7 @@ class Splice:
             self._fail(f"runtime sent a malformed HTTP/2 stream: {exc}")
             return
         _forward(self._out_client, buf, span, pos)
-        self._upstream_buf = bytearray(buf[pos:]) if pos < len(buf) else bytearray()
+        self._upstream_buf = _pending_after(buf, pos)
 
     def _to_client(self, chunk: bytes, data_length: int) -> None:
         """Write in order behind anything held for lack of client window."""

@@ -13,7 +13,6 @@ import struct
 from collections.abc import Sequence
 
 from grpclib.client import Channel
-from grpclib.const import Status as GrpclibStatus
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.protocol import H2Protocol
 from grpclib.utils import Wrapper
@@ -34,9 +33,6 @@ from shim.cri.hpack_blocks import Header, header_value
 log = logging.getLogger(__name__)
 
 _PREFIX = struct.Struct(">BI")
-_HOP_HEADERS = frozenset(
-    {b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
-)
 
 
 def unix_path(endpoint: str) -> str:
@@ -136,9 +132,7 @@ class RuntimeChannel:
         ]
         if call.timeout is not None:
             headers.append(("grpc-timeout", format_timeout(call.timeout).decode()))
-        for name, value in call.headers:
-            if name.startswith(b":") or name in _HOP_HEADERS:
-                continue
+        for name, value in call.metadata:
             headers.append((name.decode("ascii", "replace"), value.decode("latin-1")))
         return headers
 
@@ -150,6 +144,3 @@ def _as_bytes(headers: Sequence[tuple[str | bytes, str | bytes]]) -> tuple[Heade
         v = value.encode("latin-1") if isinstance(value, str) else bytes(value)
         out.append((n, v))
     return tuple(out)
-
-
-__all__ = ["GrpclibStatus", "RuntimeChannel", "unix_path"]
