@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from shim import __version__
 from shim import log as shim_log
@@ -40,6 +41,61 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         metavar="SECONDS",
         help="how long calls in flight may take to finish on SIGTERM (default 10)",
+    )
+    policy = run.add_argument_group("CPU allocation")
+    policy.add_argument(
+        "--policy",
+        default="static",
+        choices=("none", "static"),
+        help="static: exclusive CPUs for integer-CPU containers of Guaranteed pods (default);"
+        " none: every container on every CPU",
+    )
+    reserved = policy.add_mutually_exclusive_group()
+    reserved.add_argument(
+        "--reserved-cpus",
+        metavar="LIST",
+        help="CPUs kept for system daemons, kernel list format (like kubelet's"
+        " reservedSystemCPUs); never handed out exclusively",
+    )
+    reserved.add_argument(
+        "--reserved-cpu-count",
+        type=int,
+        metavar="N",
+        help="reserve N CPUs, lowest-numbered physical cores first (default 1)",
+    )
+    policy.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a static policy option by kubelet's name, e.g. full-pcpus-only (repeatable)",
+    )
+    policy.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("/var/lib/cpushim"),
+        metavar="DIR",
+        help="where state.json, the checkpoint, lives (default /var/lib/cpushim)",
+    )
+    policy.add_argument(
+        "--sysfs-root",
+        type=Path,
+        default=Path("/sys"),
+        metavar="DIR",
+        help="where to read the CPU topology from (default /sys; for tests)",
+    )
+    policy.add_argument(
+        "--failure-policy",
+        default="fail-closed",
+        choices=("fail-closed", "fail-open"),
+        help="on an internal error: refuse the call with INTERNAL (fail-closed, default) or"
+        " forward it unchanged (fail-open)",
+    )
+    policy.add_argument(
+        "--recover-from-runtime",
+        action="store_true",
+        help="ignore the checkpoint (it is kept beside, renamed) and rebuild the assignments"
+        " from the containers the runtime reports",
     )
     run.add_argument(
         "--event-loop",
@@ -78,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
             socket_group=args.socket_group,
             upstream_wait=args.upstream_wait,
             shutdown_grace=args.shutdown_grace,
+            policy=args.policy,
+            reserved_cpus=args.reserved_cpus,
+            reserved_cpu_count=args.reserved_cpu_count,
+            policy_options=tuple(args.policy_option),
+            state_dir=args.state_dir,
+            sysfs_root=args.sysfs_root,
+            failure_policy=args.failure_policy,
+            recover_from_runtime=args.recover_from_runtime,
         )
         try:
             with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:

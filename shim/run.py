@@ -7,11 +7,21 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from shim.checkpoint import CheckpointFile
+from shim.cpuset import CPUSet
 from shim.cri.calls import Reply, Status, UnaryCall
-from shim.cri.passthrough import PassthroughInterceptor
 from shim.cri.server import Interceptor, RelayServer
 from shim.cri.upstream import RuntimeChannel
+from shim.engine import Engine, EngineOptions, FailurePolicy
+from shim.engine.resync import StartupError
+from shim.engine.resync import start as resync
+from shim.policy import CPUPolicy
+from shim.policy.none import NonePolicy
+from shim.policy.options import StaticPolicyOptions
+from shim.policy.static import StaticPolicy
+from shim.topology import Topology
 
 log = logging.getLogger("shim.run")
 
@@ -27,6 +37,42 @@ class RunOptions:
     socket_group: str | None
     upstream_wait: float
     shutdown_grace: float
+    policy: str = "static"
+    reserved_cpus: str | None = None
+    reserved_cpu_count: int | None = None
+    policy_options: tuple[str, ...] = ()
+    state_dir: Path = Path("/var/lib/cpushim")
+    sysfs_root: Path = Path("/sys")
+    failure_policy: FailurePolicy = "fail-closed"
+    recover_from_runtime: bool = False
+
+
+# kubelet's static policy refuses to start without reserved CPUs; cpushim takes the lowest core's
+# first thread when none are named, so the shared pool always has a home.
+DEFAULT_RESERVED_COUNT = 1
+
+
+def build_policy(options: RunOptions) -> CPUPolicy:
+    """The policy from the command line; ValueError (with the reason) when it cannot be."""
+    topology = Topology.from_sysfs(options.sysfs_root)
+    if options.policy == "none":
+        if options.policy_options:
+            raise ValueError("--policy-option needs --policy static")
+        return NonePolicy(topology)
+    if options.policy != "static":
+        raise ValueError(f"unknown policy {options.policy!r}: want none or static")
+    if options.reserved_cpus is not None and options.reserved_cpu_count is not None:
+        raise ValueError("give --reserved-cpus or --reserved-cpu-count, not both")
+    reserved = CPUSet.parse(options.reserved_cpus) if options.reserved_cpus is not None else None
+    count = options.reserved_cpu_count
+    if reserved is None and count is None:
+        count = DEFAULT_RESERVED_COUNT
+    return StaticPolicy.create(
+        topology,
+        reserved=reserved,
+        reserved_count=count,
+        options=StaticPolicyOptions.parse(options.policy_options),
+    )
 
 
 class SeparateImageService:
@@ -78,7 +124,15 @@ async def wait_for_runtime(channel: RuntimeChannel, budget: float) -> Reply:
 
 
 async def run(options: RunOptions) -> int:
-    interceptor: Interceptor = PassthroughInterceptor()
+    policy = build_policy(options)
+    runtime = RuntimeChannel(options.runtime_endpoint)
+    engine = Engine(
+        policy,
+        CheckpointFile(options.state_dir),
+        runtime,
+        EngineOptions(failure_policy=options.failure_policy),
+    )
+    interceptor: Interceptor = engine
     image_channel: RuntimeChannel | None = None
     if options.image_endpoint != options.runtime_endpoint:
         image_channel = RuntimeChannel(options.image_endpoint)
@@ -88,8 +142,27 @@ async def run(options: RunOptions) -> int:
         runtime_endpoint=options.runtime_endpoint,
         interceptor=interceptor,
         socket_group=options.socket_group,
+        runtime=runtime,
     )
     version = await wait_for_runtime(server.runtime, options.upstream_wait)
+    log.info(
+        "policy",
+        extra={
+            "fields": {
+                "policy": policy.name,
+                "reserved": str(policy.reserved),
+                "options": sorted(policy.option_names),
+                "online": str(policy.topology.online),
+                "isolated": str(policy.topology.isolated),
+                "state": str(engine.checkpoint.path),
+            }
+        },
+    )
+    try:
+        await resync(engine, recover_from_runtime=options.recover_from_runtime)
+    except StartupError:
+        runtime.close()
+        raise
     await server.start()
     log.info(
         "serving",
@@ -109,6 +182,8 @@ async def run(options: RunOptions) -> int:
     await stop.wait()
     log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
     finished = await server.shutdown(options.shutdown_grace)
+    await engine.drain(options.shutdown_grace)
+    runtime.close()
     if image_channel is not None:
         image_channel.close()
     log.info("stopped", extra={"fields": {"calls_finished": finished}})

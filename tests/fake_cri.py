@@ -68,6 +68,9 @@ FUTURE_UNARY = "/runtime.v1.RuntimeService/FutureUnaryCall"
 FUTURE_STREAM = "/runtime.v1.RuntimeService/StreamFutureThings"
 
 
+_EMPTY_LISTS = ("/ListPodSandbox", "/ListContainers")
+
+
 class RawCodec(CodecBase):
     __content_subtype__ = "proto"
 
@@ -129,6 +132,10 @@ class FakeRuntime:
                 await stream.send_initial_metadata(metadata=echoed)
                 await stream.send_message(b"meta-reply")
                 await stream.send_trailing_metadata(metadata={"x-trailer": "t1", **echoed})
+                return
+            if not request and path.endswith(_EMPTY_LISTS):
+                # What cpushim's start-up resync asks: a runtime with nothing in it.
+                await stream.send_message(b"")
                 return
             await stream.send_message(b"reply-to:" + path.encode() + b":" + request)
 

@@ -66,10 +66,13 @@ class RelayServer:
         interceptor: Interceptor,
         socket_group: str | None = None,
         socket_mode: int = 0o660,
+        runtime: RuntimeChannel | None = None,
     ) -> None:
         self.listen_path = unix_path(listen)
         self.runtime_path = unix_path(runtime_endpoint)
-        self.runtime = RuntimeChannel(runtime_endpoint)
+        # The relay's own channel; the engine shares it for the calls it makes itself.
+        self.runtime = runtime if runtime is not None else RuntimeChannel(runtime_endpoint)
+        self._owns_runtime = runtime is None
         self.interceptor = interceptor
         self._socket_group = socket_group
         self._socket_mode = socket_mode
@@ -129,7 +132,8 @@ class RelayServer:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
-        self.runtime.close()
+        if self._owns_runtime:
+            self.runtime.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.listen_path)
         return finished

@@ -1,0 +1,35 @@
+"""CPU allocation policies. Each is a pure value: decisions are functions of the current
+exclusive assignments."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from shim.cpuset import CPUSet
+from shim.topology import Topology
+
+
+class CPUPolicy(Protocol):
+    """What the engine needs from a policy."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def reserved(self) -> CPUSet: ...
+
+    @property
+    def option_names(self) -> frozenset[str]:
+        """The options that are on, by kubelet's names."""
+        ...
+
+    @property
+    def exclusive_candidates(self) -> CPUSet: ...
+
+    def shared_pool(self, assignments: Mapping[Any, CPUSet]) -> CPUSet: ...
+
+    def allocate(self, assignments: Mapping[Any, CPUSet], request: Any) -> CPUSet: ...

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from shim.cpuset import CPUSet
 from shim.policy.options import StaticPolicyOptions
@@ -73,6 +73,7 @@ class StaticPolicy:
     """Topology, reserved CPUs and options; decisions are pure functions of assignments
     (any mapping whose values are the CPUSets already held exclusively)."""
 
+    name: ClassVar[str] = "static"
     topology: Topology
     reserved: CPUSet
     options: StaticPolicyOptions = field(default_factory=StaticPolicyOptions)
@@ -109,6 +110,10 @@ class StaticPolicy:
             options=options or StaticPolicyOptions(),
             topology_manager_policy=topology_manager_policy,
         )
+
+    @property
+    def option_names(self) -> frozenset[str]:
+        return self.options.enabled
 
     @property
     def shareable(self) -> CPUSet:

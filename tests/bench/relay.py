@@ -141,7 +141,12 @@ def start_cpushim(
     listen: Path, runtime: str, log: Path, event_loop: str
 ) -> subprocess.Popen[bytes]:
     command = cpushim_command(
-        f"unix://{listen}", runtime, "--event-loop", event_loop, log_level="warning"
+        f"unix://{listen}",
+        runtime,
+        "--event-loop",
+        event_loop,
+        state_dir=listen.parent / "state",
+        log_level="warning",
     )
     proc = subprocess.Popen(command, stderr=log.open("wb"), cwd=REPO)
     wait_for(lambda: socket_accepts(listen), 20, f"cpushim serving {listen}")

@@ -74,11 +74,19 @@ def containerd(e2e_prerequisites: None) -> Iterator[PrivateContainerd]:
 def cpushim(
     containerd: PrivateContainerd, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServingProcess]:
-    """The relay (``python -m shim run``) in front of the private containerd."""
+    """cpushim (``python -m shim run``) in front of the private containerd, as a relay: under
+    the ``none`` policy every container gets every online CPU, so what kubelet sees through it
+    matches the direct connection. The allocation tests start their own cpushim."""
     directory = tmp_path_factory.mktemp("cpushim")
     socket_path = directory / "cpushim.sock"
     shim = ServingProcess(
-        cpushim_command(f"unix://{socket_path}", containerd.address),
+        cpushim_command(
+            f"unix://{socket_path}",
+            containerd.address,
+            "--policy",
+            "none",
+            state_dir=directory / "state",
+        ),
         socket_path=socket_path,
         log_path=directory / "cpushim.log",
         cwd=REPO_ROOT,

@@ -479,9 +479,10 @@ def remove_cgroup(cgroup_path: str, *, with_empty_pod_parent: bool = False) -> N
 
 
 def cpushim_command(
-    listen: str, runtime_endpoint: str, *extra: str, log_level: str = "debug"
+    listen: str, runtime_endpoint: str, *extra: str, state_dir: Path, log_level: str = "debug"
 ) -> list[str]:
-    """The command line that starts the cpushim relay (its contract with these tests)."""
+    """The command line that starts cpushim (its contract with these tests). ``state_dir``
+    is required so that no test writes the node's real checkpoint."""
     return [
         sys.executable,
         "-m",
@@ -491,6 +492,8 @@ def cpushim_command(
         listen,
         "--runtime-endpoint",
         runtime_endpoint,
+        "--state-dir",
+        str(state_dir),
         "--log-level",
         log_level,
         *extra,

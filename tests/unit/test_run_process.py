@@ -41,7 +41,9 @@ def fake() -> Iterator[FakeRuntimeServer]:
 
 def start_cpushim(listen: Path, runtime: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        cpushim_command(f"unix://{listen}", runtime, *extra), stderr=log.open("wb"), cwd=REPO
+        cpushim_command(f"unix://{listen}", runtime, *extra, state_dir=listen.parent / "state"),
+        stderr=log.open("wb"),
+        cwd=REPO,
     )
 
 

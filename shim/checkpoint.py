@@ -1,0 +1,70 @@
+"""The checkpoint file: ``state.json`` in the state directory, replaced atomically.
+
+A write is: write a temporary file beside it, fsync it, rename it over ``state.json``, fsync
+the directory. A crash at any point leaves either the old checkpoint or the new one, never a
+mix, and once ``save`` returns the new one survives a power cut. The whole sequence runs in one
+worker thread so the event loop keeps relaying calls meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Final
+
+from shim.state import CheckpointError, CPUState, decode_checkpoint, encode_checkpoint
+
+STATE_FILE: Final = "state.json"
+
+
+class CheckpointFile:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / STATE_FILE
+        self.writes = 0
+
+    def load(self) -> CPUState | None:
+        """The saved state, None when there is none; CheckpointError when it is unreadable."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {self.path}: {exc.strerror}") from exc
+        try:
+            return decode_checkpoint(data)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.path}: {exc}") from exc
+
+    def save_sync(self, state: CPUState) -> None:
+        write_atomically(self.path, encode_checkpoint(state))
+        self.writes += 1
+
+    async def save(self, state: CPUState) -> None:
+        data = encode_checkpoint(state)
+        await asyncio.to_thread(write_atomically, self.path, data)
+        self.writes += 1
+
+
+def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
+    directory = path.parent
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temporary = directory / f".{path.name}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        temporary.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(temporary, path)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,5 @@
+"""The orchestrator between kubelet's calls, the policy, the checkpoint and the runtime."""
+
+from shim.engine.core import Engine, EngineOptions, FailurePolicy, Phase, Tracked
+
+__all__ = ["Engine", "EngineOptions", "FailurePolicy", "Phase", "Tracked"]

@@ -1,0 +1,538 @@
+"""The engine: turns intercepted lifecycle calls into allocation decisions, persists them,
+moves the other containers, and forwards the call with the cpuset written into it.
+
+Ordering for a create (docs/architecture.md): decide, persist the checkpoint, move shared
+containers off the new exclusive CPUs, forward CreateContainer with the cpuset set, record the
+container id. A failed forward is rolled back. Release mirrors it: forward, then release,
+persist and grow the shared containers, all before the call returns to kubelet.
+
+Decisions are made one at a time under one lock. The forwarded CreateContainer itself runs
+outside the lock, so creates of different pods overlap in the runtime: the CPUs of an exclusive
+create in flight are already held in the state, and a shared container created meanwhile is
+corrected before its CreateContainer returns, so before it can start.
+
+A call's work runs in a task of the engine's own, shielded from the call: when kubelet gives up
+on a call (deadline, cancellation), what the runtime did is still recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from shim.checkpoint import CheckpointFile
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Reply, Status, UnaryCall
+from shim.cri.passthrough import LIFECYCLE_PATHS, check_request
+from shim.cri.upstream import RuntimeChannel
+from shim.engine import requests as rq
+from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
+from shim.policy import CPUPolicy
+from shim.policy.static import AllocationError, ExclusiveRequest
+from shim.state import Assignment, ContainerKey, CPUState
+
+log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=Message)
+
+FailurePolicy = Literal["fail-closed", "fail-open"]
+
+
+class Phase(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    EXITED = "exited"
+
+
+@dataclass
+class Tracked:
+    """A container the engine writes the cpuset of."""
+
+    id: str
+    key: ContainerKey
+    sandbox_id: str
+    exclusive: bool
+    keep_quota: bool
+    phase: Phase
+    # The cpuset last written through the runtime; None when unknown.
+    applied: CPUSet | None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    failure_policy: FailurePolicy = "fail-closed"
+    # How many UpdateContainerResources calls run at once when containers move.
+    update_concurrency: int = 8
+    update_timeout: float = 10.0
+
+
+Handler = Callable[[UnaryCall], Awaitable[Reply]]
+
+
+class Engine:
+    """An :class:`~shim.cri.server.Interceptor` that allocates CPUs on the CRI path."""
+
+    def __init__(
+        self,
+        policy: CPUPolicy,
+        checkpoint: CheckpointFile,
+        runtime: RuntimeChannel,
+        options: EngineOptions | None = None,
+        state: CPUState | None = None,
+    ) -> None:
+        self.policy = policy
+        self.checkpoint = checkpoint
+        self.runtime = runtime
+        self.options = options or EngineOptions()
+        self.state = state if state is not None else CPUState.empty(policy)
+        self.pods: dict[str, Pod] = {}
+        self.containers: dict[str, Tracked] = {}
+        # The CPUs a container held when it last stopped: a re-created container gets them
+        # back when they are still free.
+        self.last_cpus: dict[ContainerKey, CPUSet] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Reply]] = set()
+        self._handlers: dict[str, Handler] = {
+            rq.RUN_POD_SANDBOX: self._run_pod_sandbox,
+            rq.CREATE_CONTAINER: self._create_container,
+            rq.START_CONTAINER: self._start_container,
+            rq.STOP_CONTAINER: self._stop_container,
+            rq.REMOVE_CONTAINER: self._remove_container,
+            rq.STOP_POD_SANDBOX: self._stop_pod_sandbox,
+            rq.REMOVE_POD_SANDBOX: self._remove_pod_sandbox,
+            rq.UPDATE_CONTAINER_RESOURCES: self._update_container_resources,
+        }
+
+    # --- the Interceptor protocol -----------------------------------------------------------
+
+    def intercepts(self, path: str) -> bool:
+        return path in LIFECYCLE_PATHS
+
+    async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply:
+        rejected = check_request(call)
+        if rejected is not None:
+            return rejected
+        task = self._spawn(self._dispatch(call))
+        return await asyncio.shield(task)
+
+    async def drain(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for calls in flight to finish their work."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace)
+
+    def _spawn(self, work: Coroutine[Any, Any, Reply]) -> asyncio.Task[Reply]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _dispatch(self, call: UnaryCall) -> Reply:
+        handler = self._handlers.get(call.path)
+        if handler is None:
+            return await self.runtime.unary(call)
+        try:
+            return await handler(call)
+        except Exception as exc:
+            self.counters["internal_errors"] += 1
+            if self.options.failure_policy == "fail-open":
+                self.counters["fail_open_forwards"] += 1
+                log.exception(
+                    "decision failed; forwarding the call unchanged (fail-open)",
+                    extra={"fields": {"path": call.path}},
+                )
+                return await self.runtime.unary(call)
+            log.exception(
+                "decision failed; refusing the call (fail-closed)",
+                extra={"fields": {"path": call.path}},
+            )
+            return Reply.error(Status.INTERNAL, f"cpushim: {call.path} failed: {exc}")
+
+    # --- pods -------------------------------------------------------------------------------
+
+    async def _run_pod_sandbox(self, call: UnaryCall) -> Reply:
+        request = pb.RunPodSandboxRequest.FromString(call.request)
+        reply = await self.runtime.unary(call)
+        response = _response(reply, pb.RunPodSandboxResponse)
+        if response is not None:
+            pod = Pod.from_config(response.pod_sandbox_id, request.config)
+            self.pods[pod.sandbox_id] = pod
+        return reply
+
+    async def _stop_pod_sandbox(self, call: UnaryCall) -> Reply:
+        sandbox_id = pb.StopPodSandboxRequest.FromString(call.request).pod_sandbox_id
+        reply = await self.runtime.unary(call)
+        if reply.status is Status.OK:
+            async with self.lock:
+                for tracked in self.containers.values():
+                    if tracked.sandbox_id == sandbox_id:
+                        tracked.phase = Phase.EXITED
+                await self._release(
+                    key
+                    for key, a in self.state.assignments.items()
+                    if a.sandbox_id == sandbox_id and a.container_id
+                )
+        return reply
+
+    async def _remove_pod_sandbox(self, call: UnaryCall) -> Reply:
+        sandbox_id = pb.RemovePodSandboxRequest.FromString(call.request).pod_sandbox_id
+        reply = await self.runtime.unary(call)
+        if reply.status is Status.OK:
+            async with self.lock:
+                for container_id in [
+                    t.id for t in self.containers.values() if t.sandbox_id == sandbox_id
+                ]:
+                    del self.containers[container_id]
+                await self._release(
+                    key
+                    for key, a in self.state.assignments.items()
+                    if a.sandbox_id == sandbox_id and a.container_id
+                )
+                pod = self.pods.pop(sandbox_id, None)
+                if pod is not None and not any(p.uid == pod.uid for p in self.pods.values()):
+                    for key in [k for k in self.last_cpus if k.pod_uid == pod.uid]:
+                        del self.last_cpus[key]
+        return reply
+
+    def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
+        if config.metadata.uid:
+            pod = Pod.from_config(sandbox_id, config)
+            self.pods[sandbox_id] = pod
+            return pod
+        known = self.pods.get(sandbox_id)
+        if known is not None:
+            return known
+        # No sandbox config and a sandbox we never saw: nothing to classify by.
+        return Pod(sandbox_id, uid=sandbox_id, name="", namespace="", qos=None, cgroup_parent="")
+
+    # --- containers -------------------------------------------------------------------------
+
+    async def _create_container(self, call: UnaryCall) -> Reply:
+        request = pb.CreateContainerRequest.FromString(call.request)
+        pod = self._pod_of(request.pod_sandbox_id, request.sandbox_config)
+        meta = request.config.metadata
+        try:
+            plan = plan_container(pod, meta.name, request.config.linux.resources)
+        except AnnotationError as exc:
+            self.counters["bad_annotations"] += 1
+            return Reply.error(Status.INVALID_ARGUMENT, f"cpushim: pod {pod.label}: {exc}")
+        key = ContainerKey(pod.uid, meta.name)
+        if plan.exclusive is None or self.policy.name == "none":
+            return await self._create_shared(call, request, key, plan)
+        return await self._create_exclusive(call, request, pod, key, plan, plan.exclusive)
+
+    async def _create_shared(
+        self,
+        call: UnaryCall,
+        request: pb.CreateContainerRequest,
+        key: ContainerKey,
+        plan: ContainerPlan,
+    ) -> Reply:
+        pool = self.state.shared
+        rq.pin(request.config.linux.resources, pool, drop_quota=False)
+        reply = await self.runtime.unary(call, request=request.SerializeToString())
+        response = _response(reply, pb.CreateContainerResponse)
+        if response is None:
+            return reply
+        async with self.lock:
+            self.containers[response.container_id] = Tracked(
+                id=response.container_id,
+                key=key,
+                sandbox_id=request.pod_sandbox_id,
+                exclusive=False,
+                keep_quota=True,
+                phase=Phase.CREATED,
+                applied=pool,
+            )
+            # The pool changed while the runtime created it: correct it before it can start.
+            await self._apply()
+        return reply
+
+    async def _create_exclusive(
+        self,
+        call: UnaryCall,
+        request: pb.CreateContainerRequest,
+        pod: Pod,
+        key: ContainerKey,
+        plan: ContainerPlan,
+        count: int,
+    ) -> Reply:
+        attempt = request.config.metadata.attempt
+        async with self.lock:
+            self.counters["pinning_requests"] += 1
+            await self._release_exited_in_pod(pod.uid, keep=key)
+            held = self.state.assignments.get(key)
+            if held is not None and not held.container_id:
+                self.counters["pinning_errors"] += 1
+                return Reply.error(
+                    Status.ABORTED,
+                    f"cpushim: a CreateContainer for {pod.label} container {key.name} is"
+                    " already in progress",
+                )
+            if held is not None and len(held.cpus) == count:
+                # A restart of the same container (next attempt): its CPUs follow it.
+                cpus = held.cpus
+            else:
+                if held is not None:
+                    self.state = self.state.release([key], self.policy)
+                chosen = self._choose(key, count, plan)
+                if isinstance(chosen, Reply):
+                    return chosen
+                cpus = chosen
+            assignment = Assignment(cpus, "", pod.sandbox_id, attempt, pod.label)
+            await self._commit(self.state.assign(key, assignment, self.policy))
+            await self._apply()
+        mems = rq.mems_of(self.policy.topology.numa_nodes_of(cpus))
+        rq.pin(request.config.linux.resources, cpus, mems, drop_quota=not plan.keep_quota)
+        reply = await self.runtime.unary(call, request=request.SerializeToString())
+        response = _response(reply, pb.CreateContainerResponse)
+        async with self.lock:
+            current = self.state.assignments.get(key)
+            ours = current is not None and current.cpus == cpus and not current.container_id
+            if response is None:
+                self.counters["pinning_errors"] += 1
+                if ours:
+                    log.info(
+                        "create failed; CPUs returned",
+                        extra={"fields": {"container": str(key), "cpus": str(cpus)}},
+                    )
+                    await self._release([key])
+                return reply
+            if ours:
+                await self._commit(self.state.update(key, container_id=response.container_id))
+            self.containers[response.container_id] = Tracked(
+                id=response.container_id,
+                key=key,
+                sandbox_id=request.pod_sandbox_id,
+                exclusive=True,
+                keep_quota=plan.keep_quota,
+                phase=Phase.CREATED,
+                applied=cpus,
+            )
+            log.info(
+                "pinned",
+                extra={
+                    "fields": {
+                        "pod": pod.label,
+                        "container": key.name,
+                        "container_id": response.container_id,
+                        "cpus": str(cpus),
+                        "mems": mems,
+                        "shared": str(self.state.shared),
+                    }
+                },
+            )
+        return reply
+
+    def _choose(self, key: ContainerKey, count: int, plan: ContainerPlan) -> CPUSet | Reply:
+        exclusive = self.state.exclusive()
+        held = CPUSet().union(*exclusive.values())
+        free = self.policy.exclusive_candidates - held
+        preferred = self.last_cpus.get(key)
+        if (
+            preferred is not None
+            and len(preferred) == count
+            and preferred.issubset(free)
+            and self.policy.shared_pool({**exclusive, key: preferred})
+        ):
+            return preferred
+        try:
+            return self.policy.allocate(exclusive, ExclusiveRequest(count, isolated=plan.isolated))
+        except AllocationError as exc:
+            self.counters["pinning_errors"] += 1
+            pod = self.pods.get(self._sandbox_of(key), None)
+            label = pod.label if pod is not None else key.pod_uid
+            message = (
+                f"cpushim: cannot give pod {label} container {key.name} {count} exclusive"
+                f" CPU{'s' if count != 1 else ''}: {exc} (free: {free or 'none'},"
+                f" shared pool: {self.state.shared})"
+            )
+            log.warning("allocation refused", extra={"fields": {"error": message}})
+            return Reply.error(Status.RESOURCE_EXHAUSTED, message)
+
+    def _sandbox_of(self, key: ContainerKey) -> str:
+        for pod in self.pods.values():
+            if pod.uid == key.pod_uid:
+                return pod.sandbox_id
+        return ""
+
+    async def _start_container(self, call: UnaryCall) -> Reply:
+        container_id = pb.StartContainerRequest.FromString(call.request).container_id
+        reply = await self.runtime.unary(call)
+        tracked = self.containers.get(container_id)
+        if reply.status is Status.OK and tracked is not None:
+            tracked.phase = Phase.RUNNING
+        return reply
+
+    async def _stop_container(self, call: UnaryCall) -> Reply:
+        container_id = pb.StopContainerRequest.FromString(call.request).container_id
+        reply = await self.runtime.unary(call)
+        if reply.status is Status.OK:
+            async with self.lock:
+                tracked = self.containers.get(container_id)
+                if tracked is not None:
+                    tracked.phase = Phase.EXITED
+                key = self.state.holding(container_id)
+                if key is not None:
+                    await self._release([key])
+        return reply
+
+    async def _remove_container(self, call: UnaryCall) -> Reply:
+        container_id = pb.RemoveContainerRequest.FromString(call.request).container_id
+        reply = await self.runtime.unary(call)
+        if reply.status is Status.OK:
+            async with self.lock:
+                self.containers.pop(container_id, None)
+                key = self.state.holding(container_id)
+                if key is not None:
+                    await self._release([key])
+        return reply
+
+    async def _update_container_resources(self, call: UnaryCall) -> Reply:
+        request = pb.UpdateContainerResourcesRequest.FromString(call.request)
+        tracked = self.containers.get(request.container_id)
+        if tracked is None:
+            return await self.runtime.unary(call)
+        async with self.lock:
+            cpus, mems, drop_quota = self._desired(tracked)
+            rq.pin(request.linux, cpus, mems, drop_quota=drop_quota)
+            reply = await self.runtime.unary(call, request=request.SerializeToString())
+            if reply.status is Status.OK:
+                tracked.applied = cpus
+        return reply
+
+    # --- decisions shared by the calls (the lock is held) --------------------------------------
+
+    async def _commit(self, state: CPUState) -> None:
+        """Persist ``state``, then make it the engine's: a failed write changes nothing."""
+        if state == self.state:
+            return
+        await self.checkpoint.save(state)
+        self.state = state
+
+    async def _release(self, keys: Iterable[ContainerKey]) -> None:
+        """Give the CPUs of ``keys`` back to the shared pool and grow the shared containers."""
+        keys = [k for k in keys if k in self.state.assignments]
+        if not keys:
+            return
+        for key in keys:
+            self.last_cpus[key] = self.state.assignments[key].cpus
+        await self._commit(self.state.release(keys, self.policy))
+        log.info(
+            "released",
+            extra={
+                "fields": {"containers": [str(k) for k in keys], "shared": str(self.state.shared)}
+            },
+        )
+        await self._apply()
+
+    async def _release_exited_in_pod(self, pod_uid: str, keep: ContainerKey) -> None:
+        """Release the CPUs of this pod's containers that have exited by themselves (init
+        containers run to completion without a StopContainer), so they can be reused."""
+        candidates = [
+            (key, a.container_id)
+            for key, a in self.state.assignments.items()
+            if key.pod_uid == pod_uid and key != keep and a.container_id
+        ]
+        exited: list[ContainerKey] = []
+        for key, container_id in candidates:
+            tracked = self.containers.get(container_id)
+            if tracked is not None and tracked.phase is Phase.EXITED:
+                exited.append(key)
+                continue
+            state = await self._container_state(container_id)
+            if state in (None, pb.CONTAINER_EXITED):
+                if tracked is not None:
+                    tracked.phase = Phase.EXITED
+                exited.append(key)
+        await self._release(exited)
+
+    async def _container_state(self, container_id: str) -> int | None:
+        """The runtime's state of a container; None when it does not know it."""
+        request = pb.ContainerStatusRequest(container_id=container_id).SerializeToString()
+        reply = await self.runtime.unary(
+            UnaryCall(rq.CONTAINER_STATUS, (), request, self.options.update_timeout)
+        )
+        if reply.status is Status.NOT_FOUND:
+            return None
+        response = _response(reply, pb.ContainerStatusResponse)
+        if response is None:
+            raise RuntimeError(
+                f"ContainerStatus {container_id}: {reply.status.name}: {reply.status_message}"
+            )
+        return response.status.state
+
+    def _desired(self, tracked: Tracked) -> tuple[CPUSet, str, bool]:
+        """The cpuset, mems and whether to drop the quota, for a container now."""
+        if tracked.exclusive:
+            assignment = self.state.assignments.get(tracked.key)
+            if assignment is not None and assignment.container_id == tracked.id:
+                nodes = self.policy.topology.numa_nodes_of(assignment.cpus)
+                return assignment.cpus, rq.mems_of(nodes), not tracked.keep_quota
+        return self.state.shared, "", False
+
+    async def _apply(self) -> None:
+        """Write the cpuset of every live container whose cpuset is not what it should be."""
+        moves: list[tuple[Tracked, CPUSet, str, bool]] = []
+        for tracked in self.containers.values():
+            if tracked.phase is Phase.EXITED:
+                continue
+            cpus, mems, drop_quota = self._desired(tracked)
+            if cpus != tracked.applied:
+                moves.append((tracked, cpus, mems, drop_quota))
+        if not moves:
+            return
+        limit = asyncio.Semaphore(self.options.update_concurrency)
+
+        async def move(tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> None:
+            async with limit:
+                await self._write_cpuset(tracked, cpus, mems, drop_quota)
+
+        await asyncio.gather(*(move(*m) for m in moves))
+
+    async def _write_cpuset(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
+    ) -> None:
+        request = rq.update_request(tracked.id, cpus, mems, drop_quota=drop_quota)
+        reply = await self.runtime.unary(
+            UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.options.update_timeout)
+        )
+        if reply.status is Status.OK:
+            self.counters["cpuset_updates"] += 1
+            tracked.applied = cpus
+            return
+        if reply.status is Status.NOT_FOUND:
+            # Gone behind our back (removed directly on the runtime): stop tracking it.
+            self.containers.pop(tracked.id, None)
+            return
+        # Left as it is; the next decision tries again (tracked.applied is unchanged).
+        self.counters["cpuset_update_errors"] += 1
+        log.warning(
+            "could not move a container",
+            extra={
+                "fields": {
+                    "container_id": tracked.id,
+                    "container": str(tracked.key),
+                    "cpus": str(cpus),
+                    "error": f"{reply.status.name}: {reply.status_message}",
+                }
+            },
+        )
+
+
+def _response(reply: Reply, message_type: type[_M]) -> _M | None:
+    """The decoded reply message of a successful call, else None."""
+    if reply.status is not Status.OK or not reply.messages:
+        return None
+    try:
+        return message_type.FromString(reply.messages[0])
+    except DecodeError:
+        return None

@@ -1,0 +1,369 @@
+"""Start-up: load the checkpoint, check it, and square it with what the runtime reports.
+
+The runtime is the truth about which containers exist; the checkpoint is the truth about which
+CPUs they were given. Assignments whose containers are gone are released; running containers
+cpushim does not know (created while it was down) are adopted, exclusive when their pod and
+resources ask for it and CPUs are free, shared otherwise; a changed policy, option set or
+reserved set is re-planned; then every container's cpuset is written where it differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from google.protobuf.message import DecodeError
+
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Reply, Status, UnaryCall
+from shim.engine import requests as rq
+from shim.engine.core import Engine, Phase, Tracked
+from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
+from shim.policy.static import AllocationError, ExclusiveRequest
+from shim.state import (
+    Assignment,
+    CheckpointError,
+    ContainerKey,
+    CPUState,
+    integrity_problems,
+    replan,
+)
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT = 10.0
+
+RECOVERY_HINT = (
+    "To rebuild the state from what the runtime reports, start once with"
+    " --recover-from-runtime (the old file is kept beside it)."
+)
+
+
+class StartupError(RuntimeError):
+    """cpushim cannot start safely; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class LiveContainer:
+    id: str
+    sandbox_id: str
+    name: str
+    attempt: int
+    state: int
+    resources: pb.LinuxContainerResources
+
+
+@dataclass
+class ResyncReport:
+    released: list[str] = field(default_factory=list)
+    adopted_exclusive: list[str] = field(default_factory=list)
+    adopted_shared: list[str] = field(default_factory=list)
+    replanned: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+
+async def start(engine: Engine, *, recover_from_runtime: bool = False) -> ResyncReport:
+    """Load or rebuild the state, resync with the runtime and apply it; StartupError when the
+    checkpoint cannot be trusted or the runtime cannot be listed."""
+    loaded = _load(engine, recover_from_runtime)
+    try:
+        pods = await _sandboxes(engine)
+        live = await _containers(engine)
+    except DecodeError as exc:
+        raise StartupError(
+            f"resync: {engine.runtime.endpoint} answered with a message that does not decode"
+            f" ({exc}); is it a CRI runtime?"
+        ) from exc
+    report = ResyncReport()
+    async with engine.lock:
+        engine.pods = pods
+        state = _reconcile(engine, loaded, pods, live, report)
+        try:
+            await engine.checkpoint.save(state)
+        except OSError as exc:
+            raise StartupError(f"cannot write {engine.checkpoint.path}: {exc}") from exc
+        engine.state = state
+        engine.containers = {c.id: _tracked(engine, c, pods) for c in live.values()}
+        await engine._apply()
+    log.info(
+        "resynced with the runtime",
+        extra={
+            "fields": {
+                "sandboxes": len(pods),
+                "containers": len(live),
+                "exclusive": {str(k): str(a.cpus) for k, a in engine.state.assignments.items()},
+                "shared": str(engine.state.shared),
+                "released": report.released,
+                "adopted_exclusive": report.adopted_exclusive,
+                "adopted_shared": len(report.adopted_shared),
+                "replanned": report.replanned,
+                "refused": report.refused,
+            }
+        },
+    )
+    return report
+
+
+def _load(engine: Engine, recover_from_runtime: bool) -> CPUState | None:
+    path = engine.checkpoint.path
+    if recover_from_runtime:
+        if path.exists():
+            kept = path.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
+            path.rename(kept)
+            log.warning(
+                "recovering from the runtime; the old checkpoint is kept",
+                extra={"fields": {"kept_as": str(kept)}},
+            )
+        return None
+    try:
+        loaded = engine.checkpoint.load()
+    except CheckpointError as exc:
+        raise StartupError(f"the checkpoint is unusable: {exc}. {RECOVERY_HINT}") from exc
+    if loaded is None:
+        log.info("no checkpoint yet; starting empty", extra={"fields": {"path": str(path)}})
+        return None
+    problems = integrity_problems(loaded, engine.policy.topology)
+    if problems:
+        raise StartupError(
+            f"the checkpoint {path} is inconsistent: {'; '.join(problems)}. {RECOVERY_HINT}"
+        )
+    return loaded
+
+
+async def _call(engine: Engine, path: str, request: bytes) -> Reply:
+    reply = await engine.runtime.unary(UnaryCall(path, (), request, CALL_TIMEOUT))
+    if reply.status is not Status.OK or not reply.messages:
+        name = path.rsplit("/", 1)[-1]
+        raise StartupError(
+            f"resync: {name} on {engine.runtime.endpoint} failed:"
+            f" {reply.status.name}: {reply.status_message}"
+        )
+    return reply
+
+
+async def _sandboxes(engine: Engine) -> dict[str, Pod]:
+    reply = await _call(engine, rq.LIST_POD_SANDBOX, b"")
+    pods: dict[str, Pod] = {}
+    for item in pb.ListPodSandboxResponse.FromString(reply.messages[0]).items:
+        request = pb.PodSandboxStatusRequest(pod_sandbox_id=item.id, verbose=True)
+        status_reply = await engine.runtime.unary(
+            UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
+        )
+        if status_reply.status is Status.NOT_FOUND:
+            continue  # removed since it was listed
+        if status_reply.status is not Status.OK or not status_reply.messages:
+            raise StartupError(
+                f"resync: PodSandboxStatus {item.id} failed: {status_reply.status.name}:"
+                f" {status_reply.status_message}"
+            )
+        status = pb.PodSandboxStatusResponse.FromString(status_reply.messages[0])
+        pods[item.id] = Pod.from_config(item.id, _sandbox_config(item, status))
+    return pods
+
+
+def _sandbox_config(
+    item: pb.PodSandbox, status: pb.PodSandboxStatusResponse
+) -> pb.PodSandboxConfig:
+    """The sandbox's config as kubelet sent it. The cgroup parent (the QoS class) is only in the
+    runtime's verbose info (containerd: ``info`` JSON, ``config.linux.cgroup_parent``); without
+    it the pod cannot be classified and its containers share."""
+    config = pb.PodSandboxConfig(metadata=item.metadata)
+    config.annotations.update(status.status.annotations or item.annotations)
+    try:
+        info = orjson.loads(status.info.get("info", "{}"))
+        parent = info.get("config", {}).get("linux", {}).get("cgroup_parent", "")
+    except (orjson.JSONDecodeError, AttributeError):
+        parent = ""
+    if isinstance(parent, str):
+        config.linux.cgroup_parent = parent
+    return config
+
+
+async def _containers(engine: Engine) -> dict[str, LiveContainer]:
+    """Containers that are not exited: exited ones hold no CPUs."""
+    reply = await _call(engine, rq.LIST_CONTAINERS, b"")
+    live: dict[str, LiveContainer] = {}
+    for item in pb.ListContainersResponse.FromString(reply.messages[0]).containers:
+        if item.state == pb.CONTAINER_EXITED:
+            continue
+        request = pb.ContainerStatusRequest(container_id=item.id).SerializeToString()
+        status_reply = await engine.runtime.unary(
+            UnaryCall(rq.CONTAINER_STATUS, (), request, CALL_TIMEOUT)
+        )
+        if status_reply.status is Status.NOT_FOUND:
+            continue
+        if status_reply.status is not Status.OK or not status_reply.messages:
+            raise StartupError(
+                f"resync: ContainerStatus {item.id} failed: {status_reply.status.name}:"
+                f" {status_reply.status_message}"
+            )
+        status = pb.ContainerStatusResponse.FromString(status_reply.messages[0]).status
+        live[item.id] = LiveContainer(
+            id=item.id,
+            sandbox_id=item.pod_sandbox_id,
+            name=item.metadata.name,
+            attempt=item.metadata.attempt,
+            state=status.state,
+            resources=status.resources.linux,
+        )
+    return live
+
+
+def _plan(pod: Pod | None, container: LiveContainer) -> ContainerPlan:
+    if pod is None:
+        return ContainerPlan(exclusive=None)
+    try:
+        return plan_container(pod, container.name, container.resources)
+    except AnnotationError as exc:
+        log.warning("pod annotation ignored at resync", extra={"fields": {"error": str(exc)}})
+        return ContainerPlan(exclusive=None)
+
+
+def _reconcile(
+    engine: Engine,
+    loaded: CPUState | None,
+    pods: dict[str, Pod],
+    live: dict[str, LiveContainer],
+    report: ResyncReport,
+) -> CPUState:
+    policy = engine.policy
+    state = loaded if loaded is not None else CPUState.empty(policy)
+    previous = dict(state.assignments)
+    displaced: list[ContainerKey] = []
+    if (state.policy, state.options, state.reserved) != (
+        policy.name,
+        policy.option_names,
+        policy.reserved,
+    ):
+        was = f"{state.policy} options={sorted(state.options)} reserved={state.reserved}"
+        state, displaced = replan(state, policy)
+        log.info(
+            "policy changed since the checkpoint; re-planned",
+            extra={
+                "fields": {
+                    "was": was,
+                    "now": f"{policy.name} options={sorted(policy.option_names)}"
+                    f" reserved={policy.reserved}",
+                    "displaced": [str(k) for k in displaced],
+                }
+            },
+        )
+
+    def key_of(container: LiveContainer) -> ContainerKey | None:
+        pod = pods.get(container.sandbox_id)
+        return None if pod is None else ContainerKey(pod.uid, container.name)
+
+    # Assignments whose container is gone (or whose create never finished) go back.
+    holders: dict[ContainerKey, LiveContainer] = {}
+    gone: list[ContainerKey] = []
+    for key, assignment in state.assignments.items():
+        container = live.get(assignment.container_id) if assignment.container_id else None
+        if container is None and not assignment.container_id:
+            # cpushim stopped while the create was on its way: the runtime may have made it.
+            matches = [c for c in live.values() if key_of(c) == key]
+            container = max(matches, key=lambda c: c.attempt, default=None)
+        if container is None:
+            gone.append(key)
+        else:
+            holders[key] = container
+    for key in gone:
+        engine.last_cpus[key] = state.assignments[key].cpus
+        report.released.append(str(key))
+    state = state.release(gone, policy)
+    for key, container in holders.items():
+        if state.assignments[key].container_id != container.id:
+            state = state.update(key, container_id=container.id, sandbox_id=container.sandbox_id)
+
+    # Containers that lost their CPUs to a policy change, then unknown ones, get CPUs again.
+    holding_ids = {a.container_id for a in state.assignments.values()}
+    candidates: list[tuple[LiveContainer, int, ContainerPlan]] = []
+    for key in displaced:
+        old = previous[key]
+        container = live.get(old.container_id)
+        if container is not None:
+            plan = _plan(pods.get(container.sandbox_id), container)
+            candidates.append((container, len(old.cpus), plan))
+            report.replanned.append(str(key))
+    for container in sorted(live.values(), key=lambda c: c.id):
+        if container.id in holding_ids or any(c is container for c, _, _ in candidates):
+            continue
+        plan = _plan(pods.get(container.sandbox_id), container)
+        if plan.exclusive is None or policy.name == "none":
+            report.adopted_shared.append(container.id)
+            continue
+        candidates.append((container, plan.exclusive, plan))
+
+    for container, count, plan in candidates:
+        pod = pods.get(container.sandbox_id)
+        adopted_key = key_of(container)
+        if adopted_key is None or pod is None or adopted_key in state.assignments:
+            report.adopted_shared.append(container.id)
+            continue
+        cpus = _adopted_cpus(engine, state, container, count, plan)
+        if cpus is None:
+            report.refused.append(str(adopted_key))
+            continue
+        assignment = Assignment(
+            cpus, container.id, container.sandbox_id, container.attempt, pod.label
+        )
+        state = state.assign(adopted_key, assignment, policy)
+        report.adopted_exclusive.append(str(adopted_key))
+    return state.under(policy)
+
+
+def _adopted_cpus(
+    engine: Engine,
+    state: CPUState,
+    container: LiveContainer,
+    count: int,
+    plan: ContainerPlan,
+) -> CPUSet | None:
+    """The container's current cpuset when it is a valid free choice, else a new allocation;
+    None (the container shares) when the policy cannot satisfy it."""
+    policy = engine.policy
+    exclusive = state.exclusive()
+    free = policy.exclusive_candidates - CPUSet().union(*exclusive.values())
+    try:
+        current = CPUSet.parse(container.resources.cpuset_cpus)
+    except ValueError:
+        current = CPUSet()
+    key = ContainerKey("", container.id)
+    if (
+        len(current) == count
+        and current.issubset(free)
+        and policy.shared_pool({**exclusive, key: current})
+    ):
+        return current
+    try:
+        return policy.allocate(exclusive, ExclusiveRequest(count, isolated=plan.isolated))
+    except AllocationError as exc:
+        engine.counters["adoptions_refused"] += 1
+        log.error(
+            "a running container cannot get its exclusive CPUs; it shares",
+            extra={"fields": {"container_id": container.id, "count": count, "error": str(exc)}},
+        )
+        return None
+
+
+def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> Tracked:
+    pod = pods.get(container.sandbox_id)
+    key = ContainerKey(pod.uid if pod else container.sandbox_id, container.name)
+    assignment = engine.state.assignments.get(key)
+    exclusive = assignment is not None and assignment.container_id == container.id
+    try:
+        applied: CPUSet | None = CPUSet.parse(container.resources.cpuset_cpus) or None
+    except ValueError:
+        applied = None
+    plan = _plan(pod, container)
+    return Tracked(
+        id=container.id,
+        key=key,
+        sandbox_id=container.sandbox_id,
+        exclusive=exclusive,
+        keep_quota=plan.keep_quota,
+        phase=Phase.RUNNING if container.state == pb.CONTAINER_RUNNING else Phase.CREATED,
+        applied=applied,
+    )

@@ -1,0 +1,122 @@
+"""What cpushim decides about a container before it asks the policy: the pod it belongs to,
+whether it gets exclusive CPUs, and what the pod's ``cpushim.io/`` annotations ask for. Pure.
+
+Annotations (pod-level; kubelet passes a pod's annotations in its sandbox config):
+
+* ``cpushim.io/isolated-cpus: prefer|require`` — exclusive CPUs from the kernel's isolated set;
+* ``cpushim.io/cfs-quota: keep`` — keep kubelet's CFS quota on exclusive containers (by default
+  cpushim removes it: a container alone on its CPUs has nothing to be throttled for, and
+  quota throttling adds latency spikes);
+* ``cpushim.io/exclusive: "false"`` — no exclusive CPUs for any container of the pod, or
+  ``cpushim.io/exclusive.<container-name>: "false"`` for one container.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
+
+from shim.cri import runtime_v1_pb2 as pb
+from shim.kube import CgroupParentError, QOSClass, exclusive_cpu_count, pod_cgroup
+from shim.policy.static import IsolatedMode
+
+ANNOTATION_ISOLATED: Final = "cpushim.io/isolated-cpus"
+ANNOTATION_CFS_QUOTA: Final = "cpushim.io/cfs-quota"
+ANNOTATION_EXCLUSIVE: Final = "cpushim.io/exclusive"
+
+_BOOL: Final = {"true": True, "false": False}
+_ISOLATED_MODES: Final[Mapping[str, IsolatedMode]] = {
+    "avoid": "avoid",
+    "prefer": "prefer",
+    "require": "require",
+}
+
+
+class AnnotationError(ValueError):
+    """A ``cpushim.io/`` annotation with a value cpushim does not know."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    sandbox_id: str
+    uid: str
+    name: str
+    namespace: str
+    # None when the cgroup parent is not one kubelet makes (a pod made by hand with crictl):
+    # such a pod's containers share.
+    qos: QOSClass | None
+    cgroup_parent: str
+    annotations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def label(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @classmethod
+    def from_config(cls, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
+        parent = config.linux.cgroup_parent
+        try:
+            qos: QOSClass | None = pod_cgroup(parent).qos
+        except CgroupParentError:
+            qos = None
+        meta = config.metadata
+        return cls(
+            sandbox_id=sandbox_id,
+            uid=meta.uid,
+            name=meta.name,
+            namespace=meta.namespace,
+            qos=qos,
+            cgroup_parent=parent,
+            annotations=MappingProxyType(dict(config.annotations)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerPlan:
+    """``exclusive`` is the number of exclusive CPUs, or None for the shared pool."""
+
+    exclusive: int | None
+    isolated: IsolatedMode = "avoid"
+    keep_quota: bool = False
+
+
+def _flag(annotations: Mapping[str, str], name: str) -> bool | None:
+    value = annotations.get(name)
+    if value is None:
+        return None
+    parsed = _BOOL.get(value.strip().lower())
+    if parsed is None:
+        raise AnnotationError(f'annotation {name}: {value!r} is not "true" or "false"')
+    return parsed
+
+
+def plan_container(
+    pod: Pod, container_name: str, resources: pb.LinuxContainerResources
+) -> ContainerPlan:
+    """Exclusive or shared, from the pod's QoS class, the container's CPU resources and the
+    pod's annotations; AnnotationError for an annotation value cpushim does not know."""
+    annotations = pod.annotations
+    isolated = _ISOLATED_MODES.get(annotations.get(ANNOTATION_ISOLATED, "avoid").strip().lower())
+    if isolated is None:
+        raise AnnotationError(
+            f"annotation {ANNOTATION_ISOLATED}: {annotations[ANNOTATION_ISOLATED]!r}"
+            " is not prefer or require"
+        )
+    quota = annotations.get(ANNOTATION_CFS_QUOTA)
+    if quota is not None and quota.strip().lower() not in ("keep", "remove"):
+        raise AnnotationError(f"annotation {ANNOTATION_CFS_QUOTA}: {quota!r} is not keep")
+    per_container = _flag(annotations, f"{ANNOTATION_EXCLUSIVE}.{container_name}")
+    pod_wide = _flag(annotations, ANNOTATION_EXCLUSIVE)
+    wanted = per_container if per_container is not None else pod_wide
+    count = None
+    if pod.qos is not None and wanted is not False:
+        count = exclusive_cpu_count(
+            pod.qos, resources.cpu_shares, resources.cpu_quota, resources.cpu_period
+        )
+    return ContainerPlan(
+        exclusive=count,
+        isolated=isolated,
+        keep_quota=quota is not None and quota.strip().lower() == "keep",
+    )

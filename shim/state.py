@@ -1,0 +1,309 @@
+"""Who holds which CPUs, as the engine records it, and the checkpoint codec. Pure: no I/O.
+
+Only exclusive assignments are recorded: every other container runs on the shared pool, and
+which containers those are is learnt again from the runtime on start. The shared pool is kept
+in the checkpoint anyway, so a reader (``cpushim status``, an operator) needs no policy
+arithmetic, and so a checkpoint whose parts disagree is caught.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Final
+
+import orjson
+
+from shim.cpuset import CPUSet
+from shim.policy import CPUPolicy
+from shim.policy.none import NonePolicy
+from shim.policy.options import OptionsError, StaticPolicyOptions
+from shim.policy.static import StaticPolicy
+from shim.topology import Topology
+
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "Assignment",
+    "CPUState",
+    "CheckpointError",
+    "ContainerKey",
+    "decode_checkpoint",
+    "encode_checkpoint",
+    "integrity_problems",
+    "policy_of",
+    "replan",
+    "topology_fingerprint",
+]
+
+CHECKPOINT_VERSION: Final = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted; the message says what is wrong."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ContainerKey:
+    """A container as kubelet names it: stable across restarts of the container."""
+
+    pod_uid: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.pod_uid}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    cpus: CPUSet
+    # Empty while the CreateContainer that got these CPUs is on its way to the runtime.
+    container_id: str = ""
+    sandbox_id: str = ""
+    attempt: int = 0
+    # "namespace/name", for messages and the status map.
+    pod: str = ""
+
+
+def topology_fingerprint(topology: Topology) -> str:
+    """Changes when CPUs come or go, move between cores, sockets or NUMA nodes, or change
+    isolation; stays the same across reboots of an unchanged machine."""
+    rows = [(c.cpu, c.socket, c.die, c.numa_node, c.core_id, c.uncore_cache) for c in topology.cpus]
+    body = orjson.dumps({"cpus": sorted(rows), "isolated": str(topology.isolated)})
+    return "sha256:" + hashlib.sha256(body).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class CPUState:
+    policy: str
+    options: frozenset[str]
+    reserved: CPUSet
+    topology: str
+    shared: CPUSet
+    assignments: Mapping[ContainerKey, Assignment] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    @classmethod
+    def empty(cls, policy: CPUPolicy) -> CPUState:
+        return cls(
+            policy=policy.name,
+            options=policy.option_names,
+            reserved=policy.reserved,
+            topology=topology_fingerprint(policy.topology),
+            shared=policy.shared_pool({}),
+        )
+
+    def exclusive(self) -> dict[ContainerKey, CPUSet]:
+        return {key: a.cpus for key, a in self.assignments.items()}
+
+    def holding(self, container_id: str) -> ContainerKey | None:
+        for key, assignment in self.assignments.items():
+            if assignment.container_id == container_id:
+                return key
+        return None
+
+    def _with(self, assignments: dict[ContainerKey, Assignment], policy: CPUPolicy) -> CPUState:
+        cpus = {key: a.cpus for key, a in assignments.items()}
+        return replace(
+            self,
+            assignments=MappingProxyType(dict(sorted(assignments.items()))),
+            shared=policy.shared_pool(cpus),
+        )
+
+    def assign(self, key: ContainerKey, assignment: Assignment, policy: CPUPolicy) -> CPUState:
+        assignments = dict(self.assignments)
+        assignments[key] = assignment
+        return self._with(assignments, policy)
+
+    def release(self, keys: Iterable[ContainerKey], policy: CPUPolicy) -> CPUState:
+        assignments = dict(self.assignments)
+        for key in keys:
+            assignments.pop(key, None)
+        return self._with(assignments, policy)
+
+    def update(self, key: ContainerKey, **changes: Any) -> CPUState:
+        """The same CPUs, other bookkeeping (container id, sandbox, attempt)."""
+        assignments = dict(self.assignments)
+        assignments[key] = replace(assignments[key], **changes)
+        return replace(self, assignments=MappingProxyType(assignments))
+
+    def under(self, policy: CPUPolicy) -> CPUState:
+        """These assignments under ``policy``'s name, options and reserved set; replan first
+        when the policy changed."""
+        return replace(
+            self,
+            policy=policy.name,
+            options=policy.option_names,
+            reserved=policy.reserved,
+            topology=topology_fingerprint(policy.topology),
+        )._with(dict(self.assignments), policy)
+
+
+def policy_of(state: CPUState, topology: Topology) -> CPUPolicy:
+    """The policy a checkpoint was written under; CheckpointError if it cannot be rebuilt."""
+    if state.policy == "none":
+        return NonePolicy(topology)
+    if state.policy != "static":
+        raise CheckpointError(f"unknown policy {state.policy!r}")
+    try:
+        return StaticPolicy(
+            topology=topology,
+            reserved=state.reserved,
+            options=StaticPolicyOptions.parse(sorted(state.options)),
+        )
+    except (OptionsError, ValueError) as exc:
+        raise CheckpointError(f"its policy cannot be rebuilt on this machine: {exc}") from exc
+
+
+def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
+    """Everything that makes ``state`` inconsistent in itself or with this machine."""
+    problems: list[str] = []
+    fingerprint = topology_fingerprint(topology)
+    if state.topology != fingerprint:
+        problems.append(
+            f"it was written for another CPU topology ({state.topology}; this machine is"
+            f" {fingerprint}): CPUs were added, removed, offlined or isolated since"
+        )
+        return problems
+    held = CPUSet()
+    for key, assignment in state.assignments.items():
+        cpus = assignment.cpus
+        if not cpus:
+            problems.append(f"{key} holds no CPUs")
+        if not cpus.issubset(topology.online):
+            problems.append(f"{key} holds CPUs {cpus - topology.online} that are not online")
+        if cpus & held:
+            problems.append(f"{key} holds CPUs {cpus & held} that another container also holds")
+        if cpus & state.reserved:
+            problems.append(f"{key} holds reserved CPUs {cpus & state.reserved}")
+        held |= cpus
+    if state.shared & held:
+        overlap = state.shared & held
+        problems.append(f"the shared pool {state.shared} overlaps exclusive CPUs {overlap}")
+    try:
+        policy = policy_of(state, topology)
+    except CheckpointError as exc:
+        problems.append(str(exc))
+        return problems
+    expected = policy.shared_pool(state.exclusive())
+    if not problems and state.shared != expected:
+        problems.append(
+            f"the shared pool is {state.shared or 'empty'} but its assignments leave {expected}:"
+            " shared and exclusive CPUs do not add up to the allocatable CPUs"
+        )
+    return problems
+
+
+def replan(state: CPUState, policy: CPUPolicy) -> tuple[CPUState, list[ContainerKey]]:
+    """Keep each assignment that is still valid under ``policy`` (all its CPUs exclusive
+    candidates, none taken by a kept one); return the state under ``policy`` and the keys that
+    lost their assignment and need a new one."""
+    kept: dict[ContainerKey, Assignment] = {}
+    displaced: list[ContainerKey] = []
+    held = CPUSet()
+    candidates = policy.exclusive_candidates
+    for key, assignment in sorted(state.assignments.items()):
+        if assignment.cpus.issubset(candidates) and not assignment.cpus & held:
+            kept[key] = assignment
+            held |= assignment.cpus
+        else:
+            displaced.append(key)
+    planned = replace(state, assignments=MappingProxyType(kept)).under(policy)
+    return planned, displaced
+
+
+# --- the checkpoint codec ---------------------------------------------------------------------
+
+
+def _body(state: CPUState) -> dict[str, Any]:
+    pods: dict[str, dict[str, dict[str, Any]]] = {}
+    for key, a in sorted(state.assignments.items()):
+        pods.setdefault(key.pod_uid, {})[key.name] = {
+            "cpus": str(a.cpus),
+            "container_id": a.container_id,
+            "sandbox_id": a.sandbox_id,
+            "attempt": a.attempt,
+            "pod": a.pod,
+        }
+    return {
+        "policy": state.policy,
+        "options": sorted(state.options),
+        "reserved": str(state.reserved),
+        "topology": state.topology,
+        "shared": str(state.shared),
+        "assignments": pods,
+    }
+
+
+def _checksum(body: Mapping[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def encode_checkpoint(state: CPUState) -> bytes:
+    body = _body(state)
+    document = {"version": CHECKPOINT_VERSION, "checksum": _checksum(body), "body": body}
+    return orjson.dumps(document, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n"
+
+
+def decode_checkpoint(data: bytes) -> CPUState:
+    """The state in ``data``; CheckpointError naming the first thing that is wrong."""
+    try:
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise CheckpointError(f"it is not JSON ({exc})") from exc
+    if not isinstance(document, dict):
+        raise CheckpointError("it is not a JSON object")
+    version = document.get("version")
+    if version != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"format version {version!r} is not {CHECKPOINT_VERSION}, the one this cpushim reads"
+        )
+    body = document.get("body")
+    if not isinstance(body, dict):
+        raise CheckpointError("it has no body")
+    if document.get("checksum") != _checksum(body):
+        raise CheckpointError("its checksum does not match its body: it was edited or truncated")
+    try:
+        return _state_of(body)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"its body is malformed: {type(exc).__name__}: {exc}") from exc
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _state_of(body: Mapping[str, Any]) -> CPUState:
+    assignments: dict[ContainerKey, Assignment] = {}
+    pods = body["assignments"]
+    if not isinstance(pods, dict):
+        raise TypeError("assignments must be an object")
+    for pod_uid, containers in pods.items():
+        if not isinstance(containers, dict):
+            raise TypeError(f"assignments of pod {pod_uid} must be an object")
+        for name, entry in containers.items():
+            attempt = entry["attempt"]
+            if not isinstance(attempt, int) or attempt < 0:
+                raise ValueError(f"{pod_uid}/{name}: attempt must be a non-negative integer")
+            assignments[ContainerKey(pod_uid, name)] = Assignment(
+                cpus=CPUSet.parse(_text(entry["cpus"], f"{pod_uid}/{name} cpus")),
+                container_id=_text(entry["container_id"], "container_id"),
+                sandbox_id=_text(entry["sandbox_id"], "sandbox_id"),
+                attempt=attempt,
+                pod=_text(entry.get("pod", ""), "pod"),
+            )
+    options = body["options"]
+    if not isinstance(options, list):
+        raise TypeError("options must be a list")
+    return CPUState(
+        policy=_text(body["policy"], "policy"),
+        options=frozenset(_text(o, "an option") for o in options),
+        reserved=CPUSet.parse(_text(body["reserved"], "reserved")),
+        topology=_text(body["topology"], "topology"),
+        shared=CPUSet.parse(_text(body["shared"], "shared")),
+        assignments=MappingProxyType(dict(sorted(assignments.items()))),
+    )
