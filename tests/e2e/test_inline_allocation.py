@@ -1,0 +1,329 @@
+"""Inline allocation through cpushim on a real containerd, checked by what the kernel says.
+
+This machine has two CPUs; cpushim reserves CPU 0, so CPU 1 is the only one it can hand out
+exclusively. Each test starts its own cpushim (static policy) on a fresh state directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shim.cpuset import CPUSet
+from tests.e2e.conftest import CPUSHIM_START_TIMEOUT, CPUSHIM_STOP_TIMEOUT, REPO_ROOT
+from tests.harness.containerd import (
+    PrivateContainerd,
+    ServingProcess,
+    ServingProcessError,
+    cpushim_command,
+)
+from tests.harness.images import TEST_IMAGE
+from tests.harness.kubelet import (
+    ContainerResources,
+    KernelCpus,
+    KubeletClient,
+    QoSClass,
+    Sandbox,
+    cgroup_file,
+    new_pod_uid,
+)
+
+pytestmark = pytest.mark.e2e
+
+MIB = 1024 * 1024
+WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
+ONE_CPU = ContainerResources(1000, 1000, 32 * MIB, 32 * MIB)
+NO_RESOURCES = ContainerResources()
+
+
+def online_cpus() -> CPUSet:
+    return CPUSet.parse(Path("/sys/devices/system/cpu/online").read_text())
+
+
+@pytest.fixture(autouse=True)
+def two_cpus() -> None:
+    if len(online_cpus()) != 2:
+        pytest.skip(
+            f"these scenarios are written for a 2-CPU machine, this one has {online_cpus()}"
+        )
+
+
+class Shim:
+    """cpushim with the static policy and CPU 0 reserved, restartable on one state dir."""
+
+    def __init__(self, containerd: PrivateContainerd, directory: Path) -> None:
+        self.containerd = containerd
+        self.directory = directory
+        self.state_dir = directory / "state"
+        self.socket_path = directory / "cpushim.sock"
+        self.process: ServingProcess | None = None
+        self.runs = 0
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "state.json"
+
+    def command(self, *extra: str) -> list[str]:
+        return cpushim_command(
+            self.address,
+            self.containerd.address,
+            "--reserved-cpus",
+            "0",
+            *extra,
+            state_dir=self.state_dir,
+        )
+
+    def start(self, *extra: str) -> None:
+        self.runs += 1
+        self.process = ServingProcess(
+            self.command(*extra),
+            socket_path=self.socket_path,
+            log_path=self.directory / f"cpushim-{self.runs}.log",
+            cwd=REPO_ROOT,
+        )
+        try:
+            self.process.start(timeout=CPUSHIM_START_TIMEOUT)
+        except ServingProcessError as error:
+            pytest.fail(str(error), pytrace=False)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            code = self.process.stop(timeout=CPUSHIM_STOP_TIMEOUT)
+            assert code == 0, f"cpushim exited {code}; its log:\n{self.process.log()}"
+            self.process = None
+
+    def kill(self) -> None:
+        assert self.process is not None
+        assert self.process.process is not None
+        os.kill(self.process.process.pid, signal.SIGKILL)
+        self.process.process.wait(10)
+        self.process = None
+
+    def assignments(self) -> dict[str, dict[str, str]]:
+        """pod uid -> container name -> CPUs, from the checkpoint."""
+        body = json.loads(self.state_file.read_text())["body"]
+        return {
+            uid: {name: entry["cpus"] for name, entry in containers.items()}
+            for uid, containers in body["assignments"].items()
+        }
+
+
+@pytest.fixture
+def direct(containerd: PrivateContainerd) -> Iterator[KubeletClient]:
+    """A client straight to containerd; every pod it or ``via`` made is torn down after."""
+    with KubeletClient(containerd.address, log_root=containerd.dir / "pod-logs") as client:
+        # Nothing from other tests may be running: cpushim would adopt it.
+        for sandbox in client.list_pod_sandbox().items:
+            client.teardown_pod(sandbox.id)
+        yield client
+        for sandbox in client.list_pod_sandbox().items:
+            client.teardown_pod(sandbox.id)
+
+
+@pytest.fixture
+def shim(containerd: PrivateContainerd, tmp_path: Path) -> Iterator[Shim]:
+    instance = Shim(containerd, tmp_path)
+    yield instance
+    if instance.process is not None:
+        instance.stop()
+
+
+@pytest.fixture
+def via(shim: Shim, containerd: PrivateContainerd) -> Iterator[Callable[[], KubeletClient]]:
+    """Opens a kubelet client on cpushim's socket (after the test has started cpushim)."""
+    clients: list[KubeletClient] = []
+
+    def open_client() -> KubeletClient:
+        client = KubeletClient(shim.address, log_root=containerd.dir / "pod-logs")
+        clients.append(client)
+        return client
+
+    yield open_client
+    for client in clients:
+        client.close()
+
+
+def run_pod(
+    client: KubeletClient, name: str, qos: QoSClass, resources: ContainerResources = NO_RESOURCES
+) -> tuple[Sandbox, str]:
+    sandbox = client.run_pod_sandbox(name, "default", new_pod_uid(), qos)
+    container_id = client.create_container(
+        sandbox,
+        "main",
+        TEST_IMAGE,
+        WORKLOAD,
+        cpu_milli_request=resources.cpu_milli_request,
+        cpu_milli_limit=resources.cpu_milli_limit,
+        memory_request=resources.memory_request,
+        memory_limit=resources.memory_limit,
+    )
+    return sandbox, container_id
+
+
+def cgroup_cpus_of(client: KubeletClient, container_id: str) -> str:
+    """The container's cgroup cpuset.cpus, whether or not its process runs yet."""
+    info = json.loads(client.container_status(container_id, verbose=True).info["info"])
+    path = info["runtimeSpec"]["linux"]["cgroupsPath"]
+    cgroup = Path("/sys/fs/cgroup/cpuset", path.lstrip("/"), "cpuset.cpus")
+    if cgroup.exists():
+        return cgroup.read_text().strip()
+    # Created, not started: runc makes the cgroup at start from the spec.
+    return str(info["runtimeSpec"]["linux"]["resources"]["cpu"].get("cpus", ""))
+
+
+def assert_kernel(kernel: KernelCpus, cpus: str) -> None:
+    assert kernel.cpus_allowed_list == cpus, kernel
+    assert kernel.cgroup_cpuset_cpus == cpus, kernel
+
+
+def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
+def test_pinning_moves_shared_containers_before_create_and_back_before_stop_returns(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    shim.start()
+    kubelet = via()
+    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
+    kubelet.start_container(shared_id)
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+
+    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    # Before the Guaranteed container has even started, the shared one is off CPU 1.
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+    assert cgroup_cpus_of(kubelet, pinned_id) == "1"
+    kubelet.start_container(pinned_id)
+    pinned = kubelet.kernel_cpus(pinned_id)
+    assert_kernel(pinned, "1")
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+
+    # No CPU is left: the next Guaranteed container is refused, and nothing is created.
+    refused_pod = kubelet.run_pod_sandbox("refused", "default", new_pod_uid(), "guaranteed")
+    error = rpc_error(
+        lambda: kubelet.create_container(
+            refused_pod,
+            "main",
+            TEST_IMAGE,
+            WORKLOAD,
+            cpu_milli_request=1000,
+            cpu_milli_limit=1000,
+            memory_request=32 * MIB,
+            memory_limit=32 * MIB,
+        )
+    )
+    assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "default/refused" in (error.details() or "")
+    assert "1 exclusive CPU" in (error.details() or "")
+    assert list(direct.list_containers(sandbox_id=refused_pod.id).containers) == []
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+
+    # When StopContainer returns, the shared container already runs on both CPUs again.
+    kubelet.stop_container(pinned_id, timeout=5)
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+    assert shim.assignments() == {}
+
+    # The freed CPU goes to the container that was refused.
+    retried_id = kubelet.create_container(
+        refused_pod,
+        "main",
+        TEST_IMAGE,
+        WORKLOAD,
+        cpu_milli_request=1000,
+        cpu_milli_limit=1000,
+        memory_request=32 * MIB,
+        memory_limit=32 * MIB,
+    )
+    kubelet.start_container(retried_id)
+    assert_kernel(kubelet.kernel_cpus(retried_id), "1")
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+
+
+def test_sigkill_and_restart_keep_every_assignment(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    shim.start()
+    kubelet = via()
+    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
+    kubelet.start_container(shared_id)
+    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    kubelet.start_container(pinned_id)
+    before = shim.assignments()
+    assert before == {pinned_pod.uid: {"main": "1"}}
+
+    shim.kill()
+    shim.start()
+    kubelet = via()
+    assert shim.assignments() == before
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+    # It still knows CPU 1 is taken...
+    late_pod = kubelet.run_pod_sandbox("late", "default", new_pod_uid(), "guaranteed")
+    error = rpc_error(
+        lambda: kubelet.create_container(
+            late_pod, "main", TEST_IMAGE, WORKLOAD, cpu_milli_request=1000, cpu_milli_limit=1000
+        )
+    )
+    assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    # ...and by whom: stopping the pinned container frees it and grows the shared one.
+    kubelet.stop_container(pinned_id, timeout=5)
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+    assert shim.assignments() == {}
+
+
+def test_containers_created_while_cpushim_was_down_are_adopted(
+    shim: Shim, direct: KubeletClient
+) -> None:
+    _, shared_id = run_pod(direct, "besteffort", "besteffort")
+    direct.start_container(shared_id)
+    pinned_pod, pinned_id = run_pod(direct, "guaranteed", "guaranteed", ONE_CPU)
+    direct.start_container(pinned_id)
+    assert_kernel(direct.kernel_cpus(pinned_id), "0-1")
+
+    shim.start()
+    # cpushim serves only once the resync has applied the state.
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+    assert_kernel(direct.kernel_cpus(pinned_id), "1")
+    assert_kernel(direct.kernel_cpus(shared_id), "0")
+
+
+def test_a_corrupt_checkpoint_stops_start_up_until_recovered_from_the_runtime(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    shim.start()
+    kubelet = via()
+    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    kubelet.start_container(pinned_id)
+    shim.stop()
+    text = shim.state_file.read_text()
+    shim.state_file.write_text(text.replace('"cpus": "1"', '"cpus": "0"'))
+
+    refused = ServingProcess(
+        shim.command(),
+        socket_path=shim.socket_path,
+        log_path=shim.directory / "refused.log",
+        cwd=REPO_ROOT,
+    )
+    with pytest.raises(ServingProcessError, match="exited with 1") as caught:
+        refused.start(timeout=CPUSHIM_START_TIMEOUT)
+    assert "checksum does not match" in str(caught.value)
+    assert "--recover-from-runtime" in str(caught.value)
+
+    shim.start("--recover-from-runtime")
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+    kept = [p.name for p in shim.state_dir.iterdir() if p.name.startswith("state.json.replaced-")]
+    assert len(kept) == 1
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
