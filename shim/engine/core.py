@@ -6,10 +6,10 @@ containers off the new exclusive CPUs, forward CreateContainer with the cpuset s
 container id. A failed forward is rolled back. Release mirrors it: forward, then release,
 persist and grow the shared containers, all before the call returns to kubelet.
 
-Decisions are made one at a time under one lock. The forwarded CreateContainer itself runs
-outside the lock, so creates of different pods overlap in the runtime: the CPUs of an exclusive
-create in flight are already held in the state, and a shared container created meanwhile is
-corrected before its CreateContainer returns, so before it can start.
+Decisions are made one at a time under one lock, and an exclusive container's whole create
+(decide, persist, move, forward, record) holds it. A shared container's CreateContainer is
+forwarded outside the lock, so those overlap in the runtime; one whose pool changed meanwhile
+is corrected before its CreateContainer returns, so before it can start.
 
 A call's work runs in a task of the engine's own, shielded from the call: when kubelet gives up
 on a call (deadline, cancellation), what the runtime did is still recorded.
@@ -270,13 +270,6 @@ class Engine:
             self.counters["pinning_requests"] += 1
             await self._release_exited_in_pod(pod.uid, keep=key)
             held = self.state.assignments.get(key)
-            if held is not None and not held.container_id:
-                self.counters["pinning_errors"] += 1
-                return Reply.error(
-                    Status.ABORTED,
-                    f"cpushim: a CreateContainer for {pod.label} container {key.name} is"
-                    " already in progress",
-                )
             if held is not None and len(held.cpus) == count:
                 # A restart of the same container (next attempt): its CPUs follow it.
                 cpus = held.cpus
@@ -290,24 +283,19 @@ class Engine:
             assignment = Assignment(cpus, "", pod.sandbox_id, attempt, pod.label)
             await self._commit(self.state.assign(key, assignment, self.policy))
             await self._apply()
-        mems = rq.mems_of(self.policy.topology.numa_nodes_of(cpus))
-        rq.pin(request.config.linux.resources, cpus, mems, drop_quota=not plan.keep_quota)
-        reply = await self.runtime.unary(call, request=request.SerializeToString())
-        response = _response(reply, pb.CreateContainerResponse)
-        async with self.lock:
-            current = self.state.assignments.get(key)
-            ours = current is not None and current.cpus == cpus and not current.container_id
+            mems = rq.mems_of(self.policy.topology.numa_nodes_of(cpus))
+            rq.pin(request.config.linux.resources, cpus, mems, drop_quota=not plan.keep_quota)
+            reply = await self.runtime.unary(call, request=request.SerializeToString())
+            response = _response(reply, pb.CreateContainerResponse)
             if response is None:
                 self.counters["pinning_errors"] += 1
-                if ours:
-                    log.info(
-                        "create failed; CPUs returned",
-                        extra={"fields": {"container": str(key), "cpus": str(cpus)}},
-                    )
-                    await self._release([key])
+                log.info(
+                    "create failed; CPUs returned",
+                    extra={"fields": {"container": str(key), "cpus": str(cpus)}},
+                )
+                await self._release([key])
                 return reply
-            if ours:
-                await self._commit(self.state.update(key, container_id=response.container_id))
+            await self._commit(self.state.update(key, container_id=response.container_id))
             self.containers[response.container_id] = Tracked(
                 id=response.container_id,
                 key=key,

@@ -1,0 +1,168 @@
+"""Pod churn against a real containerd: direct and through cpushim (static policy), same run.
+
+    .venv/bin/python -m tests.bench.churn [--pods 50] [--rounds 3]
+
+Needs root, containerd and runc (as the end-to-end tests do), and at least two CPUs. Each round
+drives ``--pods`` Guaranteed 1-CPU pods one after another through kubelet's calls
+(RunPodSandbox, CreateContainer, StartContainer, StopContainer, RemoveContainer,
+StopPodSandbox, RemovePodSandbox) while a BestEffort container runs throughout, so through
+cpushim every pod moves the shared container off its CPU and back. Rounds alternate between
+direct and cpushim; the report gives the median wall time per pod and the ratio.
+
+It also reads the shared container's cgroup ``cpuset.cpus`` the moment each StopContainer
+returns: with cpushim the pool has grown before the return, so the time until the grown pool
+is visible is 0; any pod where it is not counts as a miss, with the time it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from shim.cpuset import CPUSet
+from tests.harness.containerd import (
+    PrivateContainerd,
+    ServingProcess,
+    cpushim_command,
+)
+from tests.harness.images import build_image
+from tests.harness.kubelet import KubeletClient, new_pod_uid
+
+REPO = Path(__file__).resolve().parents[2]
+MIB = 1024 * 1024
+WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
+
+
+def cgroup_cpus(client: KubeletClient, container_id: str) -> CPUSet:
+    info = json.loads(client.container_status(container_id, verbose=True).info["info"])
+    path = info["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/")
+    return CPUSet.parse(Path("/sys/fs/cgroup/cpuset", path, "cpuset.cpus").read_text())
+
+
+def churn(
+    client: KubeletClient, image: str, pods: int, shared_cpus: Callable[[], CPUSet], full: CPUSet
+) -> tuple[float, list[float]]:
+    """Wall seconds for ``pods`` pod lifecycles, and for each StopContainer the seconds from
+    its return until the shared container's cgroup shows every CPU again (0.0 when it already
+    did at the return)."""
+    grown_after: list[float] = []
+    started = time.perf_counter()
+    for index in range(pods):
+        sandbox = client.run_pod_sandbox(f"churn-{index}", "bench", new_pod_uid(), "guaranteed")
+        container_id = client.create_container(
+            sandbox,
+            "main",
+            image,
+            WORKLOAD,
+            cpu_milli_request=1000,
+            cpu_milli_limit=1000,
+            memory_request=32 * MIB,
+            memory_limit=32 * MIB,
+        )
+        client.start_container(container_id)
+        client.stop_container(container_id, timeout=5)
+        returned = time.perf_counter()
+        grown_after.append(_until(lambda: shared_cpus() == full, returned))
+        client.remove_container(container_id)
+        client.stop_pod_sandbox(sandbox.id)
+        client.remove_pod_sandbox(sandbox.id)
+    return time.perf_counter() - started, grown_after
+
+
+def _until(condition: Callable[[], bool], since: float, deadline: float = 10.0) -> float:
+    if condition():
+        return 0.0
+    while time.perf_counter() - since < deadline:
+        if condition():
+            return time.perf_counter() - since
+        time.sleep(0.001)
+    return float("inf")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pods", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    image = build_image()
+    full = CPUSet.parse(Path("/sys/devices/system/cpu/online").read_text())
+    if len(full) < 2:
+        raise SystemExit("churn needs at least 2 CPUs (one reserved, one to pin)")
+    with PrivateContainerd(image.ref) as containerd:
+        containerd.import_image(image)
+        log_root = containerd.dir / "pod-logs"
+        listen = containerd.dir / "cpushim.sock"
+        shim = ServingProcess(
+            cpushim_command(
+                f"unix://{listen}",
+                containerd.address,
+                "--reserved-cpus",
+                str(full.take_lowest(1)),
+                state_dir=containerd.dir / "cpushim-state",
+                log_level="warning",
+            ),
+            socket_path=listen,
+            log_path=containerd.dir / "cpushim.log",
+            cwd=REPO,
+        )
+        shim.start()
+        walls: dict[str, list[float]] = {"direct": [], "cpushim": []}
+        grown: dict[str, list[float]] = {"direct": [], "cpushim": []}
+        try:
+            with (
+                KubeletClient(containerd.address, log_root=log_root) as direct,
+                KubeletClient(f"unix://{listen}", log_root=log_root) as via,
+            ):
+                background = via.run_pod_sandbox("shared", "bench", new_pod_uid(), "besteffort")
+                shared_id = via.create_container(background, "main", image.ref, WORKLOAD)
+                via.start_container(shared_id)
+                shared = lambda: cgroup_cpus(direct, shared_id)  # noqa: E731
+                for _ in range(args.rounds):
+                    for label, client in (("direct", direct), ("cpushim", via)):
+                        wall, after = churn(client, image.ref, args.pods, shared, full)
+                        walls[label].append(wall)
+                        grown[label] += after
+                via.teardown_pod(background.id)
+        finally:
+            code = shim.stop()
+            if code != 0:
+                print(shim.log())
+
+    direct_pod = statistics.median(walls["direct"]) / args.pods
+    shim_pod = statistics.median(walls["cpushim"]) / args.pods
+    print(f"# churn benchmark  {time.strftime('%Y-%m-%d')}  {machine()}")
+    print(
+        f"# {args.pods} Guaranteed 1-CPU pods per round, one after another, beside one running"
+        f" BestEffort container; median of {args.rounds} alternating rounds"
+    )
+    print(f"{'path':<8} {'ms/pod':>8} {'ratio':>7}")
+    print(f"{'direct':<8} {direct_pod * 1e3:8.1f} {1.0:7.3f}")
+    print(f"{'cpushim':<8} {shim_pod * 1e3:8.1f} {shim_pod / direct_pod:7.3f}")
+    misses = [t for t in grown["cpushim"] if t > 0]
+    print(
+        f"# cpushim: shared container on {full} when StopContainer returned:"
+        f" {len(grown['cpushim']) - len(misses)}/{len(grown['cpushim'])} stops"
+        + (f"; misses took {max(misses) * 1e3:.1f} ms at worst" if misses else "")
+    )
+    return 0
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    return f"{nproc} CPUs ({model}), Python {platform.python_version()}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
