@@ -1,4 +1,4 @@
-"""Show cpushim at work on this machine: two pods through the relay, and what the kernel says.
+"""Show cpushim at work on this machine: pods pinned through it, and what the kernel says.
 
 Run as root from the repository root::
 
@@ -6,10 +6,11 @@ Run as root from the repository root::
     .venv/bin/python contrib/demo.py --direct   # straight to containerd, for comparison
 
 It starts a private containerd (nothing else on the machine is touched), imports a busybox
-image built locally, starts ``python -m shim run`` in front of it, and runs, the way kubelet
-would, a Guaranteed pod whose container asks for 1 whole CPU and a Burstable pod whose
-container asks for a quarter of one. For each container it prints the CPUs the kernel lets it
-run on, from its cgroup (``cpuset.cpus``) and from its process (``Cpus_allowed_list``). Then it
+image built locally, starts ``python -m shim run`` in front of it (static policy, the lowest
+CPU reserved), and runs, the way kubelet would, a Burstable pod whose container asks for a
+quarter of a CPU, then a Guaranteed pod whose container asks for 1 whole CPU, then stops the
+Guaranteed one. After each step it prints the CPUs the kernel lets each running container run
+on, from its cgroup (``cpuset.cpus``) and from its process (``Cpus_allowed_list``). Then it
 tears everything down, also when something failed on the way.
 """
 
@@ -54,10 +55,8 @@ class DemoPod:
     memory: int
 
 
-PODS = (
-    DemoPod("exclusive", "worker", "guaranteed", 1000, 1000, 64 * MIB),
-    DemoPod("shared", "web", "burstable", 250, 500, 32 * MIB),
-)
+SHARED = DemoPod("shared", "web", "burstable", 250, 500, 32 * MIB)
+EXCLUSIVE = DemoPod("exclusive", "worker", "guaranteed", 1000, 1000, 64 * MIB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,22 +84,33 @@ def cpus_text(milli: int) -> str:
     return f"{milli // 1000}" if milli % 1000 == 0 else f"{milli / 1000:g}"
 
 
-def run_pods(client: KubeletClient) -> list[Row]:
+@dataclass
+class Running:
+    spec: DemoPod
+    container_id: str
+
+
+def start_pod(client: KubeletClient, spec: DemoPod) -> Running:
+    sandbox = client.run_pod_sandbox(spec.pod, "demo", new_pod_uid(), spec.qos)
+    container_id = client.create_container(
+        sandbox,
+        spec.container,
+        TEST_IMAGE,
+        WORKLOAD,
+        cpu_milli_request=spec.cpu_milli_request,
+        cpu_milli_limit=spec.cpu_milli_limit,
+        memory_request=spec.memory,
+        memory_limit=spec.memory,
+    )
+    client.start_container(container_id)
+    return Running(spec, container_id)
+
+
+def rows_of(client: KubeletClient, running: list[Running]) -> list[Row]:
     rows: list[Row] = []
-    for spec in PODS:
-        sandbox = client.run_pod_sandbox(spec.pod, "demo", new_pod_uid(), spec.qos)
-        container_id = client.create_container(
-            sandbox,
-            spec.container,
-            TEST_IMAGE,
-            WORKLOAD,
-            cpu_milli_request=spec.cpu_milli_request,
-            cpu_milli_limit=spec.cpu_milli_limit,
-            memory_request=spec.memory,
-            memory_limit=spec.memory,
-        )
-        client.start_container(container_id)
-        kernel = client.kernel_cpus(container_id)
+    for item in running:
+        spec = item.spec
+        kernel = client.kernel_cpus(item.container_id)
         requested = cpus_text(spec.cpu_milli_request)
         if spec.cpu_milli_limit != spec.cpu_milli_request:
             requested += f" (limit {cpus_text(spec.cpu_milli_limit)})"
@@ -116,27 +126,42 @@ def run_pods(client: KubeletClient) -> list[Row]:
     return rows
 
 
-def print_table(rows: list[Row], online: str) -> None:
+def print_table(title: str, rows: list[Row]) -> None:
     headers = ("container", "QoS", "requested CPUs", "cgroup cpuset.cpus", "Cpus_allowed_list")
     table = [
         headers,
         *((r.container, r.qos, r.requested, r.cgroup_cpus, r.allowed_cpus) for r in rows),
     ]
     widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
-    print()
+    print(f"\n== {title}")
     for index, line in enumerate(table):
         print(
             "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         )
         if index == 0:
             print("  ".join("-" * width for width in widths))
-    print(f"\nonline CPUs on this machine: {online}")
-    # Keep in step with what `cpushim run` does by default.
-    print(
-        "cpushim runs the 'none' policy for now: it relays every call and checks the lifecycle"
-        "\ncalls, so each container still runs on every online CPU. Exclusive CPUs for the"
-        "\nGuaranteed container arrive with the static policy on the CRI path."
+
+
+def run_scenario(client: KubeletClient, direct: bool) -> None:
+    shared = start_pod(client, SHARED)
+    print_table(
+        "a Burstable pod runs: it shares every CPU cpushim does not reserve",
+        rows_of(client, [shared]),
     )
+    exclusive = start_pod(client, EXCLUSIVE)
+    print_table(
+        "a Guaranteed pod asks for 1 whole CPU and gets one to itself;\n"
+        "   the Burstable pod moved off it before the Guaranteed one was created",
+        rows_of(client, [shared, exclusive]),
+    )
+    client.stop_container(exclusive.container_id, timeout=5)
+    print_table(
+        "the Guaranteed container stopped;\n"
+        "   its CPU was back in the shared pool before StopContainer returned",
+        rows_of(client, [shared]),
+    )
+    if direct:
+        print("\n(direct to containerd: nobody pins anything, every container runs everywhere)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,13 +189,22 @@ def main(argv: list[str] | None = None) -> int:
                 work = Path(
                     cleanup.enter_context(tempfile.TemporaryDirectory(prefix="cpushim-demo-"))
                 )
+                reserved = online.replace("-", ",").split(",")[0]
                 shim = ServingProcess(
-                    cpushim_command(f"unix://{work / 'cpushim.sock'}", containerd.address),
+                    cpushim_command(
+                        f"unix://{work / 'cpushim.sock'}",
+                        containerd.address,
+                        "--reserved-cpus",
+                        reserved,
+                        state_dir=work / "state",
+                    ),
                     socket_path=work / "cpushim.sock",
                     log_path=work / "cpushim.log",
                     cwd=REPO_ROOT,
                 )
-                print("starting cpushim in front of it ...")
+                print(
+                    f"starting cpushim in front of it (static policy, CPU {reserved} reserved) ..."
+                )
                 shim.start()
                 cleanup.callback(shim.stop)
                 endpoint = shim.address
@@ -180,17 +214,14 @@ def main(argv: list[str] | None = None) -> int:
             # Registered after the client, so pods go before the relay and containerd do.
             cleanup.callback(client.teardown_all)
             client.wait_ready()
-            print(
-                f"running {len(PODS)} pods {'directly' if args.direct else 'through cpushim'} ..."
-            )
-            rows = run_pods(client)
+            print(f"online CPUs on this machine: {online}")
+            run_scenario(client, args.direct)
         except (ContainerdError, ServingProcessError, ImageBuildError, TimeoutError) as error:
             print(f"demo: {error}", file=sys.stderr)
             return 1
         except grpc.RpcError as error:
             print(f"demo: CRI call failed: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
-        print_table(rows, online)
         print("\ntearing down ...")
     return 0
 
