@@ -225,6 +225,10 @@ class Engine:
             self.counters["bad_annotations"] += 1
             return Reply.error(Status.INVALID_ARGUMENT, f"cpushim: pod {pod.label}: {exc}")
         key = ContainerKey(pod.uid, meta.name)
+        for tracked in self.containers.values():
+            if tracked.key == key:
+                # kubelet makes the next attempt only once the previous one has exited.
+                tracked.phase = Phase.EXITED
         if plan.exclusive is None or self.policy.name == "none":
             return await self._create_shared(call, request, key, plan)
         return await self._create_exclusive(call, request, pod, key, plan, plan.exclusive)

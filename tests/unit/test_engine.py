@@ -1,0 +1,694 @@
+"""The engine against a stateful fake containerd, on a fake 2-socket machine.
+
+Calls go straight into ``Engine.handle`` with kubelet's request shapes (the relay in front of
+it is tested on its own). The machine: 2 sockets x 2 cores x 2 threads, siblings n and n+4, so
+socket 0 holds CPUs 0,1,4,5 and socket 1 holds 2,3,6,7; CPU 0 is reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import pytest
+from grpclib.const import Status as GrpcStatus
+
+from shim.checkpoint import CheckpointFile
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Reply, Status, UnaryCall
+from shim.cri.upstream import RuntimeChannel
+from shim.engine import Engine, EngineOptions, FailurePolicy
+from shim.engine import requests as rq
+from shim.engine.resync import StartupError
+from shim.engine.resync import start as resync
+from shim.policy import CPUPolicy
+from shim.policy.none import NonePolicy
+from shim.policy.static import StaticPolicy
+from shim.state import ContainerKey, integrity_problems
+from tests.fake_containerd import FakeContainerd as FakeRuntime
+from tests.harness.kubelet import (
+    QoSClass,
+    milli_cpu_to_quota,
+    milli_cpu_to_shares,
+    pod_cgroup_parent,
+)
+from tests.harness.sysfs import MachineSpec, expected_topology
+
+pytestmark = pytest.mark.anyio
+
+TOPOLOGY = expected_topology(MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2))
+ALL = TOPOLOGY.online
+GIB = 1024**3
+# kubelet's packing puts a single CPU on the core that is already partly used: CPU 4, the
+# sibling of reserved CPU 0.
+FIRST_SINGLE = "4"
+SHARED_AFTER_FIRST_SINGLE = "0-3,5-7"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def static_policy(reserved: str = "0") -> StaticPolicy:
+    return StaticPolicy.create(TOPOLOGY, reserved=CPUSet.parse(reserved))
+
+
+@dataclass
+class Pod:
+    sandbox_id: str
+    config: pb.PodSandboxConfig
+    qos: QoSClass
+
+    @property
+    def uid(self) -> str:
+        return self.config.metadata.uid
+
+
+@dataclass
+class Kubelet:
+    """Drives an engine with kubelet's calls and request shapes."""
+
+    engine: Engine
+    runtime: RuntimeChannel
+    pods: list[Pod] = field(default_factory=list)
+
+    async def call(self, method: str, request: bytes, deadline: float = 10.0) -> Reply:
+        call = UnaryCall(rq.RUNTIME + method, (), request, deadline)
+        return await self.engine.handle(call, self.runtime)
+
+    async def ok(self, method: str, request: bytes) -> bytes:
+        reply = await self.call(method, request)
+        assert reply.status is Status.OK, f"{method}: {reply.status.name} {reply.status_message}"
+        return reply.messages[0] if reply.messages else b""
+
+    async def run_pod(
+        self, name: str, qos: QoSClass, annotations: Mapping[str, str] | None = None
+    ) -> Pod:
+        uid = str(uuid.uuid4())
+        config = pb.PodSandboxConfig(
+            metadata=pb.PodSandboxMetadata(name=name, uid=uid, namespace="default"),
+            annotations=dict(annotations or {}),
+            linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent(qos, uid)),
+        )
+        raw = await self.ok(
+            "RunPodSandbox", pb.RunPodSandboxRequest(config=config).SerializeToString()
+        )
+        pod = Pod(pb.RunPodSandboxResponse.FromString(raw).pod_sandbox_id, config, qos)
+        self.pods.append(pod)
+        return pod
+
+    def create_request(
+        self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0
+    ) -> pb.CreateContainerRequest:
+        """kubelet's request; a Guaranteed pod's container has request == limit."""
+        limit = milli_cpu if pod.qos == "guaranteed" else 0
+        resources = pb.LinuxContainerResources(
+            cpu_period=100_000,
+            cpu_quota=milli_cpu_to_quota(limit),
+            cpu_shares=milli_cpu_to_shares(milli_cpu),
+            memory_limit_in_bytes=GIB if pod.qos == "guaranteed" else 0,
+            oom_score_adj=-997 if pod.qos == "guaranteed" else 1000,
+        )
+        return pb.CreateContainerRequest(
+            pod_sandbox_id=pod.sandbox_id,
+            config=pb.ContainerConfig(
+                metadata=pb.ContainerMetadata(name=name, attempt=attempt),
+                image=pb.ImageSpec(image="busybox"),
+                linux=pb.LinuxContainerConfig(resources=resources),
+            ),
+            sandbox_config=pod.config,
+        )
+
+    async def create(self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0) -> Reply:
+        request = self.create_request(pod, name, milli_cpu, attempt)
+        return await self.call("CreateContainer", request.SerializeToString())
+
+    async def start_new(self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0) -> str:
+        reply = await self.create(pod, name, milli_cpu, attempt)
+        assert reply.status is Status.OK, reply.status_message
+        container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+        await self.ok(
+            "StartContainer",
+            pb.StartContainerRequest(container_id=container_id).SerializeToString(),
+        )
+        return container_id
+
+    async def stop(self, container_id: str) -> None:
+        request = pb.StopContainerRequest(container_id=container_id, timeout=10)
+        await self.ok("StopContainer", request.SerializeToString())
+
+    async def remove(self, container_id: str) -> None:
+        request = pb.RemoveContainerRequest(container_id=container_id)
+        await self.ok("RemoveContainer", request.SerializeToString())
+
+
+@dataclass
+class Env:
+    fake: FakeRuntime
+    state_dir: Path
+    channel: RuntimeChannel
+    engine: Engine
+    kubelet: Kubelet
+
+    def cpus(self, container_id: str) -> str:
+        """The cpuset the runtime holds for a container (what its cgroup gets)."""
+        return self.fake.containers[container_id].resources.cpuset_cpus
+
+    def saved(self) -> dict[str, dict[str, str]]:
+        body = orjson.loads((self.state_dir / "state.json").read_bytes())["body"]
+        return {
+            uid: {name: entry["cpus"] for name, entry in containers.items()}
+            for uid, containers in body["assignments"].items()
+        }
+
+    async def restart(self, policy: CPUPolicy | None = None, *, recover: bool = False) -> Engine:
+        """A new engine on the same state dir and runtime, as after a crash."""
+        engine = Engine(policy or self.engine.policy, CheckpointFile(self.state_dir), self.channel)
+        await resync(engine, recover_from_runtime=recover)
+        self.engine = engine
+        self.kubelet = Kubelet(engine, self.channel, self.kubelet.pods)
+        return engine
+
+
+async def make_env(
+    fake: FakeRuntime,
+    state_dir: Path,
+    policy: CPUPolicy | None = None,
+    failure_policy: FailurePolicy = "fail-closed",
+) -> Env:
+    channel = RuntimeChannel(fake.endpoint)
+    engine = Engine(
+        policy or static_policy(),
+        CheckpointFile(state_dir),
+        channel,
+        EngineOptions(failure_policy=failure_policy),
+    )
+    await resync(engine)
+    return Env(fake, state_dir, channel, engine, Kubelet(engine, channel))
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with FakeRuntime() as fake:
+        environment = await make_env(fake, tmp_path / "state")
+        yield environment
+        environment.channel.close()
+
+
+def assert_consistent(env: Env) -> None:
+    """ARCHITECTURE.md section 4, on the engine's state and on what the runtime holds."""
+    state = env.engine.state
+    assert integrity_problems(state, TOPOLOGY) == []
+    for tracked in env.engine.containers.values():
+        if tracked.phase.value == "exited":
+            continue
+        assignment = state.assignments.get(tracked.key)
+        if assignment is not None and assignment.container_id == tracked.id:
+            assert env.cpus(tracked.id) == str(assignment.cpus)
+        else:
+            assert env.cpus(tracked.id) == str(state.shared)
+
+
+def updates_to(fake: FakeRuntime, container_id: str) -> list[str]:
+    return [
+        m.linux.cpuset_cpus
+        for m in fake.calls_of("UpdateContainerResources")
+        if isinstance(m, pb.UpdateContainerResourcesRequest) and m.container_id == container_id
+    ]
+
+
+# --- creating --------------------------------------------------------------------------------
+
+
+async def test_a_guaranteed_container_is_pinned_after_the_shared_ones_move(env: Env) -> None:
+    kubelet = env.kubelet
+    besteffort = await kubelet.run_pod("web", "besteffort")
+    shared_id = await kubelet.start_new(besteffort, "main")
+    assert env.cpus(shared_id) == "0-7"
+
+    guaranteed = await kubelet.run_pod("db", "guaranteed")
+    pinned_id = await kubelet.start_new(guaranteed, "main", 2000)
+
+    pinned = env.fake.containers[pinned_id].resources
+    assert pinned.cpuset_cpus == "1,5"  # the two threads of core 1 on socket 0
+    assert pinned.cpuset_mems == "0"
+    assert pinned.cpu_quota == -1
+    assert env.cpus(shared_id) == "0,2-4,6-7"
+    # The shared container moved before the runtime saw the CreateContainer.
+    order = [name for name, _ in env.fake.calls]
+    last_update = max(i for i, name in enumerate(order) if name == "UpdateContainerResources")
+    create = [i for i, name in enumerate(order) if name == "CreateContainer"][-1]
+    assert last_update < create
+    assert env.saved() == {guaranteed.uid: {"main": "1,5"}}
+    assert (
+        env.engine.state.assignments[ContainerKey(guaranteed.uid, "main")].container_id == pinned_id
+    )
+    assert_consistent(env)
+
+
+@pytest.mark.parametrize(
+    ("qos", "milli_cpu", "annotations"),
+    [
+        pytest.param("guaranteed", 1500, {}, id="fractional"),
+        pytest.param("burstable", 1000, {}, id="burstable"),
+        pytest.param("besteffort", 0, {}, id="besteffort"),
+        pytest.param("guaranteed", 1000, {"cpushim.io/exclusive": "false"}, id="pod-opt-out"),
+        pytest.param(
+            "guaranteed", 1000, {"cpushim.io/exclusive.main": "false"}, id="container-opt-out"
+        ),
+    ],
+)
+async def test_containers_that_share(
+    env: Env, qos: QoSClass, milli_cpu: int, annotations: dict[str, str]
+) -> None:
+    pod = await env.kubelet.run_pod("p", qos, annotations)
+    container_id = await env.kubelet.start_new(pod, "main", milli_cpu)
+    assert env.cpus(container_id) == "0-7"
+    assert env.engine.state.assignments == {}
+    assert env.fake.containers[container_id].resources.cpu_quota == milli_cpu_to_quota(
+        milli_cpu if qos == "guaranteed" else 0
+    )
+
+
+async def test_per_container_opt_in_overrides_the_pod_opt_out(env: Env) -> None:
+    pod = await env.kubelet.run_pod(
+        "p",
+        "guaranteed",
+        {"cpushim.io/exclusive": "false", "cpushim.io/exclusive.fast": "true"},
+    )
+    slow = await env.kubelet.start_new(pod, "slow", 1000)
+    fast = await env.kubelet.start_new(pod, "fast", 1000)
+    assert env.cpus(fast) == FIRST_SINGLE
+    assert env.cpus(slow) == SHARED_AFTER_FIRST_SINGLE
+
+
+async def test_cfs_quota_keep_annotation(env: Env) -> None:
+    pod = await env.kubelet.run_pod("p", "guaranteed", {"cpushim.io/cfs-quota": "keep"})
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    resources = env.fake.containers[container_id].resources
+    assert resources.cpuset_cpus == FIRST_SINGLE
+    assert resources.cpu_quota == 100_000
+
+
+async def test_isolated_cpus_annotation(tmp_path: Path) -> None:
+    topology = expected_topology(
+        MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2, isolated=frozenset({3, 7}))
+    )
+    policy = StaticPolicy.create(topology, reserved=CPUSet.parse("0"))
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, policy)
+        plain = await env.kubelet.run_pod("plain", "guaranteed")
+        rt = await env.kubelet.run_pod("rt", "guaranteed", {"cpushim.io/isolated-cpus": "require"})
+        assert env.cpus(await env.kubelet.start_new(rt, "main", 2000)) == "3,7"
+        # Packing favours the socket with fewer free CPUs: socket 1 has only 2 and 6 left.
+        assert env.cpus(await env.kubelet.start_new(plain, "main", 1000)) == "2"
+        more = await env.kubelet.run_pod(
+            "more", "guaranteed", {"cpushim.io/isolated-cpus": "require"}
+        )
+        reply = await env.kubelet.create(more, "main", 1000)
+        assert reply.status is Status.RESOURCE_EXHAUSTED
+        assert "isolated" in reply.status_message
+        env.channel.close()
+
+
+async def test_a_bad_annotation_is_refused_and_nothing_is_created(env: Env) -> None:
+    pod = await env.kubelet.run_pod("p", "guaranteed", {"cpushim.io/isolated-cpus": "maybe"})
+    reply = await env.kubelet.create(pod, "main", 1000)
+    assert reply.status is Status.INVALID_ARGUMENT
+    assert "cpushim.io/isolated-cpus" in reply.status_message
+    assert "default/p" in reply.status_message
+    assert env.fake.calls_of("CreateContainer") == []
+
+
+async def test_a_malformed_request_is_refused(env: Env) -> None:
+    reply = await env.kubelet.call("CreateContainer", b"\xff\xff\xff")
+    assert reply.status is Status.INVALID_ARGUMENT
+    assert "CreateContainerRequest" in reply.status_message
+    assert env.fake.calls_of("CreateContainer") == []
+
+
+async def test_not_enough_cpus_is_resource_exhausted_and_leaks_nothing(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    big = await kubelet.run_pod("big", "guaranteed")
+    await kubelet.start_new(big, "main", 7000)
+    updates_before = len(env.fake.calls_of("UpdateContainerResources"))
+    saved_before = env.saved()
+
+    greedy = await kubelet.run_pod("greedy", "guaranteed")
+    reply = await kubelet.create(greedy, "worker", 2000)
+    assert reply.status is Status.RESOURCE_EXHAUSTED
+    message = reply.status_message
+    assert "default/greedy" in message
+    assert "worker" in message
+    assert "2 exclusive CPUs" in message
+    assert "free: none" in message
+    assert len(env.fake.calls_of("CreateContainer")) == 2
+    assert len(env.fake.calls_of("UpdateContainerResources")) == updates_before
+    assert env.saved() == saved_before
+    assert env.cpus(shared_id) == "0"
+    assert env.engine.counters["pinning_errors"] == 1
+    assert_consistent(env)
+
+
+async def test_a_failed_create_is_rolled_back(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("db", "guaranteed")
+    env.fake.fail_next("CreateContainer", GrpcStatus.UNKNOWN, "disk full")
+    reply = await kubelet.create(pod, "main", 2000)
+    assert reply.status is Status.UNKNOWN
+    assert reply.status_message == "disk full"
+    assert env.engine.state.assignments == {}
+    assert env.saved() == {}
+    assert env.cpus(shared_id) == "0-7"
+    assert updates_to(env.fake, shared_id) == ["0,2-4,6-7", "0-7"]
+    # kubelet retries; this time it works and gets the same CPUs.
+    retried = await kubelet.start_new(pod, "main", 2000)
+    assert env.cpus(retried) == "1,5"
+    assert_consistent(env)
+
+
+# --- releasing -------------------------------------------------------------------------------
+
+
+async def test_stop_releases_and_grows_the_shared_containers_before_returning(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("db", "guaranteed")
+    pinned_id = await kubelet.start_new(pod, "main", 1000)
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    await kubelet.stop(pinned_id)
+    assert env.cpus(shared_id) == "0-7"
+    assert env.engine.state.assignments == {}
+    assert env.saved() == {}
+    await kubelet.remove(pinned_id)
+    assert_consistent(env)
+
+
+async def test_a_failed_stop_keeps_the_cpus(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    env.fake.fail_next("StopContainer", GrpcStatus.DEADLINE_EXCEEDED, "slow")
+    reply = await env.kubelet.call(
+        "StopContainer", pb.StopContainerRequest(container_id=pinned_id).SerializeToString()
+    )
+    assert reply.status is Status.DEADLINE_EXCEEDED
+    assert env.saved() == {pod.uid: {"main": FIRST_SINGLE}}
+
+
+async def test_a_recreated_container_gets_its_cpus_back(env: Env) -> None:
+    kubelet = env.kubelet
+    first = await kubelet.run_pod("first", "guaranteed")
+    second = await kubelet.run_pod("second", "guaranteed")
+    first_id = await kubelet.start_new(first, "main", 1000)
+    second_id = await kubelet.start_new(second, "main", 1000)
+    assert (env.cpus(first_id), env.cpus(second_id)) == (FIRST_SINGLE, "1")
+    await kubelet.stop(first_id)
+    await kubelet.stop(second_id)
+    # Both CPUs are free; the allocator alone would give "second" the first one again.
+    again = await kubelet.start_new(second, "main", 1000, attempt=1)
+    assert env.cpus(again) == "1"
+
+
+async def test_a_crashed_container_restarted_by_kubelet_keeps_its_cpus(env: Env) -> None:
+    kubelet = env.kubelet
+    pod = await kubelet.run_pod("db", "guaranteed")
+    crashed = await kubelet.start_new(pod, "main", 2000)
+    env.fake.exit_container(crashed, 137)
+    restarted = await kubelet.start_new(pod, "main", 2000, attempt=1)
+    assert env.cpus(restarted) == env.cpus(crashed) == "1,5"
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].container_id == restarted
+    assert env.engine.state.assignments[key].attempt == 1
+    # kubelet's garbage collector removes the old attempt: the new one keeps its CPUs.
+    await kubelet.remove(crashed)
+    assert env.engine.state.assignments[key].container_id == restarted
+    assert_consistent(env)
+
+
+async def test_cpus_of_exited_init_containers_are_reused(env: Env) -> None:
+    kubelet = env.kubelet
+    other = await kubelet.run_pod("other", "guaranteed")
+    await kubelet.start_new(other, "main", 4000)  # leaves 2 CPUs to hand out
+    pod = await kubelet.run_pod("app", "guaranteed")
+    init_id = await kubelet.start_new(pod, "init", 2000)
+    env.fake.exit_container(init_id, 0)  # ran to completion; kubelet sends no StopContainer
+    app_id = await kubelet.start_new(pod, "app", 2000)
+    assert env.cpus(app_id) == env.cpus(init_id)
+    assert ContainerKey(pod.uid, "init") not in env.engine.state.assignments
+    assert_consistent(env)
+
+
+async def test_stop_and_remove_pod_sandbox_release_the_pod(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("db", "guaranteed")
+    await kubelet.start_new(pod, "a", 1000)
+    await kubelet.start_new(pod, "b", 2000)
+    assert len(CPUSet.parse(env.cpus(shared_id))) == 5
+    await kubelet.ok(
+        "StopPodSandbox",
+        pb.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString(),
+    )
+    assert env.engine.state.assignments == {}
+    assert env.cpus(shared_id) == "0-7"
+    await kubelet.ok(
+        "RemovePodSandbox",
+        pb.RemovePodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString(),
+    )
+    assert pod.sandbox_id not in env.engine.pods
+    assert all(t.sandbox_id != pod.sandbox_id for t in env.engine.containers.values())
+    assert_consistent(env)
+
+
+# --- kubelet's own updates -------------------------------------------------------------------
+
+
+async def test_kubelet_updates_pass_but_the_cpuset_stays_ours(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    request = pb.UpdateContainerResourcesRequest(
+        container_id=pinned_id,
+        linux=pb.LinuxContainerResources(
+            cpu_period=100_000,
+            cpu_quota=100_000,
+            cpu_shares=1024,
+            memory_limit_in_bytes=2 * GIB,
+            cpuset_cpus="0-7",
+        ),
+    )
+    await env.kubelet.ok("UpdateContainerResources", request.SerializeToString())
+    resources = env.fake.containers[pinned_id].resources
+    assert resources.memory_limit_in_bytes == 2 * GIB
+    assert resources.cpuset_cpus == FIRST_SINGLE
+    assert resources.cpu_quota == -1
+
+
+# --- concurrency and cancellation ------------------------------------------------------------
+
+
+async def test_concurrent_creates_never_share_a_cpu(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pods = [await kubelet.run_pod(f"p{i}", "guaranteed") for i in range(4)]
+    replies = await asyncio.gather(
+        *(kubelet.create(p, "main", 1000 + 1000 * (i % 2)) for i, p in enumerate(pods))
+    )
+    assert [r.status for r in replies] == [Status.OK] * 4
+    held = [a.cpus for a in env.engine.state.assignments.values()]
+    assert sum(len(c) for c in held) == 6
+    assert len(CPUSet().union(*held)) == 6
+    assert env.cpus(shared_id) == str(env.engine.state.shared)
+    assert_consistent(env)
+
+
+async def test_a_shared_create_racing_an_exclusive_one_ends_on_the_new_pool(env: Env) -> None:
+    kubelet = env.kubelet
+    web = await kubelet.run_pod("web", "besteffort")
+    db = await kubelet.run_pod("db", "guaranteed")
+    gate = env.fake.gate("CreateContainer")
+    shared = asyncio.create_task(kubelet.create(web, "main"))
+    await wait_until(lambda: len(env.fake.calls_of("CreateContainer")) == 1)
+    env.fake.ungate("CreateContainer")
+    # The shared create is held in the runtime with the old pool in its request...
+    exclusive = asyncio.create_task(kubelet.create(db, "main", 1000))
+    await asyncio.sleep(0)
+    gate.set()
+    shared_reply, exclusive_reply = await asyncio.gather(shared, exclusive)
+    assert exclusive_reply.status is Status.OK
+    shared_id = pb.CreateContainerResponse.FromString(shared_reply.messages[0]).container_id
+    # ...and is corrected before its CreateContainer returns.
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_work_survives_kubelet_giving_up_on_the_call(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    gate = env.fake.gate("CreateContainer")
+    call = asyncio.create_task(env.kubelet.create(pod, "main", 1000))
+    await wait_until(lambda: len(env.fake.calls_of("CreateContainer")) == 1)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    gate.set()
+    await env.engine.drain(5.0)
+    [container_id] = env.fake.containers
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].container_id == container_id
+    assert env.saved() == {pod.uid: {"main": FIRST_SINGLE}}
+
+
+async def wait_until(condition: Callable[[], bool], within: float = 5.0) -> None:
+    """Until ``condition()`` holds (the fake runtime has no event for "a call arrived")."""
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+
+
+# --- failures inside cpushim -----------------------------------------------------------------
+
+
+async def test_internal_error_fail_closed_refuses_and_creates_nothing(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+
+    async def broken_save(state: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(env.engine.checkpoint, "save", broken_save)
+    reply = await env.kubelet.create(pod, "main", 1000)
+    assert reply.status is Status.INTERNAL
+    assert "No space left on device" in reply.status_message
+    assert env.fake.calls_of("CreateContainer") == []
+    assert env.engine.state.assignments == {}
+
+
+async def test_internal_error_fail_open_forwards_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, failure_policy="fail-open")
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+
+        async def broken_save(state: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(env.engine.checkpoint, "save", broken_save)
+        container_id = await env.kubelet.start_new(pod, "main", 1000)
+        assert env.cpus(container_id) == ""  # as kubelet asked: no cpuset
+        assert env.engine.counters["fail_open_forwards"] == 1
+        env.channel.close()
+
+
+async def test_a_container_removed_behind_our_back_is_forgotten(env: Env) -> None:
+    kubelet = env.kubelet
+    gone_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    del env.fake.containers[gone_id]
+    pod = await kubelet.run_pod("db", "guaranteed")
+    pinned_id = await kubelet.start_new(pod, "main", 1000)
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert gone_id not in env.engine.containers
+
+
+# --- restarts --------------------------------------------------------------------------------
+
+
+async def test_restart_keeps_assignments_and_releases_the_vanished(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    kept = await kubelet.run_pod("kept", "guaranteed")
+    kept_id = await kubelet.start_new(kept, "main", 1000)
+    vanished = await kubelet.run_pod("vanished", "guaranteed")
+    vanished_id = await kubelet.start_new(vanished, "main", 2000)
+    assert len(CPUSet.parse(env.cpus(shared_id))) == 5
+    del env.fake.containers[vanished_id]  # went while cpushim was down
+
+    await env.restart()
+    assert env.saved() == {kept.uid: {"main": FIRST_SINGLE}}
+    assert env.engine.state.assignments[ContainerKey(kept.uid, "main")].container_id == kept_id
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_restart_adopts_containers_created_while_down(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    # Made straight on the runtime, as if cpushim were down: no cpuset.
+    pod = await kubelet.run_pod("db", "guaranteed")
+    request = kubelet.create_request(pod, "main", 2000)
+    adopted_id = env.fake.add_container(pod.sandbox_id, request.config)
+    besteffort = await kubelet.run_pod("batch", "besteffort")
+    other_id = env.fake.add_container(
+        besteffort.sandbox_id, kubelet.create_request(besteffort, "main").config
+    )
+
+    await env.restart()
+    assert env.saved() == {pod.uid: {"main": "1,5"}}
+    assert env.cpus(adopted_id) == "1,5"
+    assert env.fake.containers[adopted_id].resources.cpu_quota == -1
+    assert env.cpus(other_id) == env.cpus(shared_id) == "0,2-4,6-7"
+    assert_consistent(env)
+
+
+async def test_restart_after_a_crash_mid_create_finds_the_container(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    key = ContainerKey(pod.uid, "main")
+    # As if cpushim died after persisting the decision, before recording the id.
+    env.engine.checkpoint.save_sync(env.engine.state.update(key, container_id=""))
+    await env.restart()
+    assert env.engine.state.assignments[key].container_id == container_id
+
+
+async def test_a_corrupt_checkpoint_stops_start_up_with_a_way_out(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pod, "main", 1000)
+    path = env.state_dir / "state.json"
+    path.write_bytes(path.read_bytes().replace(b'"cpus": "4"', b'"cpus": "2"'))
+    with pytest.raises(StartupError, match="checksum") as caught:
+        await env.restart()
+    assert "--recover-from-runtime" in str(caught.value)
+    assert str(path) in str(caught.value)
+
+    await env.restart(recover=True)
+    assert env.saved() == {pod.uid: {"main": FIRST_SINGLE}}
+    assert len(list(env.state_dir.glob("state.json.replaced-*"))) == 1
+
+
+async def test_a_checkpoint_from_another_machine_is_refused(env: Env, tmp_path: Path) -> None:
+    await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 1000)
+    other = expected_topology(MachineSpec(sockets=1, cores_per_die=8, threads_per_core=1))
+    with pytest.raises(StartupError, match="another CPU topology"):
+        await env.restart(StaticPolicy.create(other, reserved=CPUSet.parse("0")))
+
+
+async def test_a_new_reserved_set_is_replanned_without_a_drain(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("db", "guaranteed")
+    pinned_id = await kubelet.start_new(pod, "main", 1000)
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    await env.restart(static_policy(reserved="0,4"))
+    assert env.cpus(pinned_id) not in ("0", "4")
+    assert len(CPUSet.parse(env.cpus(pinned_id))) == 1
+    assert env.engine.state.reserved == CPUSet.parse("0,4")
+    assert env.cpus(shared_id) == str(env.engine.state.shared)
+    assert_consistent(env)
+
+
+async def test_switching_to_the_none_policy_unpins_everything(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    await env.restart(NonePolicy(TOPOLOGY))
+    assert env.saved() == {}
+    assert env.cpus(pinned_id) == "0-7"
+    new_id = await env.kubelet.start_new(await env.kubelet.run_pod("g", "guaranteed"), "main", 1000)
+    assert env.cpus(new_id) == "0-7"
