@@ -30,7 +30,7 @@ from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, integrity_problems
-from tests.fake_containerd import FakeContainerd as FakeRuntime
+from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import (
     QoSClass,
     milli_cpu_to_quota,
