@@ -299,7 +299,7 @@ class Engine:
                 )
                 await self._release([key])
                 return reply
-            await self._commit(self.state.update(key, container_id=response.container_id))
+            await self._record(self.state.update(key, container_id=response.container_id))
             self.containers[response.container_id] = Tracked(
                 id=response.container_id,
                 key=key,
@@ -404,11 +404,28 @@ class Engine:
     # --- decisions shared by the calls (the lock is held) --------------------------------------
 
     async def _commit(self, state: CPUState) -> None:
-        """Persist ``state``, then make it the engine's: a failed write changes nothing."""
+        """Persist ``state``, then make it the engine's: a failed write changes nothing (the
+        caller has not acted on the decision yet and fails the call)."""
         if state == self.state:
             return
         await self.checkpoint.save(state)
         self.state = state
+
+    async def _record(self, state: CPUState) -> None:
+        """Make ``state`` the engine's, then persist it. For what the runtime has already done
+        (a container created or stopped): memory must follow the runtime even when the disk
+        does not. A checkpoint left behind is squared with the runtime at the next start."""
+        if state == self.state:
+            return
+        self.state = state
+        try:
+            await self.checkpoint.save(state)
+        except OSError as exc:
+            self.counters["checkpoint_errors"] += 1
+            log.error(
+                "could not write the checkpoint; the state in memory is kept",
+                extra={"fields": {"path": str(self.checkpoint.path), "error": str(exc)}},
+            )
 
     async def _release(self, keys: Iterable[ContainerKey]) -> None:
         """Give the CPUs of ``keys`` back to the shared pool and grow the shared containers."""
@@ -417,7 +434,7 @@ class Engine:
             return
         for key in keys:
             self.last_cpus[key] = self.state.assignments[key].cpus
-        await self._commit(self.state.release(keys, self.policy))
+        await self._record(self.state.release(keys, self.policy))
         log.info(
             "released",
             extra={

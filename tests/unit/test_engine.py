@@ -29,7 +29,7 @@ from shim.engine.resync import start as resync
 from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.static import StaticPolicy
-from shim.state import ContainerKey, integrity_problems
+from shim.state import ContainerKey, CPUState, integrity_problems
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import (
     QoSClass,
@@ -692,3 +692,36 @@ async def test_switching_to_the_none_policy_unpins_everything(env: Env) -> None:
     assert env.cpus(pinned_id) == "0-7"
     new_id = await env.kubelet.start_new(await env.kubelet.run_pod("g", "guaranteed"), "main", 1000)
     assert env.cpus(new_id) == "0-7"
+
+
+async def test_a_checkpoint_that_fails_after_the_runtime_acted_keeps_memory_true(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("db", "guaranteed")
+    real_save = env.engine.checkpoint.save
+    saves = 0
+
+    async def save_once_then_fail(state: CPUState) -> None:
+        nonlocal saves
+        saves += 1
+        if saves > 1:
+            raise OSError(5, "Input/output error")
+        await real_save(state)
+
+    monkeypatch.setattr(env.engine.checkpoint, "save", save_once_then_fail)
+    # The decision is persisted; recording the container id after the create is not.
+    pinned_id = await kubelet.start_new(pod, "main", 1000)
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].container_id == pinned_id
+    assert env.engine.counters["checkpoint_errors"] == 1
+    # The stop happened in the runtime: the CPU is released and shared, disk or not.
+    await kubelet.stop(pinned_id)
+    assert env.engine.state.assignments == {}
+    assert env.cpus(shared_id) == "0-7"
+    assert env.engine.counters["checkpoint_errors"] == 2
+    # The stale checkpoint is squared with the runtime at the next start.
+    monkeypatch.undo()
+    await env.restart()
+    assert env.saved() == {}
