@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 from pathlib import Path
 from typing import Final
 
@@ -50,19 +51,22 @@ class CheckpointFile:
 def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
     directory = path.parent
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    temporary = directory / f".{path.name}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    # A name of its own per write, so two writes in flight never share a temporary file.
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    temporary = Path(name)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
     except BaseException:
-        os.close(fd)
         temporary.unlink(missing_ok=True)
         raise
-    os.close(fd)
-    os.replace(temporary, path)
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)

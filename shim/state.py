@@ -193,6 +193,8 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
             f"the shared pool is {state.shared or 'empty'} but its assignments leave {expected}:"
             " shared and exclusive CPUs do not add up to the allocatable CPUs"
         )
+    elif not problems and not state.shared:
+        problems.append("the shared pool is empty: containers without exclusive CPUs have none")
     return problems
 
 
@@ -210,8 +212,14 @@ def replan(state: CPUState, policy: CPUPolicy) -> tuple[CPUState, list[Container
             held |= assignment.cpus
         else:
             displaced.append(key)
+    # The shared pool may not end up empty (a new reserved set, strict-cpu-reservation turned
+    # on): the last kept assignments give way until it has a CPU.
+    while kept and not policy.shared_pool({k: a.cpus for k, a in kept.items()}):
+        last = max(kept)
+        del kept[last]
+        displaced.append(last)
     planned = replace(state, assignments=MappingProxyType(kept)).under(policy)
-    return planned, displaced
+    return planned, sorted(displaced)
 
 
 # --- the checkpoint codec ---------------------------------------------------------------------
@@ -256,7 +264,7 @@ def decode_checkpoint(data: bytes) -> CPUState:
     if not isinstance(document, dict):
         raise CheckpointError("it is not a JSON object")
     version = document.get("version")
-    if version != CHECKPOINT_VERSION:
+    if isinstance(version, bool) or version != CHECKPOINT_VERSION:
         raise CheckpointError(
             f"format version {version!r} is not {CHECKPOINT_VERSION}, the one this cpushim reads"
         )
@@ -287,7 +295,7 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
             raise TypeError(f"assignments of pod {pod_uid} must be an object")
         for name, entry in containers.items():
             attempt = entry["attempt"]
-            if not isinstance(attempt, int) or attempt < 0:
+            if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
                 raise ValueError(f"{pod_uid}/{name}: attempt must be a non-negative integer")
             assignments[ContainerKey(pod_uid, name)] = Assignment(
                 cpus=CPUSet.parse(_text(entry["cpus"], f"{pod_uid}/{name} cpus")),
