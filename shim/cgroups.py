@@ -1,0 +1,153 @@
+"""Where a container's cpuset lives in the cgroup filesystem, and reading and writing it.
+
+The path comes from what the runtime reports (the OCI spec's ``linux.cgroupsPath``, which
+containerd shows in ContainerStatus' verbose info), not from a guess. Two drivers write that
+field differently:
+
+- cgroupfs: a path below the hierarchy's root, ``/kubepods/burstable/pod<uid>/<id>``;
+- systemd: ``<slice>:<prefix>:<name>``, the unit ``<prefix>-<name>.scope`` inside ``<slice>``,
+  where a slice named ``a-b-c.slice`` sits in ``a-b.slice`` inside ``a.slice`` (systemd's own
+  naming rule: each dash opens a level).
+
+Two hierarchies hold the cpuset: cgroup v1 mounts the cpuset controller on its own (usually
+``/sys/fs/cgroup/cpuset``), cgroup v2 has one unified tree (usually ``/sys/fs/cgroup``). A hybrid
+node (v1 controllers plus an empty v2 mount) keeps cpusets in v1. Both name the file
+``cpuset.cpus``; v2 adds ``cgroup.events``, whose ``populated`` line turns 0 when the last
+process leaves.
+
+The parsing is pure; :func:`read_cpus` and :func:`write_cpus` are the only I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from shim.cpuset import CPUSet
+
+CPUSET_CPUS = "cpuset.cpus"
+CGROUP_EVENTS = "cgroup.events"
+
+
+class CgroupError(ValueError):
+    """A cgroups path or mount table cpushim cannot place."""
+
+
+class CgroupVersion(enum.IntEnum):
+    V1 = 1
+    V2 = 2
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """Where the cpuset controller is mounted, and which cgroup version it is."""
+
+    version: CgroupVersion
+    root: Path
+
+    @classmethod
+    def from_mountinfo(cls, text: str) -> CgroupLayout:
+        """The cpuset hierarchy from ``/proc/self/mountinfo``: v1's cpuset mount when there is
+        one, else the v2 mount (the top one when v2 is mounted more than once)."""
+        unified: list[Path] = []
+        for line in text.splitlines():
+            fields = line.split()
+            if "-" not in fields:
+                continue
+            separator = fields.index("-")
+            if separator < 5 or len(fields) < separator + 3:
+                continue
+            mount_point = Path(_unescape(fields[4]))
+            fstype = fields[separator + 1]
+            super_options = fields[separator + 3].split(",") if len(fields) > separator + 3 else []
+            if fstype == "cgroup" and "cpuset" in super_options:
+                return cls(CgroupVersion.V1, mount_point)
+            if fstype == "cgroup2":
+                unified.append(mount_point)
+        if unified:
+            return cls(CgroupVersion.V2, min(unified, key=lambda p: len(p.parts)))
+        raise CgroupError("no cgroup v1 cpuset hierarchy and no cgroup v2 mount in mountinfo")
+
+    @classmethod
+    def detect(cls, proc: Path = Path("/proc")) -> CgroupLayout:
+        return cls.from_mountinfo((proc / "self" / "mountinfo").read_text())
+
+    def container_dir(self, cgroups_path: str) -> Path:
+        """The directory of the cgroup named by an OCI ``cgroupsPath``."""
+        return self.root / relative_cgroup_path(cgroups_path)
+
+
+def relative_cgroup_path(cgroups_path: str) -> PurePosixPath:
+    """``cgroupsPath`` (either driver's form) as a path below the hierarchy's root."""
+    if not cgroups_path:
+        raise CgroupError("empty cgroupsPath")
+    if "\0" in cgroups_path:
+        raise CgroupError(f"cgroupsPath with a NUL byte: {cgroups_path!r}")
+    if not cgroups_path.startswith("/") and cgroups_path.count(":") == 2:
+        path = _systemd_path(cgroups_path)
+    else:
+        path = PurePosixPath(cgroups_path.lstrip("/"))
+    # Checked on the raw text: PurePosixPath drops "." components silently.
+    if not path.parts or any(part in ("..", ".") for part in cgroups_path.split("/")):
+        raise CgroupError(f"cgroupsPath does not name a cgroup below the root: {cgroups_path!r}")
+    return path
+
+
+def _systemd_path(cgroups_path: str) -> PurePosixPath:
+    slice_name, prefix, name = cgroups_path.split(":")
+    if not name:
+        raise CgroupError(f"systemd cgroupsPath without a unit name: {cgroups_path!r}")
+    # runc's defaults: no slice means system.slice, a name ending in .slice is a slice itself.
+    unit = name if name.endswith(".slice") else f"{prefix}-{name}.scope" if prefix else name
+    return expand_slice(slice_name or "system.slice") / unit
+
+
+def expand_slice(slice_name: str) -> PurePosixPath:
+    """A systemd slice's path from the root: ``a-b.slice`` is ``a.slice/a-b.slice``."""
+    if not slice_name.endswith(".slice") or "/" in slice_name:
+        raise CgroupError(f"not a systemd slice name: {slice_name!r}")
+    if slice_name == "-.slice":
+        return PurePosixPath()
+    stem = slice_name.removesuffix(".slice")
+    if not stem or stem.startswith("-") or stem.endswith("-") or "--" in stem:
+        raise CgroupError(f"not a systemd slice name: {slice_name!r}")
+    words = stem.split("-")
+    return PurePosixPath(*("-".join(words[: i + 1]) + ".slice" for i in range(len(words))))
+
+
+def populated(events_text: str) -> bool | None:
+    """The ``populated`` flag of a v2 ``cgroup.events`` file; None when it has none."""
+    for line in events_text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "populated":
+            return value.strip() == "1"
+    return None
+
+
+def read_cpus(directory: Path) -> CPUSet | None:
+    """The cgroup's ``cpuset.cpus``; None when the cgroup is gone."""
+    try:
+        text = (directory / CPUSET_CPUS).read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return CPUSet.parse(text.strip())
+
+
+def write_cpus(directory: Path, cpus: CPUSet) -> None:
+    """Write the cgroup's ``cpuset.cpus`` in one write(2), as the kernel wants it. OSError
+    (ENOENT when the cgroup is gone, EINVAL when the parent does not have these CPUs) is the
+    caller's to handle."""
+    # O_TRUNC as a shell redirection does: cgroupfs ignores it, a plain file (tests) needs it.
+    fd = os.open(directory / CPUSET_CPUS, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+    try:
+        os.write(fd, str(cpus).encode() or b"\n")
+    finally:
+        os.close(fd)
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as three octal digits."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)

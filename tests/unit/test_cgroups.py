@@ -1,0 +1,150 @@
+"""Where cpusets live: mount tables, both drivers' cgroupsPath forms, the files themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from shim.cgroups import (
+    CgroupError,
+    CgroupLayout,
+    CgroupVersion,
+    expand_slice,
+    populated,
+    read_cpus,
+    relative_cgroup_path,
+    write_cpus,
+)
+from shim.cpuset import CPUSet
+
+# This machine's: cgroup v1 controllers under /sys/fs/cgroup plus an empty v2 mount.
+HYBRID = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+# A current systemd node: only the unified hierarchy.
+UNIFIED = """\
+25 30 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw
+35 25 0:30 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate
+"""
+# v1 with cpu and cpuset co-mounted, optional fields before the separator.
+COMOUNTED = """\
+36 25 0:31 / /sys/fs/cgroup/cpuset,cpu rw,nosuid shared:12 master:1 - cgroup cgroup rw,cpuset,cpu
+"""
+
+
+@pytest.mark.parametrize(
+    ("mountinfo", "version", "root"),
+    [
+        pytest.param(HYBRID, CgroupVersion.V1, "/sys/fs/cgroup/cpuset", id="hybrid"),
+        pytest.param(UNIFIED, CgroupVersion.V2, "/sys/fs/cgroup", id="unified"),
+        pytest.param(COMOUNTED, CgroupVersion.V1, "/sys/fs/cgroup/cpuset,cpu", id="co-mounted"),
+    ],
+)
+def test_the_cpuset_hierarchy_is_found_in_mountinfo(
+    mountinfo: str, version: CgroupVersion, root: str
+) -> None:
+    layout = CgroupLayout.from_mountinfo(mountinfo)
+    assert layout == CgroupLayout(version, Path(root))
+
+
+def test_the_top_unified_mount_wins_when_v2_is_mounted_twice() -> None:
+    text = UNIFIED + "50 35 0:30 /kubepods /var/lib/x/cg rw - cgroup2 cgroup2 rw\n"
+    assert CgroupLayout.from_mountinfo(text).root == Path("/sys/fs/cgroup")
+
+
+def test_mount_points_with_escaped_spaces_are_unescaped() -> None:
+    text = "34 31 0:31 / /mnt/my\\040cgroups rw - cgroup cgroup rw,cpuset\n"
+    assert CgroupLayout.from_mountinfo(text).root == Path("/mnt/my cgroups")
+
+
+def test_a_machine_without_cpusets_is_an_error() -> None:
+    text = "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+    with pytest.raises(CgroupError, match="no cgroup v1 cpuset hierarchy"):
+        CgroupLayout.from_mountinfo(text)
+
+
+def test_this_machines_layout_is_detected() -> None:
+    layout = CgroupLayout.detect()
+    assert (layout.root / "cpuset.cpus").exists()
+
+
+@pytest.mark.parametrize(
+    ("cgroups_path", "expected"),
+    [
+        pytest.param(
+            "/kubepods/burstable/pod1234/abcd",
+            "kubepods/burstable/pod1234/abcd",
+            id="cgroupfs",
+        ),
+        pytest.param("/kubepods/pod1234/abcd", "kubepods/pod1234/abcd", id="cgroupfs-guaranteed"),
+        pytest.param(
+            "kubepods-besteffort-pod12_34.slice:cri-containerd:abcd",
+            "kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod12_34.slice/"
+            "cri-containerd-abcd.scope",
+            id="systemd",
+        ),
+        pytest.param(
+            "kubepods-pod12.slice:cri-containerd:abcd",
+            "kubepods.slice/kubepods-pod12.slice/cri-containerd-abcd.scope",
+            id="systemd-guaranteed",
+        ),
+        pytest.param("system.slice:docker:abcd", "system.slice/docker-abcd.scope", id="docker"),
+        pytest.param(":cri-containerd:abcd", "system.slice/cri-containerd-abcd.scope", id="none"),
+        pytest.param("machine.slice::abcd", "machine.slice/abcd", id="no-prefix"),
+        pytest.param("-.slice:x:y", "x-y.scope", id="root-slice"),
+    ],
+)
+def test_both_drivers_cgroups_paths_resolve(cgroups_path: str, expected: str) -> None:
+    assert relative_cgroup_path(cgroups_path) == PurePosixPath(expected)
+
+
+@pytest.mark.parametrize(
+    "cgroups_path",
+    [
+        "",
+        "/",
+        "/kubepods/../../etc",
+        "/kubepods/./x",
+        "kubepods.slice:cri-containerd:",
+        "kubepods--x.slice:p:n",
+        "not-a-slice:p:n",
+        "/kube\0pods/x",
+    ],
+)
+def test_paths_that_leave_the_hierarchy_or_make_no_sense_are_refused(cgroups_path: str) -> None:
+    with pytest.raises(CgroupError):
+        relative_cgroup_path(cgroups_path)
+
+
+def test_a_layout_places_a_container_under_its_root() -> None:
+    v2 = CgroupLayout(CgroupVersion.V2, Path("/sys/fs/cgroup"))
+    assert v2.container_dir("kubepods-pod1.slice:cri-containerd:c1") == Path(
+        "/sys/fs/cgroup/kubepods.slice/kubepods-pod1.slice/cri-containerd-c1.scope"
+    )
+
+
+@pytest.mark.parametrize("bad", ["kubepods", "a/b.slice", "-a.slice", "a-.slice", ".slice"])
+def test_bad_slice_names_are_refused(bad: str) -> None:
+    with pytest.raises(CgroupError, match="not a systemd slice name"):
+        expand_slice(bad)
+
+
+def test_populated_reads_the_v2_events_file() -> None:
+    assert populated("populated 1\nfrozen 0\n") is True
+    assert populated("populated 0\nfrozen 0\n") is False
+    assert populated("frozen 0\n") is None
+
+
+def test_cpus_are_read_and_written_in_the_kernel_list_format(tmp_path: Path) -> None:
+    (tmp_path / "cpuset.cpus").write_text("0-3\n")
+    assert read_cpus(tmp_path) == CPUSet.parse("0-3")
+    write_cpus(tmp_path, CPUSet({1, 2, 3, 7}))
+    assert (tmp_path / "cpuset.cpus").read_text() == "1-3,7"
+    assert read_cpus(tmp_path / "gone") is None
+    with pytest.raises(FileNotFoundError):
+        write_cpus(tmp_path / "gone", CPUSet({1}))
