@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shim.cgroups import CgroupError, CgroupLayout
 from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri.calls import Reply, Status, UnaryCall
@@ -123,6 +124,23 @@ async def wait_for_runtime(channel: RuntimeChannel, budget: float) -> Reply:
         delay = min(delay * 2, 2.0)
 
 
+def cgroup_layout() -> CgroupLayout | None:
+    """Where cpusets live here; None (every move through the runtime) when that is unclear."""
+    try:
+        layout = CgroupLayout.detect()
+    except (OSError, CgroupError) as exc:
+        log.warning(
+            "cannot find the cpuset hierarchy; containers move through the runtime only",
+            extra={"fields": {"error": str(exc)}},
+        )
+        return None
+    log.info(
+        "cgroups",
+        extra={"fields": {"version": int(layout.version), "cpuset_root": str(layout.root)}},
+    )
+    return layout
+
+
 async def run(options: RunOptions) -> int:
     policy = build_policy(options)
     runtime = RuntimeChannel(options.runtime_endpoint)
@@ -131,6 +149,7 @@ async def run(options: RunOptions) -> int:
         CheckpointFile(options.state_dir),
         runtime,
         EngineOptions(failure_policy=options.failure_policy),
+        cgroups=cgroup_layout(),
     )
     interceptor: Interceptor = engine
     image_channel: RuntimeChannel | None = None

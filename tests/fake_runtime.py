@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -172,7 +173,11 @@ class FakeRuntime:
     socket_path: Path
     endpoint: str
 
-    def __init__(self) -> None:
+    def __init__(self, cgroup_root: Path | None = None) -> None:
+        # With a root, started containers get a cgroup directory below it (cgroupfs driver's
+        # layout: the sandbox's cgroup parent, then the container id) holding ``cpuset.cpus``,
+        # written on start and update and removed when the process exits, as runc does.
+        self.cgroup_root = cgroup_root
         self.sandboxes: dict[str, FakeSandbox] = {}
         self.containers: dict[str, FakeContainer] = {}
         self.calls: list[tuple[str, Message]] = []
@@ -335,6 +340,10 @@ class FakeRuntime:
         if state == pb.CONTAINER_EXITED:
             container.finished_at = now
         self.containers[container.id] = container
+        cgroup = self.cgroup_dir(container.id)
+        if state == pb.CONTAINER_RUNNING and cgroup is not None:
+            cgroup.mkdir(parents=True, exist_ok=True)
+            (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
         return container.id
 
     # --- helpers -------------------------------------------------------------------------------
@@ -366,11 +375,33 @@ class FakeRuntime:
             raise _not_found("container", container_id)
         return self.containers[found]
 
-    @staticmethod
-    def _exited(container: FakeContainer, exit_code: int) -> None:
+    def _exited(self, container: FakeContainer, exit_code: int) -> None:
         container.state = pb.CONTAINER_EXITED
         container.exit_code = exit_code
         container.finished_at = time.time_ns()
+        cgroup = self.cgroup_dir(container.id)
+        if cgroup is not None and cgroup.is_dir():
+            shutil.rmtree(cgroup)
+
+    def cgroup_path(self, container_id: str) -> str:
+        """The OCI ``cgroupsPath`` containerd gives a container (cgroupfs driver)."""
+        container = self.containers[container_id]
+        sandbox = self.sandboxes.get(container.sandbox_id)
+        parent = sandbox.config.linux.cgroup_parent if sandbox is not None else ""
+        return f"{parent}/{container.id}"
+
+    def cgroup_dir(self, container_id: str) -> Path | None:
+        """The container's cgroup directory under ``cgroup_root`` (None without a root)."""
+        if self.cgroup_root is None:
+            return None
+        return self.cgroup_root / self.cgroup_path(container_id).lstrip("/")
+
+    def cgroup_cpus(self, container_id: str) -> str | None:
+        """What the container's cgroup ``cpuset.cpus`` holds; None when it has none."""
+        cgroup = self.cgroup_dir(container_id)
+        if cgroup is None or not (cgroup / "cpuset.cpus").exists():
+            return None
+        return (cgroup / "cpuset.cpus").read_text().strip()
 
     @staticmethod
     def _sandbox_name(config: pb.PodSandboxConfig) -> str:
@@ -511,6 +542,10 @@ class FakeRuntime:
         container.state = pb.CONTAINER_RUNNING
         container.started_at = time.time_ns()
         container.pid = self._pid()
+        cgroup = self.cgroup_dir(container.id)
+        if cgroup is not None:
+            cgroup.mkdir(parents=True, exist_ok=True)
+            (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
         return pb.StartContainerResponse()
 
     def _stop_container(self, request: pb.StopContainerRequest) -> pb.StopContainerResponse:
@@ -587,8 +622,6 @@ class FakeRuntime:
         return reply
 
     def _container_info(self, container: FakeContainer) -> dict[str, Any]:
-        sandbox = self.sandboxes.get(container.sandbox_id)
-        parent = sandbox.config.linux.cgroup_parent if sandbox is not None else ""
         resources = container.resources
         cpu = _omit_empty(
             {
@@ -615,7 +648,7 @@ class FakeRuntime:
             "config": _config_json(container.config),
             "runtimeSpec": {
                 "linux": {
-                    "cgroupsPath": f"{parent}/{container.id}",
+                    "cgroupsPath": self.cgroup_path(container.id),
                     "resources": linux_resources,
                 }
             },
@@ -628,4 +661,7 @@ class FakeRuntime:
         if container.removing:
             raise GRPCError(Status.UNKNOWN, f"container {container.id!r} is in removing state")
         merge_resources(container.resources, request.linux)
+        cgroup = self.cgroup_dir(container.id)
+        if container.state == pb.CONTAINER_RUNNING and cgroup is not None and cgroup.is_dir():
+            (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
         return pb.UpdateContainerResourcesResponse()

@@ -1,5 +1,6 @@
 """The orchestrator between kubelet's calls, the policy, the checkpoint and the runtime."""
 
-from shim.engine.core import Engine, EngineOptions, FailurePolicy, Phase, Tracked
+from shim.engine.core import Engine, EngineOptions, FailurePolicy
+from shim.engine.tracked import Phase, Tracked
 
 __all__ = ["Engine", "EngineOptions", "FailurePolicy", "Phase", "Tracked"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any, Literal, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from shim.cgroups import CgroupLayout
 from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
@@ -34,6 +34,8 @@ from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.passthrough import LIFECYCLE_PATHS, check_request
 from shim.cri.upstream import RuntimeChannel
 from shim.engine import requests as rq
+from shim.engine.moves import Mover
+from shim.engine.tracked import Phase, Tracked
 from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
@@ -42,28 +44,9 @@ from shim.state import Assignment, ContainerKey, CPUState
 log = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=Message)
+_T = TypeVar("_T")
 
 FailurePolicy = Literal["fail-closed", "fail-open"]
-
-
-class Phase(enum.Enum):
-    CREATED = "created"
-    RUNNING = "running"
-    EXITED = "exited"
-
-
-@dataclass
-class Tracked:
-    """A container the engine writes the cpuset of."""
-
-    id: str
-    key: ContainerKey
-    sandbox_id: str
-    exclusive: bool
-    keep_quota: bool
-    phase: Phase
-    # The cpuset last written through the runtime; None when unknown.
-    applied: CPUSet | None
 
 
 @dataclass(frozen=True)
@@ -72,6 +55,9 @@ class EngineOptions:
     # How many UpdateContainerResources calls run at once when containers move.
     update_concurrency: int = 8
     update_timeout: float = 10.0
+    # How long a cpuset written straight into a cgroup waits before the runtime is told of it
+    # (shim/engine/moves.py): moves within that time cost one runtime update.
+    record_delay: float = 1.0
 
 
 Handler = Callable[[UnaryCall], Awaitable[Reply]]
@@ -87,6 +73,7 @@ class Engine:
         runtime: RuntimeChannel,
         options: EngineOptions | None = None,
         state: CPUState | None = None,
+        cgroups: CgroupLayout | None = None,
     ) -> None:
         self.policy = policy
         self.checkpoint = checkpoint
@@ -100,7 +87,15 @@ class Engine:
         self.last_cpus: dict[ContainerKey, CPUSet] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[Reply]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.mover = Mover(
+            runtime,
+            cgroups,
+            self.counters,
+            timeout=self.options.update_timeout,
+            record_delay=self.options.record_delay,
+            spawn=self._spawn,
+        )
         self._handlers: dict[str, Handler] = {
             rq.RUN_POD_SANDBOX: self._run_pod_sandbox,
             rq.CREATE_CONTAINER: self._create_container,
@@ -125,11 +120,13 @@ class Engine:
         return await asyncio.shield(task)
 
     async def drain(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for calls in flight to finish their work."""
+        """Wait up to ``grace`` seconds for calls in flight to finish their work, and for the
+        runtime to be told of every cpuset written straight into a cgroup."""
+        self.mover.flush()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace)
 
-    def _spawn(self, work: Coroutine[Any, Any, Reply]) -> asyncio.Task[Reply]:
+    def _spawn(self, work: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -255,6 +252,7 @@ class Engine:
                 keep_quota=True,
                 phase=Phase.CREATED,
                 applied=pool,
+                recorded=pool,
             )
             # The pool changed while the runtime created it: correct it before it can start.
             await self._apply()
@@ -308,6 +306,7 @@ class Engine:
                 keep_quota=plan.keep_quota,
                 phase=Phase.CREATED,
                 applied=cpus,
+                recorded=cpus,
             )
             log.info(
                 "pinned",
@@ -362,7 +361,12 @@ class Engine:
         tracked = self.containers.get(container_id)
         if reply.status is Status.OK and tracked is not None:
             tracked.phase = Phase.RUNNING
+            self._spawn(self._locate(tracked))
         return reply
+
+    async def _locate(self, tracked: Tracked) -> None:
+        """Learn where a started container's cgroup is, so later moves can write it directly."""
+        await self.mover.locate(tracked)
 
     async def _stop_container(self, call: UnaryCall) -> Reply:
         container_id = pb.StopContainerRequest.FromString(call.request).container_id
@@ -393,12 +397,12 @@ class Engine:
         tracked = self.containers.get(request.container_id)
         if tracked is None:
             return await self.runtime.unary(call)
-        async with self.lock:
+        async with self.lock, tracked.write_lock:
             cpus, mems, drop_quota = self._desired(tracked)
             rq.pin(request.linux, cpus, mems, drop_quota=drop_quota)
             reply = await self.runtime.unary(call, request=request.SerializeToString())
             if reply.status is Status.OK:
-                tracked.applied = cpus
+                tracked.applied = tracked.recorded = cpus
         return reply
 
     # --- decisions shared by the calls (the lock is held) --------------------------------------
@@ -510,31 +514,11 @@ class Engine:
     async def _write_cpuset(
         self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
     ) -> None:
-        request = rq.update_request(tracked.id, cpus, mems, drop_quota=drop_quota)
-        reply = await self.runtime.unary(
-            UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.options.update_timeout)
-        )
-        if reply.status is Status.OK:
-            self.counters["cpuset_updates"] += 1
-            tracked.applied = cpus
-            return
-        if reply.status is Status.NOT_FOUND:
-            # Gone behind our back (removed directly on the runtime): stop tracking it.
+        result = await self.mover.move(tracked, cpus, mems, drop_quota)
+        if result.gone:
+            # Removed behind our back (directly on the runtime): stop tracking it.
             self.containers.pop(tracked.id, None)
-            return
-        # Left as it is; the next decision tries again (tracked.applied is unchanged).
-        self.counters["cpuset_update_errors"] += 1
-        log.warning(
-            "could not move a container",
-            extra={
-                "fields": {
-                    "container_id": tracked.id,
-                    "container": str(tracked.key),
-                    "cpus": str(cpus),
-                    "error": f"{reply.status.name}: {reply.status_message}",
-                }
-            },
-        )
+        # When it failed otherwise, tracked.applied is unchanged: the next decision retries.
 
 
 def _response(reply: Reply, message_type: type[_M]) -> _M | None:

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 import orjson
 from google.protobuf.message import DecodeError
 
+from shim import cgroups
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
-from shim.engine.core import Engine, Phase, Tracked
+from shim.engine.core import Engine
+from shim.engine.tracked import Phase, Tracked
 from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.state import (
@@ -54,6 +56,8 @@ class LiveContainer:
     attempt: int
     state: int
     resources: pb.LinuxContainerResources
+    # ContainerStatus' verbose info document (it names the cgroup); "" when not given.
+    info: str = ""
 
 
 @dataclass
@@ -88,6 +92,10 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
         engine.state = state
         engine.containers = {c.id: _tracked(engine, c, pods) for c in live.values()}
         await engine._apply()
+        for tracked in engine.containers.values():
+            if tracked.cgroup is not None and tracked.applied != tracked.recorded:
+                # Written straight into the cgroup before a stop; the runtime never heard.
+                engine.mover.record_later(tracked)
     log.info(
         "resynced with the runtime",
         extra={
@@ -189,7 +197,7 @@ async def _containers(engine: Engine) -> dict[str, LiveContainer]:
     for item in pb.ListContainersResponse.FromString(reply.messages[0]).containers:
         if item.state == pb.CONTAINER_EXITED:
             continue
-        request = pb.ContainerStatusRequest(container_id=item.id).SerializeToString()
+        request = pb.ContainerStatusRequest(container_id=item.id, verbose=True).SerializeToString()
         status_reply = await engine.runtime.unary(
             UnaryCall(rq.CONTAINER_STATUS, (), request, CALL_TIMEOUT)
         )
@@ -200,7 +208,8 @@ async def _containers(engine: Engine) -> dict[str, LiveContainer]:
                 f"resync: ContainerStatus {item.id} failed: {status_reply.status.name}:"
                 f" {status_reply.status_message}"
             )
-        status = pb.ContainerStatusResponse.FromString(status_reply.messages[0]).status
+        response = pb.ContainerStatusResponse.FromString(status_reply.messages[0])
+        status = response.status
         live[item.id] = LiveContainer(
             id=item.id,
             sandbox_id=item.pod_sandbox_id,
@@ -208,6 +217,7 @@ async def _containers(engine: Engine) -> dict[str, LiveContainer]:
             attempt=item.metadata.attempt,
             state=status.state,
             resources=status.resources.linux,
+            info=response.info.get("info", ""),
         )
     return live
 
@@ -354,9 +364,21 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
     assignment = engine.state.assignments.get(key)
     exclusive = assignment is not None and assignment.container_id == container.id
     try:
-        applied: CPUSet | None = CPUSet.parse(container.resources.cpuset_cpus) or None
+        recorded: CPUSet | None = CPUSet.parse(container.resources.cpuset_cpus) or None
     except ValueError:
-        applied = None
+        recorded = None
+    running = container.state == pb.CONTAINER_RUNNING
+    cgroup = engine.mover.cgroup_of(container.info) if running else None
+    applied = recorded
+    if cgroup is not None:
+        try:
+            # The kernel's word over the runtime's record: a cgroup written directly may not
+            # have been told to the runtime before cpushim stopped.
+            applied = cgroups.read_cpus(cgroup)
+        except (OSError, ValueError):
+            cgroup = None
+        if applied is None:
+            cgroup, applied = None, recorded
     plan = _plan(pod, container)
     return Tracked(
         id=container.id,
@@ -364,6 +386,8 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
         sandbox_id=container.sandbox_id,
         exclusive=exclusive,
         keep_quota=plan.keep_quota,
-        phase=Phase.RUNNING if container.state == pb.CONTAINER_RUNNING else Phase.CREATED,
+        phase=Phase.RUNNING if running else Phase.CREATED,
         applied=applied,
+        cgroup=cgroup,
+        recorded=recorded,
     )

@@ -17,12 +17,13 @@ is visible is 0; any pod where it is not counts as a miss, with the time it took
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from shim.cpuset import CPUSet
@@ -45,34 +46,60 @@ def cgroup_cpus(client: KubeletClient, container_id: str) -> CPUSet:
     return CPUSet.parse(Path("/sys/fs/cgroup/cpuset", path, "cpuset.cpus").read_text())
 
 
+CallTimes = dict[str, list[float]]
+
+
 def churn(
-    client: KubeletClient, image: str, pods: int, shared_cpus: Callable[[], CPUSet], full: CPUSet
+    client: KubeletClient,
+    image: str,
+    pods: int,
+    shared_cpus: Callable[[], CPUSet],
+    full: CPUSet,
+    calls: CallTimes,
 ) -> tuple[float, list[float]]:
     """Wall seconds for ``pods`` pod lifecycles, and for each StopContainer the seconds from
     its return until the shared container's cgroup shows every CPU again (0.0 when it already
-    did at the return)."""
+    did at the return). Each call's own time is added to ``calls``."""
     grown_after: list[float] = []
-    started = time.perf_counter()
+    wall = 0.0
+
+    @contextlib.contextmanager
+    def timed(name: str) -> Iterator[None]:
+        nonlocal wall
+        begin = time.perf_counter()
+        yield
+        took = time.perf_counter() - begin
+        calls.setdefault(name, []).append(took)
+        wall += took
+
     for index in range(pods):
-        sandbox = client.run_pod_sandbox(f"churn-{index}", "bench", new_pod_uid(), "guaranteed")
-        container_id = client.create_container(
-            sandbox,
-            "main",
-            image,
-            WORKLOAD,
-            cpu_milli_request=1000,
-            cpu_milli_limit=1000,
-            memory_request=32 * MIB,
-            memory_limit=32 * MIB,
-        )
-        client.start_container(container_id)
-        client.stop_container(container_id, timeout=5)
+        with timed("RunPodSandbox"):
+            sandbox = client.run_pod_sandbox(f"churn-{index}", "bench", new_pod_uid(), "guaranteed")
+        with timed("CreateContainer"):
+            container_id = client.create_container(
+                sandbox,
+                "main",
+                image,
+                WORKLOAD,
+                cpu_milli_request=1000,
+                cpu_milli_limit=1000,
+                memory_request=32 * MIB,
+                memory_limit=32 * MIB,
+            )
+        with timed("StartContainer"):
+            client.start_container(container_id)
+        with timed("StopContainer"):
+            client.stop_container(container_id, timeout=5)
         returned = time.perf_counter()
         grown_after.append(_until(lambda: shared_cpus() == full, returned))
-        client.remove_container(container_id)
-        client.stop_pod_sandbox(sandbox.id)
-        client.remove_pod_sandbox(sandbox.id)
-    return time.perf_counter() - started, grown_after
+        with timed("RemoveContainer"):
+            client.remove_container(container_id)
+        with timed("StopPodSandbox"):
+            client.stop_pod_sandbox(sandbox.id)
+        with timed("RemovePodSandbox"):
+            client.remove_pod_sandbox(sandbox.id)
+    # The wall time is the calls' own: the cgroup reads between them are the benchmark's.
+    return wall, grown_after
 
 
 def _until(condition: Callable[[], bool], since: float, deadline: float = 10.0) -> float:
@@ -115,6 +142,7 @@ def main() -> int:
         shim.start()
         walls: dict[str, list[float]] = {"direct": [], "cpushim": []}
         grown: dict[str, list[float]] = {"direct": [], "cpushim": []}
+        calls: dict[str, CallTimes] = {"direct": {}, "cpushim": {}}
         try:
             with (
                 KubeletClient(containerd.address, log_root=log_root) as direct,
@@ -126,7 +154,9 @@ def main() -> int:
                 shared = lambda: cgroup_cpus(direct, shared_id)  # noqa: E731
                 for _ in range(args.rounds):
                     for label, client in (("direct", direct), ("cpushim", via)):
-                        wall, after = churn(client, image.ref, args.pods, shared, full)
+                        wall, after = churn(
+                            client, image.ref, args.pods, shared, full, calls[label]
+                        )
                         walls[label].append(wall)
                         grown[label] += after
                 via.teardown_pod(background.id)
@@ -145,6 +175,11 @@ def main() -> int:
     print(f"{'path':<8} {'ms/pod':>8} {'ratio':>7}")
     print(f"{'direct':<8} {direct_pod * 1e3:8.1f} {1.0:7.3f}")
     print(f"{'cpushim':<8} {shim_pod * 1e3:8.1f} {shim_pod / direct_pod:7.3f}")
+    print(f"# per call, median ms: {'call':<18} {'direct':>8} {'cpushim':>8} {'+ms':>7}")
+    for name, took in calls["direct"].items():
+        d = statistics.median(took) * 1e3
+        c = statistics.median(calls["cpushim"][name]) * 1e3
+        print(f"#                      {name:<18} {d:8.2f} {c:8.2f} {c - d:+7.2f}")
     misses = [t for t in grown["cpushim"] if t > 0]
     print(
         f"# cpushim: shared container on {full} when StopContainer returned:"

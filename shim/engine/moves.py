@@ -1,0 +1,195 @@
+"""Moving a container to a new cpuset: straight into its cgroup when the engine knows where
+that is, through the runtime (UpdateContainerResources) otherwise.
+
+A direct write takes tens of microseconds where the runtime's ``runc update`` forks a process
+and takes milliseconds; it is what makes a pod's create and stop cost about what they cost
+without cpushim (docs/performance.md). The runtime is told afterwards, so its own record (the
+spec, what ContainerStatus reports, what systemd holds for the scope) stays true: one update
+per container at most every ``record_delay`` seconds, carrying the latest cpuset, so a burst of
+moves costs one ``runc update``. An update in flight is waited for before the next direct
+write, so an older cpuset can never overwrite a newer one.
+
+Exclusive containers (whose mems and CFS quota move too) and containers that have not started
+(no cgroup yet) always go through the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from shim import cgroups
+from shim.cgroups import CgroupError, CgroupLayout
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Status, UnaryCall
+from shim.cri.upstream import RuntimeChannel
+from shim.engine import requests as rq
+from shim.engine.tracked import Phase, Tracked
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    ok: bool
+    # The runtime no longer knows the container.
+    gone: bool = False
+
+
+class Mover:
+    def __init__(
+        self,
+        runtime: RuntimeChannel,
+        layout: CgroupLayout | None,
+        counters: Counter[str],
+        *,
+        timeout: float,
+        record_delay: float,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+    ) -> None:
+        self.runtime = runtime
+        self.layout = layout
+        self.counters = counters
+        self.timeout = timeout
+        self.record_delay = record_delay
+        self._spawn = spawn
+        self._recorders: dict[str, asyncio.Task[None]] = {}
+        self._flush = asyncio.Event()
+
+    # --- moving -----------------------------------------------------------------------------
+
+    async def move(self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> MoveResult:
+        if self._direct(tracked, mems, drop_quota):
+            assert tracked.cgroup is not None
+            async with tracked.write_lock:
+                try:
+                    await asyncio.to_thread(cgroups.write_cpus, tracked.cgroup, cpus)
+                except OSError as exc:
+                    # Gone, or a parent that does not allow these CPUs: the runtime decides.
+                    log.info(
+                        "direct cgroup write failed; moving through the runtime",
+                        extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
+                    )
+                else:
+                    self.counters["cgroup_writes"] += 1
+                    tracked.applied = cpus
+                    self.record_later(tracked)
+                    return MoveResult(ok=True)
+        return await self.update_through_runtime(tracked, cpus, mems, drop_quota)
+
+    @staticmethod
+    def _direct(tracked: Tracked, mems: str, drop_quota: bool) -> bool:
+        return (
+            tracked.cgroup is not None
+            and tracked.phase is Phase.RUNNING
+            and not tracked.exclusive
+            and not mems
+            and not drop_quota
+        )
+
+    async def update_through_runtime(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
+    ) -> MoveResult:
+        async with tracked.write_lock:
+            request = rq.update_request(tracked.id, cpus, mems, drop_quota=drop_quota)
+            reply = await self.runtime.unary(
+                UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
+            )
+            if reply.status is Status.OK:
+                tracked.applied = tracked.recorded = cpus
+        if reply.status is Status.OK:
+            self.counters["cpuset_updates"] += 1
+            return MoveResult(ok=True)
+        if reply.status is Status.NOT_FOUND:
+            return MoveResult(ok=False, gone=True)
+        self.counters["cpuset_update_errors"] += 1
+        log.warning(
+            "could not move a container",
+            extra={
+                "fields": {
+                    "container_id": tracked.id,
+                    "container": str(tracked.key),
+                    "cpus": str(cpus),
+                    "error": f"{reply.status.name}: {reply.status_message}",
+                }
+            },
+        )
+        return MoveResult(ok=False)
+
+    # --- telling the runtime what was written directly -------------------------------------------
+
+    def record_later(self, tracked: Tracked) -> None:
+        """Tell the runtime of this container's cpuset after the record delay."""
+        if tracked.id not in self._recorders:
+            self._recorders[tracked.id] = self._spawn(self._record(tracked))
+
+    async def _record(self, tracked: Tracked) -> None:
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flush.wait(), self.record_delay)
+            while tracked.phase is not Phase.EXITED:
+                async with tracked.write_lock:
+                    cpus = tracked.applied
+                    if cpus is None or cpus == tracked.recorded:
+                        return
+                    request = rq.update_request(tracked.id, cpus)
+                    reply = await self.runtime.unary(
+                        UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
+                    )
+                    if reply.status is not Status.OK:
+                        # Gone, or refused: the cgroup is right; the next move tries again.
+                        return
+                    tracked.recorded = cpus
+                    self.counters["runtime_records"] += 1
+        finally:
+            self._recorders.pop(tracked.id, None)
+
+    def flush(self) -> None:
+        """Tell the runtime every cpuset written directly now, not after the delay (at
+        shutdown); the recorders are the engine's tasks, which it waits for."""
+        self._flush.set()
+
+    # --- where the cgroup is -------------------------------------------------------------------
+
+    async def locate(self, tracked: Tracked) -> Path | None:
+        """Ask the runtime where the container's cgroup is; set and return it (None when the
+        runtime does not say, or the cgroup does not exist)."""
+        if self.layout is None:
+            return None
+        request = pb.ContainerStatusRequest(container_id=tracked.id, verbose=True)
+        reply = await self.runtime.unary(
+            UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), self.timeout)
+        )
+        if reply.status is not Status.OK or not reply.messages:
+            return None
+        try:
+            status = pb.ContainerStatusResponse.FromString(reply.messages[0])
+        except DecodeError:
+            return None
+        directory = self.cgroup_of(status.info.get("info", ""))
+        if directory is None or not directory.is_dir():
+            return None
+        tracked.cgroup = directory
+        return directory
+
+    def cgroup_of(self, verbose_info: str) -> Path | None:
+        """The cgroup directory named in a ContainerStatus verbose ``info`` document."""
+        if self.layout is None or not verbose_info:
+            return None
+        try:
+            spec = json.loads(verbose_info).get("runtimeSpec", {})
+            path = spec.get("linux", {}).get("cgroupsPath", "")
+            return self.layout.container_dir(path) if isinstance(path, str) and path else None
+        except (ValueError, AttributeError, CgroupError) as exc:
+            log.warning("cannot place a container's cgroup", extra={"fields": {"error": str(exc)}})
+            return None

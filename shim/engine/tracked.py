@@ -1,0 +1,39 @@
+"""What the engine knows of each container whose cpuset it writes."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shim.cpuset import CPUSet
+from shim.state import ContainerKey
+
+
+class Phase(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    EXITED = "exited"
+
+
+@dataclass(eq=False)
+class Tracked:
+    """A container the engine writes the cpuset of."""
+
+    id: str
+    key: ContainerKey
+    sandbox_id: str
+    exclusive: bool
+    keep_quota: bool
+    phase: Phase
+    # The cpuset last written, to the cgroup or through the runtime; None when unknown.
+    applied: CPUSet | None
+    # The container's cgroup directory, once the runtime has reported it (after start).
+    cgroup: Path | None = None
+    # The cpuset the runtime's own record holds (its spec), when known: a cgroup written
+    # directly is told to the runtime afterwards.
+    recorded: CPUSet | None = None
+    # Held by every write of this container's cpuset (direct or through the runtime), so an
+    # older cpuset can never land after a newer one.
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)

@@ -1,0 +1,230 @@
+"""A fake 2-socket machine, a stateful fake containerd and kubelet's calls, for the engine's
+unit tests. The machine: 2 sockets x 2 cores x 2 threads, siblings n and n+4, so socket 0 holds
+CPUs 0,1,4,5 and socket 1 holds 2,3,6,7."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from shim.cgroups import CgroupLayout, CgroupVersion
+from shim.checkpoint import CheckpointFile
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Reply, Status, UnaryCall
+from shim.cri.upstream import RuntimeChannel
+from shim.engine import Engine, EngineOptions, FailurePolicy
+from shim.engine import requests as rq
+from shim.engine.resync import start as resync
+from shim.policy import CPUPolicy
+from shim.policy.static import StaticPolicy
+from shim.state import integrity_problems
+from tests.fake_runtime import FakeRuntime
+from tests.harness.kubelet import (
+    QoSClass,
+    milli_cpu_to_quota,
+    milli_cpu_to_shares,
+    pod_cgroup_parent,
+)
+from tests.harness.sysfs import MachineSpec, expected_topology
+
+TOPOLOGY = expected_topology(MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2))
+ALL = TOPOLOGY.online
+GIB = 1024**3
+# kubelet's packing puts a single CPU on the core that is already partly used: CPU 4, the
+# sibling of reserved CPU 0.
+FIRST_SINGLE = "4"
+SHARED_AFTER_FIRST_SINGLE = "0-3,5-7"
+
+
+def static_policy(reserved: str = "0") -> StaticPolicy:
+    return StaticPolicy.create(TOPOLOGY, reserved=CPUSet.parse(reserved))
+
+
+@dataclass
+class Pod:
+    sandbox_id: str
+    config: pb.PodSandboxConfig
+    qos: QoSClass
+
+    @property
+    def uid(self) -> str:
+        return self.config.metadata.uid
+
+
+@dataclass
+class Kubelet:
+    """Drives an engine with kubelet's calls and request shapes."""
+
+    engine: Engine
+    runtime: RuntimeChannel
+    pods: list[Pod] = field(default_factory=list)
+
+    async def call(self, method: str, request: bytes, deadline: float = 10.0) -> Reply:
+        call = UnaryCall(rq.RUNTIME + method, (), request, deadline)
+        return await self.engine.handle(call, self.runtime)
+
+    async def ok(self, method: str, request: bytes) -> bytes:
+        reply = await self.call(method, request)
+        assert reply.status is Status.OK, f"{method}: {reply.status.name} {reply.status_message}"
+        return reply.messages[0] if reply.messages else b""
+
+    async def run_pod(
+        self, name: str, qos: QoSClass, annotations: Mapping[str, str] | None = None
+    ) -> Pod:
+        uid = str(uuid.uuid4())
+        config = pb.PodSandboxConfig(
+            metadata=pb.PodSandboxMetadata(name=name, uid=uid, namespace="default"),
+            annotations=dict(annotations or {}),
+            linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent(qos, uid)),
+        )
+        raw = await self.ok(
+            "RunPodSandbox", pb.RunPodSandboxRequest(config=config).SerializeToString()
+        )
+        pod = Pod(pb.RunPodSandboxResponse.FromString(raw).pod_sandbox_id, config, qos)
+        self.pods.append(pod)
+        return pod
+
+    def create_request(
+        self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0
+    ) -> pb.CreateContainerRequest:
+        """kubelet's request; a Guaranteed pod's container has request == limit."""
+        limit = milli_cpu if pod.qos == "guaranteed" else 0
+        resources = pb.LinuxContainerResources(
+            cpu_period=100_000,
+            cpu_quota=milli_cpu_to_quota(limit),
+            cpu_shares=milli_cpu_to_shares(milli_cpu),
+            memory_limit_in_bytes=GIB if pod.qos == "guaranteed" else 0,
+            oom_score_adj=-997 if pod.qos == "guaranteed" else 1000,
+        )
+        return pb.CreateContainerRequest(
+            pod_sandbox_id=pod.sandbox_id,
+            config=pb.ContainerConfig(
+                metadata=pb.ContainerMetadata(name=name, attempt=attempt),
+                image=pb.ImageSpec(image="busybox"),
+                linux=pb.LinuxContainerConfig(resources=resources),
+            ),
+            sandbox_config=pod.config,
+        )
+
+    async def create(self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0) -> Reply:
+        request = self.create_request(pod, name, milli_cpu, attempt)
+        return await self.call("CreateContainer", request.SerializeToString())
+
+    async def start_new(self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0) -> str:
+        reply = await self.create(pod, name, milli_cpu, attempt)
+        assert reply.status is Status.OK, reply.status_message
+        container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+        await self.ok(
+            "StartContainer",
+            pb.StartContainerRequest(container_id=container_id).SerializeToString(),
+        )
+        return container_id
+
+    async def stop(self, container_id: str) -> None:
+        request = pb.StopContainerRequest(container_id=container_id, timeout=10)
+        await self.ok("StopContainer", request.SerializeToString())
+
+    async def remove(self, container_id: str) -> None:
+        request = pb.RemoveContainerRequest(container_id=container_id)
+        await self.ok("RemoveContainer", request.SerializeToString())
+
+
+@dataclass
+class Env:
+    fake: FakeRuntime
+    state_dir: Path
+    channel: RuntimeChannel
+    engine: Engine
+    kubelet: Kubelet
+
+    def cpus(self, container_id: str) -> str:
+        """The cpuset the runtime holds for a container (what its cgroup gets)."""
+        return self.fake.containers[container_id].resources.cpuset_cpus
+
+    def saved(self) -> dict[str, dict[str, str]]:
+        body = orjson.loads((self.state_dir / "state.json").read_bytes())["body"]
+        return {
+            uid: {name: entry["cpus"] for name, entry in containers.items()}
+            for uid, containers in body["assignments"].items()
+        }
+
+    def kernel_cpus(self, container_id: str) -> str | None:
+        """What the container's (fake) cgroup says, when the fake keeps a cgroup tree."""
+        return self.fake.cgroup_cpus(container_id)
+
+    async def restart(self, policy: CPUPolicy | None = None, *, recover: bool = False) -> Engine:
+        """A new engine on the same state dir and runtime, as after a crash."""
+        engine = Engine(
+            policy or self.engine.policy,
+            CheckpointFile(self.state_dir),
+            self.channel,
+            self.engine.options,
+            cgroups=self.engine.mover.layout,
+        )
+        await resync(engine, recover_from_runtime=recover)
+        self.engine = engine
+        self.kubelet = Kubelet(engine, self.channel, self.kubelet.pods)
+        return engine
+
+
+async def make_env(
+    fake: FakeRuntime,
+    state_dir: Path,
+    policy: CPUPolicy | None = None,
+    failure_policy: FailurePolicy = "fail-closed",
+    *,
+    options: EngineOptions | None = None,
+) -> Env:
+    """An engine on ``fake``; when the fake keeps a cgroup tree, the engine writes it (as a
+    cgroup v1 cpuset hierarchy)."""
+    channel = RuntimeChannel(fake.endpoint)
+    layout = None
+    if fake.cgroup_root is not None:
+        layout = CgroupLayout(CgroupVersion.V1, fake.cgroup_root)
+    engine = Engine(
+        policy or static_policy(),
+        CheckpointFile(state_dir),
+        channel,
+        options or EngineOptions(failure_policy=failure_policy),
+        cgroups=layout,
+    )
+    await resync(engine)
+    return Env(fake, state_dir, channel, engine, Kubelet(engine, channel))
+
+
+def assert_consistent(env: Env) -> None:
+    """ARCHITECTURE.md section 4, on the engine's state and on what the runtime holds."""
+    state = env.engine.state
+    assert integrity_problems(state, TOPOLOGY) == []
+    for tracked in env.engine.containers.values():
+        if tracked.phase.value == "exited":
+            continue
+        assignment = state.assignments.get(tracked.key)
+        if assignment is not None and assignment.container_id == tracked.id:
+            assert env.cpus(tracked.id) == str(assignment.cpus)
+        else:
+            assert env.cpus(tracked.id) == str(state.shared)
+
+
+def updates_to(fake: FakeRuntime, container_id: str) -> list[str]:
+    return [
+        m.linux.cpuset_cpus
+        for m in fake.calls_of("UpdateContainerResources")
+        if isinstance(m, pb.UpdateContainerResourcesRequest) and m.container_id == container_id
+    ]
+
+
+async def until(condition: Callable[[], bool], what: str, deadline: float = 5.0) -> None:
+    """Wait for ``condition`` (checked on every turn of the loop) for up to ``deadline`` s."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while not condition():
+        if loop.time() > end:
+            raise AssertionError(f"not within {deadline}s: {what}")
+        await asyncio.sleep(0.001)

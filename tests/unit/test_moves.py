@@ -1,0 +1,184 @@
+"""Moves written straight into cgroups, and the runtime told afterwards.
+
+The fake containerd keeps a cgroup tree in a temp directory (cgroup v1 layout, cgroupfs
+driver): ``Env.kernel_cpus`` is what that tree says, ``Env.cpus`` what the runtime's record says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shim.engine import EngineOptions
+from tests.fake_runtime import FakeRuntime
+from tests.unit.engine_env import (
+    FIRST_SINGLE,
+    SHARED_AFTER_FIRST_SINGLE,
+    Env,
+    make_env,
+    until,
+    updates_to,
+)
+
+pytestmark = pytest.mark.anyio
+
+# Long enough that nothing is recorded during a test unless it drains or flushes.
+NEVER = 3600.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def cgroup_env(tmp_path: Path, fake: FakeRuntime, record_delay: float) -> Env:
+    return await make_env(
+        fake, tmp_path / "state", options=EngineOptions(record_delay=record_delay)
+    )
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        environment = await cgroup_env(tmp_path, fake, NEVER)
+        yield environment
+        environment.channel.close()
+
+
+async def start_located(env: Env, name: str) -> str:
+    """A BestEffort container, started, once the engine knows where its cgroup is."""
+    pod = await env.kubelet.run_pod(name, "besteffort")
+    container_id = await env.kubelet.start_new(pod, "main")
+    tracked = env.engine.containers[container_id]
+    await until(lambda: tracked.cgroup is not None, f"{name}'s cgroup located")
+    assert tracked.cgroup == env.fake.cgroup_dir(container_id)
+    return container_id
+
+
+async def test_a_shared_container_moves_in_its_cgroup_and_the_runtime_hears_later(
+    env: Env,
+) -> None:
+    shared_id = await start_located(env, "web")
+    guaranteed = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(guaranteed, "main", 1000)
+
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert env.cpus(shared_id) == "0-7"
+    assert updates_to(env.fake, shared_id) == []
+
+    await env.engine.drain(5.0)
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert updates_to(env.fake, shared_id) == [SHARED_AFTER_FIRST_SINGLE]
+
+
+async def test_moves_within_the_record_delay_cost_one_runtime_update_of_the_last(
+    env: Env,
+) -> None:
+    shared_id = await start_located(env, "web")
+    for index in range(3):
+        pod = await env.kubelet.run_pod(f"db-{index}", "guaranteed")
+        await env.kubelet.start_new(pod, "main", 1000)
+    last = env.kernel_cpus(shared_id)
+    assert last is not None
+    assert len(last.split(",")) > 1 or "-" in last  # several CPUs left, three taken
+
+    await env.engine.drain(5.0)
+    assert updates_to(env.fake, shared_id) == [last]
+
+
+async def test_a_move_and_its_return_before_the_delay_cost_no_runtime_update(env: Env) -> None:
+    shared_id = await start_located(env, "web")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    await env.kubelet.stop(pinned_id)
+    assert env.kernel_cpus(shared_id) == "0-7"
+
+    await env.engine.drain(5.0)
+    assert updates_to(env.fake, shared_id) == []
+
+
+async def test_an_update_in_flight_is_never_overtaken_by_an_older_cpuset(tmp_path: Path) -> None:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await cgroup_env(tmp_path, fake, record_delay=0.0)
+        shared_id = await start_located(env, "web")
+        held = fake.gate("UpdateContainerResources")
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        # The record of the shrunk pool is now at the runtime, held before it lands.
+        await until(lambda: updates_to(fake, shared_id) != [], "the record sent")
+        fake.ungate("UpdateContainerResources")
+
+        stop = asyncio.create_task(env.kubelet.stop(pinned_id))
+        # The grown pool waits for the update in flight: the stop cannot return while it is
+        # held (a bounded wait for something that must not happen).
+        done, _ = await asyncio.wait({stop}, timeout=0.5)
+        assert not done
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        held.set()
+        await stop
+
+        # The grown pool was written after the held update landed, not before it.
+        assert env.kernel_cpus(shared_id) == "0-7"
+        await env.engine.drain(5.0)
+        assert env.cpus(shared_id) == "0-7"
+        env.channel.close()
+
+
+async def test_a_container_whose_cgroup_vanished_moves_through_the_runtime(env: Env) -> None:
+    shared_id = await start_located(env, "web")
+    cgroup = env.fake.cgroup_dir(shared_id)
+    assert cgroup is not None
+    shutil.rmtree(cgroup)
+
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pod, "main", 1000)
+    assert updates_to(env.fake, shared_id) == [SHARED_AFTER_FIRST_SINGLE]
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+
+
+async def test_a_container_not_started_yet_moves_through_the_runtime(env: Env) -> None:
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    reply = await env.kubelet.create(pod, "main")
+    created_id = next(iter(env.engine.containers))
+    assert reply.messages
+
+    guaranteed = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(guaranteed, "main", 1000)
+    assert updates_to(env.fake, created_id) == [SHARED_AFTER_FIRST_SINGLE]
+
+
+async def test_exclusive_containers_are_created_with_their_cpus_not_moved(env: Env) -> None:
+    await start_located(env, "web")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    assert env.kernel_cpus(pinned_id) == FIRST_SINGLE
+    assert updates_to(env.fake, pinned_id) == []
+
+
+async def test_a_restart_trusts_the_cgroup_over_the_runtime_record(env: Env) -> None:
+    shared_id = await start_located(env, "web")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pod, "main", 1000)
+    # cpushim stops before the runtime hears of the move: the record says 0-7, the kernel not.
+    assert env.cpus(shared_id) == "0-7"
+
+    engine = await env.restart()
+    assert engine.containers[shared_id].applied is not None
+    assert str(engine.containers[shared_id].applied) == SHARED_AFTER_FIRST_SINGLE
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    await engine.drain(5.0)
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+
+
+async def test_a_restart_repairs_a_cgroup_changed_while_cpushim_was_down(env: Env) -> None:
+    shared_id = await start_located(env, "web")
+    cgroup = env.fake.cgroup_dir(shared_id)
+    assert cgroup is not None
+    (cgroup / "cpuset.cpus").write_text("3\n")
+
+    await env.restart()
+    assert env.kernel_cpus(shared_id) == "0-7"
