@@ -24,6 +24,8 @@ class CheckpointFile:
         self.directory = directory
         self.path = directory / STATE_FILE
         self.writes = 0
+        # What cpushim last wrote: the file should hold exactly this while it runs.
+        self.last_written: bytes | None = None
 
     def load(self) -> CPUState | None:
         """The saved state, None when there is none; CheckpointError when it is unreadable."""
@@ -39,13 +41,23 @@ class CheckpointFile:
             raise CheckpointError(f"{self.path}: {exc}") from exc
 
     def save_sync(self, state: CPUState) -> None:
-        write_atomically(self.path, encode_checkpoint(state))
+        data = encode_checkpoint(state)
+        write_atomically(self.path, data)
         self.writes += 1
+        self.last_written = data
 
     async def save(self, state: CPUState) -> None:
         data = encode_checkpoint(state)
         await asyncio.to_thread(write_atomically, self.path, data)
         self.writes += 1
+        self.last_written = data
+
+    def on_disk(self) -> bytes | None:
+        """The file's bytes now; None when it is missing or unreadable."""
+        try:
+            return self.path.read_bytes()
+        except OSError:
+            return None
 
 
 def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:

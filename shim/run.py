@@ -18,6 +18,7 @@ from shim.cri.upstream import RuntimeChannel
 from shim.engine import Engine, EngineOptions, FailurePolicy
 from shim.engine.resync import StartupError
 from shim.engine.resync import start as resync
+from shim.engine.watching import DEFAULT_RESYNC_PERIOD, Watcher
 from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
@@ -182,6 +183,8 @@ async def run(options: RunOptions) -> int:
     except StartupError:
         runtime.close()
         raise
+    watcher = Watcher(engine, resync_period=DEFAULT_RESYNC_PERIOD)
+    watcher.start()
     await server.start()
     log.info(
         "serving",
@@ -201,6 +204,7 @@ async def run(options: RunOptions) -> int:
     await stop.wait()
     log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
     finished = await server.shutdown(options.shutdown_grace)
+    await watcher.stop()
     await engine.drain(options.shutdown_grace)
     runtime.close()
     if image_channel is not None:

@@ -173,11 +173,13 @@ class FakeRuntime:
     socket_path: Path
     endpoint: str
 
-    def __init__(self, cgroup_root: Path | None = None) -> None:
+    def __init__(self, cgroup_root: Path | None = None, cgroup_version: int = 1) -> None:
         # With a root, started containers get a cgroup directory below it (cgroupfs driver's
         # layout: the sandbox's cgroup parent, then the container id) holding ``cpuset.cpus``,
         # written on start and update and removed when the process exits, as runc does.
         self.cgroup_root = cgroup_root
+        # Version 2 adds the ``cgroup.events`` file, "populated 1" while the process runs.
+        self.cgroup_version = cgroup_version
         self.sandboxes: dict[str, FakeSandbox] = {}
         self.containers: dict[str, FakeContainer] = {}
         self.calls: list[tuple[str, Message]] = []
@@ -340,10 +342,8 @@ class FakeRuntime:
         if state == pb.CONTAINER_EXITED:
             container.finished_at = now
         self.containers[container.id] = container
-        cgroup = self.cgroup_dir(container.id)
-        if state == pb.CONTAINER_RUNNING and cgroup is not None:
-            cgroup.mkdir(parents=True, exist_ok=True)
-            (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
+        if state == pb.CONTAINER_RUNNING:
+            self._make_cgroup(container)
         return container.id
 
     # --- helpers -------------------------------------------------------------------------------
@@ -382,6 +382,15 @@ class FakeRuntime:
         cgroup = self.cgroup_dir(container.id)
         if cgroup is not None and cgroup.is_dir():
             shutil.rmtree(cgroup)
+
+    def _make_cgroup(self, container: FakeContainer) -> None:
+        cgroup = self.cgroup_dir(container.id)
+        if cgroup is None:
+            return
+        cgroup.mkdir(parents=True, exist_ok=True)
+        (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
+        if self.cgroup_version == 2:
+            (cgroup / "cgroup.events").write_text("populated 1\nfrozen 0\n")
 
     def cgroup_path(self, container_id: str) -> str:
         """The OCI ``cgroupsPath`` containerd gives a container (cgroupfs driver)."""
@@ -542,10 +551,7 @@ class FakeRuntime:
         container.state = pb.CONTAINER_RUNNING
         container.started_at = time.time_ns()
         container.pid = self._pid()
-        cgroup = self.cgroup_dir(container.id)
-        if cgroup is not None:
-            cgroup.mkdir(parents=True, exist_ok=True)
-            (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
+        self._make_cgroup(container)
         return pb.StartContainerResponse()
 
     def _stop_container(self, request: pb.StopContainerRequest) -> pb.StopContainerResponse:

@@ -22,7 +22,7 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -40,6 +40,9 @@ from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.state import Assignment, ContainerKey, CPUState
+
+if TYPE_CHECKING:
+    from shim.engine.watching import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,8 @@ class Engine:
         self.counters: collections.Counter[str] = collections.Counter()
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Set by the watcher when it starts (shim/engine/watching.py); None without one.
+        self.watcher: Watcher | None = None
         self.mover = Mover(
             runtime,
             cgroups,
@@ -171,7 +176,7 @@ class Engine:
             async with self.lock:
                 for tracked in self.containers.values():
                     if tracked.sandbox_id == sandbox_id:
-                        tracked.phase = Phase.EXITED
+                        self._mark_exited(tracked)
                 await self._release(
                     key
                     for key, a in self.state.assignments.items()
@@ -187,7 +192,7 @@ class Engine:
                 for container_id in [
                     t.id for t in self.containers.values() if t.sandbox_id == sandbox_id
                 ]:
-                    del self.containers[container_id]
+                    self._untrack(container_id)
                 await self._release(
                     key
                     for key, a in self.state.assignments.items()
@@ -225,7 +230,7 @@ class Engine:
         for tracked in self.containers.values():
             if tracked.key == key:
                 # kubelet makes the next attempt only once the previous one has exited.
-                tracked.phase = Phase.EXITED
+                self._mark_exited(tracked)
         if plan.exclusive is None or self.policy.name == "none":
             return await self._create_shared(call, request, key, plan)
         return await self._create_exclusive(call, request, pod, key, plan, plan.exclusive)
@@ -365,8 +370,38 @@ class Engine:
         return reply
 
     async def _locate(self, tracked: Tracked) -> None:
-        """Learn where a started container's cgroup is, so later moves can write it directly."""
+        """Learn where a started container's cgroup is, so later moves can write it directly
+        and the watcher can watch it."""
         await self.mover.locate(tracked)
+        if tracked.cgroup is not None and self.watcher is not None:
+            self.watcher.watch(tracked)
+
+    def _mark_exited(self, tracked: Tracked) -> None:
+        tracked.phase = Phase.EXITED
+        if self.watcher is not None:
+            self.watcher.unwatch(tracked.id)
+
+    def _untrack(self, container_id: str) -> None:
+        self.containers.pop(container_id, None)
+        if self.watcher is not None:
+            self.watcher.unwatch(container_id)
+
+    async def container_exited(self, container_id: str) -> None:
+        """The container's process is gone without a call from kubelet (crash, an init
+        container run to completion, a kill from outside): its CPUs go back at once."""
+        async with self.lock:
+            tracked = self.containers.get(container_id)
+            if tracked is None or tracked.phase is Phase.EXITED:
+                return
+            self._mark_exited(tracked)
+            self.counters["exits_seen"] += 1
+            log.info(
+                "container exited",
+                extra={"fields": {"container_id": container_id, "container": str(tracked.key)}},
+            )
+            key = self.state.holding(container_id)
+            if key is not None:
+                await self._release([key])
 
     async def _stop_container(self, call: UnaryCall) -> Reply:
         container_id = pb.StopContainerRequest.FromString(call.request).container_id
@@ -375,7 +410,7 @@ class Engine:
             async with self.lock:
                 tracked = self.containers.get(container_id)
                 if tracked is not None:
-                    tracked.phase = Phase.EXITED
+                    self._mark_exited(tracked)
                 key = self.state.holding(container_id)
                 if key is not None:
                     await self._release([key])
@@ -386,7 +421,7 @@ class Engine:
         reply = await self.runtime.unary(call)
         if reply.status is Status.OK:
             async with self.lock:
-                self.containers.pop(container_id, None)
+                self._untrack(container_id)
                 key = self.state.holding(container_id)
                 if key is not None:
                     await self._release([key])
@@ -464,7 +499,7 @@ class Engine:
             state = await self._container_state(container_id)
             if state in (None, pb.CONTAINER_EXITED):
                 if tracked is not None:
-                    tracked.phase = Phase.EXITED
+                    self._mark_exited(tracked)
                 exited.append(key)
         await self._release(exited)
 
@@ -517,7 +552,7 @@ class Engine:
         result = await self.mover.move(tracked, cpus, mems, drop_quota)
         if result.gone:
             # Removed behind our back (directly on the runtime): stop tracking it.
-            self.containers.pop(tracked.id, None)
+            self._untrack(tracked.id)
         # When it failed otherwise, tracked.applied is unchanged: the next decision retries.
 
 

@@ -101,13 +101,18 @@ class Mover:
         self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
     ) -> MoveResult:
         async with tracked.write_lock:
-            request = rq.update_request(tracked.id, cpus, mems, drop_quota=drop_quota)
-            reply = await self.runtime.unary(
-                UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
-            )
-            if reply.status is Status.OK:
-                tracked.applied = tracked.recorded = cpus
+            return await self.update_locked(tracked, cpus, mems, drop_quota)
+
+    async def update_locked(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
+    ) -> MoveResult:
+        """UpdateContainerResources with the container's write lock already held."""
+        request = rq.update_request(tracked.id, cpus, mems, drop_quota=drop_quota)
+        reply = await self.runtime.unary(
+            UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
+        )
         if reply.status is Status.OK:
+            tracked.applied = tracked.recorded = cpus
             self.counters["cpuset_updates"] += 1
             return MoveResult(ok=True)
         if reply.status is Status.NOT_FOUND:

@@ -1,0 +1,330 @@
+"""Watching instead of polling: each running container's cgroup, the state file, and a full
+look now and then in case an event was lost.
+
+- A container's ``cpuset.cpus`` changed by anyone but cpushim is written back (drift repair).
+  Every write of cpushim's holds the container's write lock and sets ``Tracked.applied``
+  first, so a check made under that lock that finds the file unequal to ``applied`` has found
+  someone else's write.
+- A container whose cgroup went away (the runtime removes it when the process exits: v1 and
+  v2 alike show it as a deletion in the parent directory) or whose v2 ``cgroup.events`` says
+  ``populated 0`` has exited: its CPUs are released at once.
+- ``state.json`` replaced, edited or deleted by anyone but cpushim is rewritten from memory,
+  which is the truth while cpushim runs.
+- Overflow of the kernel's event queue, a watch the kernel refused, and a slow timer each lead
+  to one full look: every container's cgroup against the state, and the state file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from shim import cgroups
+from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
+from shim.engine.core import Engine
+from shim.engine.tracked import Phase, Tracked
+from shim.inotify import (
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_DELETE_SELF,
+    IN_IGNORED,
+    IN_MODIFY,
+    IN_MOVE_SELF,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    Event,
+    Inotify,
+    Subscription,
+    WatchError,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RESYNC_PERIOD = 300.0
+
+_STATE_EVENTS = IN_CLOSE_WRITE | IN_MOVED_TO | IN_MOVED_FROM | IN_DELETE | IN_CREATE
+_GONE_EVENTS = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
+
+
+class Coalescer:
+    """Runs one job per key at a time; a request made while it runs runs it once more after,
+    so a burst of events costs at most two runs and the last event is never missed."""
+
+    def __init__(self, spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
+        self._spawn = spawn
+        self._running: set[str] = set()
+        self._again: set[str] = set()
+
+    def request(self, key: str, job: Callable[[], Awaitable[None]]) -> None:
+        if key in self._running:
+            self._again.add(key)
+            return
+        self._running.add(key)
+        self._spawn(self._run(key, job))
+
+    async def _run(self, key: str, job: Callable[[], Awaitable[None]]) -> None:
+        try:
+            while True:
+                self._again.discard(key)
+                try:
+                    await job()
+                except Exception:
+                    log.exception("watch job failed", extra={"fields": {"job": key}})
+                if key not in self._again:
+                    return
+        finally:
+            self._running.discard(key)
+            self._again.discard(key)
+
+    @property
+    def pending(self) -> int:
+        return len(self._running)
+
+
+class Watcher:
+    def __init__(self, engine: Engine, resync_period: float = DEFAULT_RESYNC_PERIOD) -> None:
+        self.engine = engine
+        self.resync_period = resync_period
+        self.inotify = Inotify(on_overflow=self._overflowed)
+        self.jobs = Coalescer(engine._spawn)
+        self._containers: dict[str, list[Subscription]] = {}
+        self._state_watch: Subscription | None = None
+        self._timer: asyncio.Task[None] | None = None
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.engine.counters
+
+    # --- life -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Watch the state file and every running container the engine knows where to find."""
+        self.inotify.start()
+        self.engine.watcher = self
+        self._watch_state_dir()
+        for tracked in list(self.engine.containers.values()):
+            if tracked.phase is Phase.RUNNING and tracked.cgroup is not None:
+                self.watch(tracked)
+        if self.resync_period > 0:
+            self._timer = asyncio.get_running_loop().create_task(self._periodically())
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            await asyncio.gather(self._timer, return_exceptions=True)
+            self._timer = None
+        self.engine.watcher = None
+        self._containers.clear()
+        self._state_watch = None
+        self.inotify.close()
+
+    async def _periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_period)
+            self.counters["periodic_resyncs"] += 1
+            await self.look_everywhere()
+
+    def _overflowed(self) -> None:
+        self.counters["inotify_overflows"] += 1
+        log.warning("inotify queue overflowed; looking at everything once")
+        self.jobs.request("full-resync", self.look_everywhere)
+
+    # --- containers -------------------------------------------------------------------------
+
+    def watch(self, tracked: Tracked, *, look_on_failure: bool = True) -> bool:
+        """Watch a running container's cgroup: its cpuset, and its going away. When the
+        kernel refuses, one full look follows (unless this is one); False then."""
+        if tracked.id in self._containers or tracked.cgroup is None:
+            return tracked.id in self._containers
+        directory = tracked.cgroup
+        container_id = tracked.id
+
+        def on_cgroup(event: Event) -> None:
+            if event.name == CPUSET_CPUS or event.mask & IN_IGNORED:
+                self.jobs.request(container_id, lambda: self.check(container_id))
+
+        def on_parent(event: Event) -> None:
+            if event.name == directory.name:
+                self.jobs.request(container_id, lambda: self.check(container_id))
+
+        def on_events(event: Event) -> None:
+            self.jobs.request(container_id, lambda: self.check(container_id))
+
+        subscriptions: list[Subscription] = []
+        try:
+            subscriptions.append(
+                self.inotify.subscribe(str(directory), IN_MODIFY | IN_CLOSE_WRITE, on_cgroup)
+            )
+            subscriptions.append(
+                self.inotify.subscribe(str(directory.parent), IN_DELETE | IN_MOVED_FROM, on_parent)
+            )
+            layout = self.engine.mover.layout
+            if layout is not None and layout.version is CgroupVersion.V2:
+                subscriptions.append(
+                    self.inotify.subscribe(str(directory / CGROUP_EVENTS), IN_MODIFY, on_events)
+                )
+        except WatchError as exc:
+            for subscription in subscriptions:
+                self.inotify.unsubscribe(subscription)
+            self.counters["watch_errors"] += 1
+            log.warning(
+                "cannot watch a container's cgroup; looking at everything once",
+                extra={"fields": {"container_id": container_id, "error": str(exc)}},
+            )
+            # The cgroup may be gone already: the full look finds out.
+            if look_on_failure:
+                self.jobs.request("full-resync", self.look_everywhere)
+            return False
+        self._containers[container_id] = subscriptions
+        # It may have changed between the runtime making it and the watch: look once.
+        self.jobs.request(container_id, lambda: self.check(container_id))
+        return True
+
+    def unwatch(self, container_id: str) -> None:
+        for subscription in self._containers.pop(container_id, []):
+            self.inotify.unsubscribe(subscription)
+
+    @property
+    def watched_containers(self) -> int:
+        return len(self._containers)
+
+    async def check(self, container_id: str) -> None:
+        """Compare one container's cgroup with what cpushim wrote; repair or release."""
+        tracked = self.engine.containers.get(container_id)
+        if tracked is None or tracked.phase is not Phase.RUNNING or tracked.cgroup is None:
+            return
+        directory = tracked.cgroup
+        async with tracked.write_lock:
+            if tracked.phase is not Phase.RUNNING:
+                return
+            alive, current = await asyncio.to_thread(_look, directory)
+            if not alive:
+                gone = True
+            else:
+                gone = False
+                if current is not None and current != tracked.applied:
+                    await self._repair(tracked, current)
+        if gone:
+            await self.engine.container_exited(container_id)
+
+    async def _repair(self, tracked: Tracked, found: object) -> None:
+        """Write the cpuset back (held: the container's write lock)."""
+        cpus, mems, drop_quota = self.engine._desired(tracked)
+        assert tracked.cgroup is not None
+        self.counters["drift_repairs"] += 1
+        log.warning(
+            "cpuset changed behind cpushim's back; writing it back",
+            extra={
+                "fields": {
+                    "container_id": tracked.id,
+                    "container": str(tracked.key),
+                    "found": str(found),
+                    "cpus": str(cpus),
+                }
+            },
+        )
+        try:
+            await asyncio.to_thread(cgroups.write_cpus, tracked.cgroup, cpus)
+            tracked.applied = cpus
+        except OSError as exc:
+            log.info(
+                "direct repair failed; the runtime repairs it",
+                extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
+            )
+        # Through the runtime too, so its own record (and systemd's) says the same.
+        await self.engine.mover.update_locked(tracked, cpus, mems, drop_quota)
+
+    # --- the state file ---------------------------------------------------------------------
+
+    def _watch_state_dir(self) -> None:
+        directory = self.engine.checkpoint.path.parent
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+        def on_event(event: Event) -> None:
+            if event.mask & _GONE_EVENTS and not event.name:
+                self._state_watch = None
+                self.jobs.request("state-dir", self._restore_state_dir)
+            elif event.name == self.engine.checkpoint.path.name:
+                self.jobs.request("state", self.check_state)
+
+        try:
+            self._state_watch = self.inotify.subscribe(
+                str(directory), _STATE_EVENTS | _GONE_EVENTS, on_event
+            )
+        except WatchError as exc:
+            self.counters["watch_errors"] += 1
+            log.warning(
+                "cannot watch the state directory; the periodic look covers it",
+                extra={"fields": {"path": str(directory), "error": str(exc)}},
+            )
+
+    async def _restore_state_dir(self) -> None:
+        if self._state_watch is None:
+            self._watch_state_dir()
+        await self.check_state()
+
+    async def check_state(self) -> None:
+        """Rewrite ``state.json`` from memory when it is not what cpushim last wrote."""
+        checkpoint = self.engine.checkpoint
+        async with self.engine.lock:
+            found = await asyncio.to_thread(checkpoint.on_disk)
+            if found is not None and found == checkpoint.last_written:
+                return
+            self.counters["state_rewrites"] += 1
+            log.warning(
+                "the state file was changed by someone else; rewriting it from memory",
+                extra={
+                    "fields": {
+                        "path": str(checkpoint.path),
+                        "found": "missing" if found is None else f"{len(found)} bytes",
+                    }
+                },
+            )
+            try:
+                await checkpoint.save(self.engine.state)
+            except OSError as exc:
+                self.counters["checkpoint_errors"] += 1
+                log.error(
+                    "cannot rewrite the state file",
+                    extra={"fields": {"path": str(checkpoint.path), "error": str(exc)}},
+                )
+
+    # --- everything -------------------------------------------------------------------------
+
+    async def look_everywhere(self) -> None:
+        """One full look: every running container (placing watches that are missing), then
+        the state file."""
+        self.counters["full_resyncs"] += 1
+        for tracked in list(self.engine.containers.values()):
+            if tracked.phase is not Phase.RUNNING:
+                continue
+            if tracked.cgroup is None:
+                await self.engine.mover.locate(tracked)
+            await self.check(tracked.id)
+            running = tracked.phase is Phase.RUNNING and tracked.cgroup is not None
+            if running and tracked.id not in self._containers:
+                self.watch(tracked, look_on_failure=False)
+        if self._state_watch is None:
+            self._watch_state_dir()
+        await self.check_state()
+
+
+def _look(directory: Path) -> tuple[bool, object]:
+    """Whether the cgroup still holds a process, and its cpuset (None when unreadable)."""
+    if not directory.is_dir():
+        return False, None
+    events = directory / CGROUP_EVENTS
+    try:
+        populated = cgroups.populated(events.read_text())
+    except OSError:
+        populated = None
+    if populated is False:
+        return False, None
+    try:
+        return True, cgroups.read_cpus(directory)
+    except (OSError, ValueError):
+        return True, None

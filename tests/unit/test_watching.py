@@ -1,0 +1,293 @@
+"""The watcher on a fake cgroup tree (a temp directory: inotify works there as on cgroupfs for
+writes and deletions) and a fake containerd that writes and removes it as runc would."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shim.cgroups import CgroupLayout, CgroupVersion
+from shim.engine import EngineOptions
+from shim.engine.watching import Watcher
+from shim.state import ContainerKey
+from tests.fake_runtime import FakeRuntime
+from tests.unit.engine_env import (
+    FIRST_SINGLE,
+    SHARED_AFTER_FIRST_SINGLE,
+    Env,
+    make_env,
+    until,
+    updates_to,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Watched:
+    env: Env
+    watcher: Watcher
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.env.engine.counters
+
+    async def settled(self) -> None:
+        """Every event seen so far has been handled."""
+        await until(lambda: self.watcher.jobs.pending == 0, "watch jobs done")
+
+    async def started(self, name: str, qos: str = "besteffort", milli_cpu: int = 0) -> str:
+        pod = await self.env.kubelet.run_pod(name, qos)  # type: ignore[arg-type]
+        container_id = await self.env.kubelet.start_new(pod, "main", milli_cpu)
+        await until(lambda: container_id in self.watcher._containers, f"{name} watched", deadline=5)
+        await self.settled()
+        return container_id
+
+
+async def watched_env(
+    tmp_path: Path, fake: FakeRuntime, resync_period: float = 0.0
+) -> AsyncIterator[Watched]:
+    env = await make_env(fake, tmp_path / "state", options=EngineOptions(record_delay=3600))
+    watcher = Watcher(env.engine, resync_period=resync_period)
+    watcher.start()
+    try:
+        yield Watched(env, watcher)
+    finally:
+        await watcher.stop()
+        await env.engine.drain(5.0)
+        env.channel.close()
+
+
+@pytest.fixture
+async def w(tmp_path: Path) -> AsyncIterator[Watched]:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        async for watched in watched_env(tmp_path, fake):
+            yield watched
+
+
+def cpuset_file(env: Env, container_id: str) -> Path:
+    directory = env.fake.cgroup_dir(container_id)
+    assert directory is not None
+    return directory / "cpuset.cpus"
+
+
+# --- drift -----------------------------------------------------------------------------------
+
+
+async def test_a_cpuset_written_by_someone_else_is_written_back(w: Watched) -> None:
+    shared_id = await w.started("web")
+    cpuset_file(w.env, shared_id).write_text("3\n")
+
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "cpuset restored")
+    await w.settled()
+    assert w.counters["drift_repairs"] == 1
+    # Through the runtime too, so its record says the same.
+    assert updates_to(w.env.fake, shared_id) == ["0-7"]
+
+
+async def test_an_exclusive_containers_cpuset_is_written_back(w: Watched) -> None:
+    pinned_id = await w.started("db", "guaranteed", 1000)
+    cpuset_file(w.env, pinned_id).write_text("0-7\n")
+
+    await until(lambda: w.env.kernel_cpus(pinned_id) == FIRST_SINGLE, "pinned cpuset restored")
+    await w.settled()
+    assert w.counters["drift_repairs"] == 1
+    update = w.env.fake.calls_of("UpdateContainerResources")[-1]
+    assert update.linux.cpuset_cpus == FIRST_SINGLE  # type: ignore[attr-defined]
+    assert update.linux.cpu_quota == -1  # type: ignore[attr-defined]
+
+
+async def test_cpushims_own_moves_are_not_drift(w: Watched) -> None:
+    shared_id = await w.started("web")
+    for index in range(3):
+        pinned_id = await w.started(f"db-{index}", "guaranteed", 1000)
+        await w.env.kubelet.stop(pinned_id)
+    await w.settled()
+    assert w.env.kernel_cpus(shared_id) == "0-7"
+    assert w.counters["drift_repairs"] == 0
+    assert w.counters["cgroup_writes"] == 6
+
+
+# --- exits -----------------------------------------------------------------------------------
+
+
+async def test_an_exited_containers_cpus_go_back_and_the_shared_ones_grow(w: Watched) -> None:
+    shared_id = await w.started("web")
+    pinned_id = await w.started("db", "guaranteed", 1000)
+    assert w.env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+
+    w.env.fake.exit_container(pinned_id, exit_code=137)  # its cgroup goes, as runc's does
+
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "shared container grown")
+    assert w.env.engine.state.holding(pinned_id) is None
+    assert w.env.saved() == {}
+    assert w.counters["exits_seen"] == 1
+    assert w.watcher.watched_containers == 1
+
+
+async def test_a_crash_looping_container_gets_its_cpus_back(w: Watched) -> None:
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    first = await w.env.kubelet.start_new(pod, "main", 1000)
+    await until(lambda: first in w.watcher._containers, "watched")
+    w.env.fake.exit_container(first, exit_code=1)
+    await until(lambda: w.env.engine.state.holding(first) is None, "released on exit")
+
+    second = await w.env.kubelet.start_new(pod, "main", 1000, attempt=1)
+    assert w.env.kernel_cpus(second) == FIRST_SINGLE
+    assert w.env.engine.state.assignments[ContainerKey(pod.uid, "main")].container_id == second
+
+
+async def test_a_v2_cgroup_that_empties_is_an_exit(tmp_path: Path) -> None:
+    async with FakeRuntime(cgroup_root=tmp_path / "unified", cgroup_version=2) as fake:
+        env = await make_env(fake, tmp_path / "state", options=EngineOptions(record_delay=3600))
+        env.engine.mover.layout = CgroupLayout(CgroupVersion.V2, tmp_path / "unified")
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        await until(lambda: pinned_id in watcher._containers, "watched")
+        directory = fake.cgroup_dir(pinned_id)
+        assert directory is not None
+        events = directory / "cgroup.events"
+        await until(lambda: watcher.jobs.pending == 0, "settled")
+        assert env.engine.state.holding(pinned_id) is not None
+        # cgroup.events changes in place on v2; the directory stays until the runtime removes it.
+        events.write_text("populated 0\nfrozen 0\n")
+        await until(lambda: env.engine.state.holding(pinned_id) is None, "released on empty")
+        assert env.engine.counters["exits_seen"] == 1
+        await watcher.stop()
+        env.channel.close()
+
+
+# --- the state file --------------------------------------------------------------------------
+
+
+async def test_a_deleted_state_file_is_rewritten(w: Watched) -> None:
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    await w.env.kubelet.start_new(pod, "main", 1000)
+    before = w.env.saved()
+    (w.env.state_dir / "state.json").unlink()
+
+    await until(lambda: (w.env.state_dir / "state.json").exists(), "state rewritten")
+    assert w.env.saved() == before
+    assert w.counters["state_rewrites"] == 1
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"version": 1}'])
+async def test_an_edited_state_file_is_rewritten(w: Watched, content: bytes) -> None:
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    await w.env.kubelet.start_new(pod, "main", 1000)
+    path = w.env.state_dir / "state.json"
+    good = path.read_bytes()
+    path.write_bytes(content)
+
+    await until(lambda: path.read_bytes() == good, "state rewritten")
+    await w.settled()
+    assert w.counters["state_rewrites"] >= 1
+
+
+async def test_a_replaced_state_file_is_rewritten(w: Watched) -> None:
+    path = w.env.state_dir / "state.json"
+    good = path.read_bytes()
+    other = w.env.state_dir / "other.json"
+    other.write_bytes(b'{"version": 1, "body": {}}')
+    other.rename(path)
+
+    await until(lambda: path.read_bytes() == good, "state rewritten")
+
+
+async def test_a_deleted_state_directory_is_made_again(w: Watched) -> None:
+    shutil.rmtree(w.env.state_dir)
+    await until(lambda: (w.env.state_dir / "state.json").exists(), "state rewritten")
+    # And watched again: a later deletion is seen too.
+    await w.settled()
+    (w.env.state_dir / "state.json").unlink()
+    await until(lambda: (w.env.state_dir / "state.json").exists(), "state rewritten again")
+
+
+async def test_cpushims_own_state_writes_are_not_rewritten(w: Watched) -> None:
+    for index in range(3):
+        pod = await w.env.kubelet.run_pod(f"db-{index}", "guaranteed")
+        await w.env.kubelet.start_new(pod, "main", 1000)
+    await w.settled()
+    assert w.counters["state_rewrites"] == 0
+
+
+# --- lost events -----------------------------------------------------------------------------
+
+
+async def test_an_overflow_leads_to_one_full_look(w: Watched) -> None:
+    shared_id = await w.started("web")
+    # Events lost: the watch is gone when the drift happens.
+    w.watcher.unwatch(shared_id)
+    cpuset_file(w.env, shared_id).write_text("2\n")
+
+    w.watcher._overflowed()
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "repaired by the full look")
+    await w.settled()
+    assert w.counters["inotify_overflows"] == 1
+    assert w.counters["full_resyncs"] == 1
+    assert shared_id in w.watcher._containers  # watched again
+
+
+async def test_a_watch_that_cannot_be_placed_leads_to_a_full_look(w: Watched) -> None:
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await w.env.kubelet.start_new(pod, "main", 1000)
+    await until(lambda: pinned_id in w.watcher._containers, "watched")
+    tracked = w.env.engine.containers[pinned_id]
+    w.watcher.unwatch(pinned_id)
+    # The process exits and its cgroup goes before the watch is placed.
+    w.env.fake.exit_container(pinned_id)
+    w.watcher.watch(tracked)
+
+    await until(lambda: w.env.engine.state.holding(pinned_id) is None, "released")
+    assert w.counters["watch_errors"] == 1
+
+
+async def test_the_periodic_look_repairs_what_no_event_told(tmp_path: Path) -> None:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        async for w in watched_env(tmp_path, fake, resync_period=0.05):
+            shared_id = await w.started("web")
+            w.watcher.unwatch(shared_id)
+            cpuset_file(w.env, shared_id).write_text("2\n")
+            await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "repaired")  # noqa: B023
+            assert w.counters["periodic_resyncs"] >= 1
+
+
+# --- leaks -----------------------------------------------------------------------------------
+
+
+async def test_no_watch_or_task_outlives_500_container_lifecycles(w: Watched) -> None:
+    await w.started("web")
+    baseline = (w.watcher.inotify.watch_count, w.watcher.inotify.subscription_count)
+    pod = await w.env.kubelet.run_pod("batch", "guaranteed")
+    for attempt in range(500):
+        container_id = await w.env.kubelet.start_new(pod, "main", 1000, attempt=attempt)
+        await until(lambda: container_id in w.watcher._containers, "watched")  # noqa: B023
+        if attempt % 2:
+            await w.env.kubelet.stop(container_id)
+        else:
+            w.env.fake.exit_container(container_id)
+            await until(
+                lambda: w.env.engine.state.holding(container_id) is None,  # noqa: B023
+                "released on exit",
+            )
+        await w.env.kubelet.remove(container_id)
+    await w.settled()
+    # What may still run: the one recorder of the shared container (it waits an hour here).
+    await until(lambda: len(w.env.engine._tasks) <= 1, "engine tasks done")
+    assert len(w.env.engine.mover._recorders) == len(w.env.engine._tasks)
+    assert (w.watcher.inotify.watch_count, w.watcher.inotify.subscription_count) == baseline
+    assert w.watcher.watched_containers == 1
+    # Every exit by itself is seen; a stop may be seen from its cgroup before its reply.
+    assert 250 <= w.counters["exits_seen"] <= 500
+    assert w.env.engine.state.assignments == {}
