@@ -1,0 +1,114 @@
+"""Watching on a real containerd: cpusets written back, exits seen, the state file rewritten.
+
+Same machine and setup as test_inline_allocation: two CPUs, CPU 0 reserved, so a Guaranteed
+1-CPU container gets CPU 1 and shared containers run on CPU 0 meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_inline_allocation import (  # the fixtures are shared with those tests
+    ONE_CPU,
+    Shim,
+    assert_kernel,
+    direct,
+    run_pod,
+    shim,
+    two_cpus,
+    via,
+)
+from tests.harness.containerd import wait_for
+from tests.harness.kubelet import KubeletClient
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
+
+__all__ = ["direct", "shim", "two_cpus", "via"]
+
+REACTION_TIMEOUT = 10.0
+
+
+def cpuset_file(client: KubeletClient, container_id: str) -> Path:
+    cgroup = client.kernel_cpus(container_id).cgroup_path
+    return Path("/sys/fs/cgroup/cpuset", cgroup.lstrip("/"), "cpuset.cpus")
+
+
+def test_a_cpuset_written_by_hand_is_written_back(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    shim.start()
+    kubelet = via()
+    _, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    kubelet.start_container(pinned_id)
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+
+    cpuset_file(kubelet, pinned_id).write_text("0-1")
+
+    wait_for(
+        lambda: kubelet.kernel_cpus(pinned_id).cgroup_cpuset_cpus == "1",
+        REACTION_TIMEOUT,
+        "the pinned container's cpuset written back",
+    )
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+    # containerd's record says the same (the repair went through it too).
+    resources = direct.container_status(pinned_id).status.resources.linux
+    assert resources.cpuset_cpus == "1"
+
+
+def test_a_killed_container_gives_its_cpu_back_to_the_shared_ones(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    shim.start()
+    kubelet = via()
+    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
+    kubelet.start_container(shared_id)
+    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    kubelet.start_container(pinned_id)
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+
+    os.kill(kubelet.container_pid(pinned_id), signal.SIGKILL)  # from outside, no kubelet call
+
+    wait_for(
+        lambda: kubelet.kernel_cpus(shared_id).cpus_allowed_list == "0-1",
+        REACTION_TIMEOUT,
+        "the shared container grown to both CPUs",
+        on_timeout=lambda: shim.process.log() if shim.process else "",
+    )
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+    assert shim.assignments() == {}
+
+
+@pytest.mark.parametrize("damage", ["delete", "corrupt"])
+def test_the_state_file_is_rewritten_when_someone_else_changes_it(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient], damage: str
+) -> None:
+    shim.start()
+    kubelet = via()
+    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    kubelet.start_container(pinned_id)
+    good = shim.state_file.read_bytes()
+
+    if damage == "delete":
+        shim.state_file.unlink()
+    else:
+        shim.state_file.write_text('{"version": 1, "body": {"assignments": {}}}')
+
+    def rewritten() -> bool:
+        try:
+            return shim.state_file.read_bytes() == good
+        except FileNotFoundError:
+            return False
+
+    wait_for(rewritten, REACTION_TIMEOUT, "state.json rewritten from memory")
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+    # And cpushim, restarted on it, keeps the assignment.
+    shim.stop()
+    shim.start()
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
