@@ -8,103 +8,181 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from shim import __version__
 from shim import log as shim_log
+from shim.config import (
+    EVENT_LOOPS,
+    FAILURE_POLICIES,
+    KEYS_BY_NAME,
+    LOG_LEVELS,
+    POLICIES,
+    ConfigError,
+    flag_type,
+    load_config,
+    resolve,
+)
 from shim.cri.server import AlreadyServingError
 
-DEFAULT_LISTEN = "unix:///run/cpushim/cri.sock"
-DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
+if TYPE_CHECKING:
+    from shim.run import RunOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpushim", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cpushim {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="serve the CRI socket in front of the runtime")
-    run.add_argument("--listen", default=DEFAULT_LISTEN, help="socket kubelet connects to")
-    run.add_argument("--runtime-endpoint", default=DEFAULT_RUNTIME, help="containerd's socket")
-    run.add_argument(
-        "--image-endpoint", default=None, help="image service socket (default: the runtime's)"
+    # No argparse defaults: the namespace holds only the flags given, which override the
+    # config file; the defaults are RunOptions'.
+    run = sub.add_parser(
+        "run",
+        help="serve the CRI socket in front of the runtime",
+        argument_default=argparse.SUPPRESS,
     )
-    run.add_argument("--socket-group", default=None, help="group owning the listen socket")
     run.add_argument(
-        "--upstream-wait",
+        "--config",
+        dest="config_path",
+        type=Path,
+        metavar="PATH",
+        help="a TOML file with a key for each flag below; flags override it",
+    )
+    _option(run, "listen", help="socket kubelet connects to")
+    _option(run, "runtimeEndpoint", help="containerd's socket")
+    _option(run, "imageEndpoint", help="image service socket (default: the runtime's)")
+    _option(run, "socketGroup", help="group owning the listen socket")
+    _option(
+        run,
+        "upstreamWait",
         type=float,
-        default=60.0,
         metavar="SECONDS",
         help="how long to wait for the runtime at start before giving up (default 60)",
     )
-    run.add_argument(
-        "--shutdown-grace",
+    _option(
+        run,
+        "shutdownGrace",
         type=float,
-        default=10.0,
         metavar="SECONDS",
         help="how long calls in flight may take to finish on SIGTERM (default 10)",
     )
     policy = run.add_argument_group("CPU allocation")
-    policy.add_argument(
-        "--policy",
-        default="static",
-        choices=("none", "static"),
+    _option(
+        policy,
+        "cpuManagerPolicy",
+        choices=POLICIES,
         help="static: exclusive CPUs for integer-CPU containers of Guaranteed pods (default);"
         " none: every container on every CPU",
     )
     reserved = policy.add_mutually_exclusive_group()
-    reserved.add_argument(
-        "--reserved-cpus",
+    _option(
+        reserved,
+        "reservedSystemCPUs",
         metavar="LIST",
         help="CPUs kept for system daemons, kernel list format (like kubelet's"
         " reservedSystemCPUs); never handed out exclusively",
     )
-    reserved.add_argument(
-        "--reserved-cpu-count",
+    _option(
+        reserved,
+        "reservedCPUCount",
         type=int,
         metavar="N",
         help="reserve N CPUs, lowest-numbered physical cores first (default 1)",
     )
-    policy.add_argument(
-        "--policy-option",
+    _option(
+        policy,
+        "cpuManagerPolicyOptions",
         action="append",
-        default=[],
         metavar="NAME",
-        help="a static policy option by kubelet's name, e.g. full-pcpus-only (repeatable)",
+        help="a static policy option by kubelet's name, e.g. full-pcpus-only (repeatable;"
+        " replaces the config file's options)",
     )
-    policy.add_argument(
-        "--state-dir",
+    _option(
+        policy,
+        "stateDir",
         type=Path,
-        default=Path("/var/lib/cpushim"),
         metavar="DIR",
         help="where state.json, the checkpoint, lives (default /var/lib/cpushim)",
     )
-    policy.add_argument(
-        "--sysfs-root",
+    _option(
+        policy,
+        "sysfsRoot",
         type=Path,
-        default=Path("/sys"),
         metavar="DIR",
         help="where to read the CPU topology from (default /sys; for tests)",
     )
-    policy.add_argument(
-        "--failure-policy",
-        default="fail-closed",
-        choices=("fail-closed", "fail-open"),
+    _option(
+        policy,
+        "failurePolicy",
+        choices=FAILURE_POLICIES,
         help="on an internal error: refuse the call with INTERNAL (fail-closed, default) or"
         " forward it unchanged (fail-open)",
     )
-    policy.add_argument(
-        "--recover-from-runtime",
+    _option(
+        policy,
+        "recoverFromRuntime",
         action="store_true",
         help="ignore the checkpoint (it is kept beside, renamed) and rebuild the assignments"
         " from the containers the runtime reports",
     )
-    run.add_argument(
-        "--event-loop",
-        default="auto",
-        choices=("auto", "uvloop", "asyncio"),
+    _option(
+        policy,
+        "resyncPeriod",
+        type=flag_type("resyncPeriod"),
+        metavar="SECONDS",
+        help="how often the safety-net resync compares every cgroup with the state"
+        " (default 300; 0: never)",
+    )
+    projection = run.add_argument_group("projection and metrics")
+    _option(
+        projection,
+        "projectionDir",
+        type=flag_type("projectionDir"),
+        metavar="DIR",
+        help="where each container's projected files are written on the host"
+        " (default /run/cpushim/projection)",
+    )
+    _option(
+        projection,
+        "projectionMountPath",
+        type=flag_type("projectionMountPath"),
+        metavar="PATH",
+        help="where those files appear inside the container (default /run/cpushim)",
+    )
+    _option(
+        projection,
+        "metricsAddress",
+        type=flag_type("metricsAddress"),
+        metavar="HOST:PORT",
+        help="where Prometheus metrics are served (default 127.0.0.1:9464; '' switches them off)",
+    )
+    _option(
+        run,
+        "eventLoop",
+        choices=EVENT_LOOPS,
         help="event loop implementation; auto picks uvloop when it is installed",
     )
-    run.add_argument("--log-level", default="info", choices=shim_log.LEVELS)
+    _option(run, "logLevel", choices=LOG_LEVELS, help="(default info)")
     return parser
+
+
+def _option(group: argparse._ActionsContainer, key_name: str, **kwargs: Any) -> None:
+    """The flag of config key ``key_name``, stored under its RunOptions field, so that flags
+    and keys cannot drift apart."""
+    key = KEYS_BY_NAME[key_name]
+    help_text = kwargs.pop("help", None)
+    config_help = f"config key {key.name}"
+    help_text = f"{help_text}; {config_help}" if help_text else config_help
+    group.add_argument(key.flag, dest=key.field, help=help_text, **kwargs)
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The options of ``cpushim run``: the flags given, over the config file, over the
+    built-in defaults. ConfigError when the config file is missing or bad."""
+    flags = {name: value for name, value in vars(args).items() if name != "command"}
+    if "policy_options" in flags:
+        flags["policy_options"] = tuple(flags["policy_options"])
+    path = flags.get("config_path")
+    return resolve(flags, load_config(path) if isinstance(path, Path) else {})
 
 
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -114,7 +192,9 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
             import uvloop
         except ImportError:
             if choice == "uvloop":
-                raise ValueError("--event-loop uvloop: uvloop is not installed") from None
+                raise ValueError(
+                    "event loop uvloop (--event-loop, eventLoop): uvloop is not installed"
+                ) from None
         else:
             return uvloop.new_event_loop
     return asyncio.new_event_loop
@@ -122,34 +202,48 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    shim_log.setup(args.log_level)
-    log = logging.getLogger("shim.cli")
     if args.command == "run":
-        from shim.run import RunOptions, run
-
-        options = RunOptions(
-            listen=args.listen,
-            runtime_endpoint=args.runtime_endpoint,
-            image_endpoint=args.image_endpoint or args.runtime_endpoint,
-            socket_group=args.socket_group,
-            upstream_wait=args.upstream_wait,
-            shutdown_grace=args.shutdown_grace,
-            policy=args.policy,
-            reserved_cpus=args.reserved_cpus,
-            reserved_cpu_count=args.reserved_cpu_count,
-            policy_options=tuple(args.policy_option),
-            state_dir=args.state_dir,
-            sysfs_root=args.sysfs_root,
-            failure_policy=args.failure_policy,
-            recover_from_runtime=args.recover_from_runtime,
-        )
-        try:
-            with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
-                return runner.run(run(options))
-        except (AlreadyServingError, ValueError, RuntimeError, OSError) as exc:
-            log.error("cannot run", extra={"fields": {"error": str(exc)}})
-            return 1
+        return _run(args)
     return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shim.run import RunOptions, run
+
+    log = logging.getLogger("shim.cli")
+    try:
+        options = run_options(args)
+    except ConfigError as exc:
+        shim_log.setup(getattr(args, "log_level", RunOptions.log_level))
+        log.error(
+            "cannot run",
+            extra={
+                "fields": {
+                    "error": str(exc),
+                    "config": str(exc.path),
+                    "line": exc.line,
+                    "key": exc.key,
+                }
+            },
+        )
+        return 1
+    shim_log.setup(options.log_level)
+    if options.config_path is not None:
+        log.info(
+            "config",
+            extra={
+                "fields": {
+                    "config": str(options.config_path),
+                    "flags": sorted(options.cli_overrides - {"config_path"}),
+                }
+            },
+        )
+    try:
+        with asyncio.Runner(loop_factory=loop_factory(options.event_loop)) as runner:
+            return runner.run(run(options))
+    except (AlreadyServingError, ValueError, RuntimeError, OSError) as exc:
+        log.error("cannot run", extra={"fields": {"error": str(exc)}})
+        return 1
 
 
 if __name__ == "__main__":

@@ -33,12 +33,16 @@ VERSION_PATH = "/runtime.v1.RuntimeService/Version"
 
 @dataclass(frozen=True)
 class RunOptions:
-    listen: str
-    runtime_endpoint: str
-    image_endpoint: str
-    socket_group: str | None
-    upstream_wait: float
-    shutdown_grace: float
+    """What ``cpushim run`` does. The defaults here are the built-in ones: the config file
+    (``shim.config``) overrides them and the command line overrides both."""
+
+    listen: str = "unix:///run/cpushim/cri.sock"
+    runtime_endpoint: str = "unix:///run/containerd/containerd.sock"
+    # shim.config.resolve makes this follow runtime_endpoint unless it is set.
+    image_endpoint: str = "unix:///run/containerd/containerd.sock"
+    socket_group: str | None = None
+    upstream_wait: float = 60.0
+    shutdown_grace: float = 10.0
     policy: str = "static"
     reserved_cpus: str | None = None
     reserved_cpu_count: int | None = None
@@ -47,6 +51,18 @@ class RunOptions:
     sysfs_root: Path = Path("/sys")
     failure_policy: FailurePolicy = "fail-closed"
     recover_from_runtime: bool = False
+    # 0 turns the safety-net resync off.
+    resync_period: float = 300.0
+    projection_dir: Path = Path("/run/cpushim/projection")
+    # A path inside each container, not on this host.
+    projection_mount_path: Path = Path("/run/cpushim")
+    # HOST:PORT of the Prometheus endpoint; "" switches it off.
+    metrics_address: str = "127.0.0.1:9464"
+    event_loop: str = "auto"
+    log_level: str = "info"
+    # Where these came from, so that a reload can read the file again and keep the flags.
+    config_path: Path | None = None
+    cli_overrides: frozenset[str] = frozenset()
 
 
 # kubelet's static policy refuses to start without reserved CPUs; cpushim takes the lowest core's
