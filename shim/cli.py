@@ -24,6 +24,7 @@ from shim.config import (
     resolve,
 )
 from shim.cri.server import AlreadyServingError
+from shim.status_cli import add_commands as add_status_commands
 
 if TYPE_CHECKING:
     from shim.run import RunOptions
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="event loop implementation; auto picks uvloop when it is installed",
     )
     _option(run, "logLevel", choices=LOG_LEVELS, help="(default info)")
+    add_status_commands(sub)
     return parser
 
 
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return _run(args)
-    return 2
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
 
 
 def _run(args: argparse.Namespace) -> int:

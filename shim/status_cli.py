@@ -1,0 +1,193 @@
+"""``cpushim status`` and ``cpushim topology``: read sysfs and the checkpoint, print what
+``shim.status`` renders. Read-only: neither command talks to a running cpushim or changes a
+file, so both are safe on a live node.
+
+``shim.cli`` adds the subcommands with ``add_commands`` and calls ``args.handler(args)``, which
+returns the exit code: 0, or 1 with a one-line message on stderr when the topology or the
+checkpoint cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import orjson
+
+from shim.checkpoint import CheckpointFile
+from shim.cpuset import CPUSet
+from shim.state import CheckpointError, CPUState
+from shim.status import render_status, render_topology, status_json, topology_json
+from shim.topology import Topology, TopologyError
+
+__all__ = ["add_commands", "offline_cpus", "status_command", "topology_command", "use_color"]
+
+DEFAULT_STATE_DIR: Final = Path("/var/lib/cpushim")
+DEFAULT_SYSFS_ROOT: Final = Path("/sys")
+COLOR_CHOICES: Final = ("auto", "always", "never")
+
+
+class _Failure(Exception):
+    """What the command prints before it exits 1."""
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``status`` and ``topology`` to ``cpushim``'s subcommands; each sets ``handler``."""
+    status = subparsers.add_parser(
+        "status",
+        help="draw the CPU map from the checkpoint: who holds which CPU",
+        description="Draw every CPU where it sits (sockets, NUMA nodes, cores, threads) with"
+        " its owner: a pinned container, the shared pool, reserved, isolated. Reads the"
+        " checkpoint and sysfs only.",
+    )
+    status.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        metavar="DIR",
+        help=f"where cpushim keeps state.json (default {DEFAULT_STATE_DIR})",
+    )
+    _add_common(status)
+    status.set_defaults(handler=status_command)
+
+    topology = subparsers.add_parser(
+        "topology",
+        help="draw the CPU topology cpushim discovers",
+        description="Draw the sockets, NUMA nodes, cores and threads read from sysfs, with"
+        " isolated and offline CPUs.",
+    )
+    _add_common(topology)
+    topology.set_defaults(handler=topology_command)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sysfs-root",
+        type=Path,
+        default=DEFAULT_SYSFS_ROOT,
+        metavar="DIR",
+        help=f"where to read the CPU topology from (default {DEFAULT_SYSFS_ROOT})",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON for scripts instead of the map"
+    )
+    parser.add_argument(
+        "--color",
+        choices=COLOR_CHOICES,
+        default="auto",
+        help="colour the map: auto (default) = when stdout is a terminal that is not dumb and"
+        " NO_COLOR is not set",
+    )
+
+
+# -- the adapters ------------------------------------------------------------------------------
+
+
+def use_color(choice: str, stream: TextIO, environ: Mapping[str, str]) -> bool:
+    """Whether to colour: ``always``, ``never``, or ``auto``. Auto follows no-color.org (a
+    non-empty NO_COLOR turns colour off) and wants a terminal whose TERM is set and not
+    ``dumb``: an unset TERM is a cron job or a service, not a person."""
+    if choice != "auto":
+        return choice == "always"
+    if environ.get("NO_COLOR"):
+        return False
+    if environ.get("TERM", "dumb") == "dumb":
+        return False
+    return stream.isatty()
+
+
+def offline_cpus(sysfs_root: Path, topology: Topology) -> CPUSet:
+    """CPUs present in the machine but not in ``topology``: taken offline, or online without
+    a topology directory. Not the kernel's ``offline`` file: it also lists every possible
+    CPU that is not present (a VM may show 4-255 there), which is noise to an operator."""
+    try:
+        present = CPUSet.parse((sysfs_root / "devices/system/cpu/present").read_text("ascii"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return CPUSet()
+    return present - topology.online
+
+
+def _topology(sysfs_root: Path) -> Topology:
+    try:
+        return Topology.from_sysfs(sysfs_root)
+    except TopologyError as exc:
+        raise _Failure(f"cannot read the CPU topology: {exc}") from exc
+
+
+def _state(state_dir: Path) -> CPUState:
+    checkpoint = CheckpointFile(state_dir)
+    try:
+        state = checkpoint.load()
+    except CheckpointError as exc:
+        raise _Failure(f"cannot use the checkpoint: {exc}") from exc
+    if state is None:
+        raise _Failure(
+            f"no checkpoint at {checkpoint.path}: cpushim has not saved its state there"
+            " (--state-dir if it runs with another)"
+        )
+    return state
+
+
+def _width() -> int:
+    # COLUMNS first, then the terminal, then 80 (also when stdout is a pipe).
+    return shutil.get_terminal_size().columns
+
+
+def _json(document: Mapping[str, Any]) -> str:
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
+def _emit(text: str) -> int:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (`cpushim status | head`). Point stdout at /dev/null so the
+        # interpreter's flush at exit does not raise again, as the Python docs advise.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return 0
+
+
+def _run(command: str, produce: Callable[[], str]) -> int:
+    try:
+        text = produce()
+    except _Failure as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the cause said
+        print(f"cpushim {command}: {message}", file=sys.stderr)
+        return 1
+    return _emit(text)
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+
+def status_command(args: argparse.Namespace) -> int:
+    def produce() -> str:
+        topology = _topology(args.sysfs_root)
+        state = _state(args.state_dir)
+        offline = offline_cpus(args.sysfs_root, topology)
+        if args.json:
+            return _json(status_json(topology, state, offline=offline))
+        color = use_color(args.color, sys.stdout, os.environ)
+        return render_status(topology, state, offline=offline, color=color, width=_width())
+
+    return _run("status", produce)
+
+
+def topology_command(args: argparse.Namespace) -> int:
+    def produce() -> str:
+        topology = _topology(args.sysfs_root)
+        offline = offline_cpus(args.sysfs_root, topology)
+        if args.json:
+            return _json(topology_json(topology, offline=offline))
+        color = use_color(args.color, sys.stdout, os.environ)
+        return render_topology(topology, offline=offline, color=color, width=_width())
+
+    return _run("topology", produce)
