@@ -15,10 +15,10 @@ from shim.cpuset import CPUSet
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.server import Interceptor, RelayServer
 from shim.cri.upstream import RuntimeChannel
-from shim.engine import Engine, EngineOptions, FailurePolicy
+from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
 from shim.engine.resync import StartupError
 from shim.engine.resync import start as resync
-from shim.engine.watching import DEFAULT_RESYNC_PERIOD, Watcher
+from shim.engine.watching import Watcher
 from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
@@ -167,6 +167,7 @@ async def run(options: RunOptions) -> int:
         runtime,
         EngineOptions(failure_policy=options.failure_policy),
         cgroups=cgroup_layout(),
+        projection=ProjectionSettings(options.projection_dir, options.projection_mount_path),
     )
     interceptor: Interceptor = engine
     image_channel: RuntimeChannel | None = None
@@ -199,7 +200,7 @@ async def run(options: RunOptions) -> int:
     except StartupError:
         runtime.close()
         raise
-    watcher = Watcher(engine, resync_period=DEFAULT_RESYNC_PERIOD)
+    watcher = Watcher(engine, resync_period=options.resync_period)
     watcher.start()
     await server.start()
     log.info(

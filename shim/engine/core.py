@@ -22,6 +22,7 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -35,10 +36,12 @@ from shim.cri.passthrough import LIFECYCLE_PATHS, check_request
 from shim.cri.upstream import RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.moves import Mover
+from shim.engine.projecting import Cpuset, Projector
 from shim.engine.tracked import Phase, Tracked
 from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
+from shim.projection.writer import ProjectionWriter
 from shim.state import Assignment, ContainerKey, CPUState
 
 if TYPE_CHECKING:
@@ -63,6 +66,14 @@ class EngineOptions:
     record_delay: float = 1.0
 
 
+@dataclass(frozen=True)
+class ProjectionSettings:
+    # Where each container's directory is made on the host.
+    directory: Path
+    # Where it is mounted inside the container.
+    mount_path: Path
+
+
 Handler = Callable[[UnaryCall], Awaitable[Reply]]
 
 
@@ -77,6 +88,7 @@ class Engine:
         options: EngineOptions | None = None,
         state: CPUState | None = None,
         cgroups: CgroupLayout | None = None,
+        projection: ProjectionSettings | None = None,
     ) -> None:
         self.policy = policy
         self.checkpoint = checkpoint
@@ -101,6 +113,17 @@ class Engine:
             record_delay=self.options.record_delay,
             spawn=self._spawn,
         )
+        self.projection = projection
+        # None: no projection directories (shim/engine/projecting.py).
+        self.projector: Projector | None = None
+        if projection is not None:
+            self.projector = Projector(
+                ProjectionWriter(projection.directory),
+                policy.topology,
+                projection.mount_path,
+                self.counters,
+                self._spawn,
+            )
         self._handlers: dict[str, Handler] = {
             rq.RUN_POD_SANDBOX: self._run_pod_sandbox,
             rq.CREATE_CONTAINER: self._create_container,
@@ -199,9 +222,12 @@ class Engine:
                     if a.sandbox_id == sandbox_id and a.container_id
                 )
                 pod = self.pods.pop(sandbox_id, None)
-                if pod is not None and not any(p.uid == pod.uid for p in self.pods.values()):
+                gone = pod is not None and not any(p.uid == pod.uid for p in self.pods.values())
+                if pod is not None and gone:
                     for key in [k for k in self.last_cpus if k.pod_uid == pod.uid]:
                         del self.last_cpus[key]
+            if pod is not None and gone and self.projector is not None:
+                await self.projector.forget_pod(pod.uid)
         return reply
 
     def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
@@ -227,6 +253,11 @@ class Engine:
             self.counters["bad_annotations"] += 1
             return Reply.error(Status.INVALID_ARGUMENT, f"cpushim: pod {pod.label}: {exc}")
         key = ContainerKey(pod.uid, meta.name)
+        if self.projector is not None:
+            problem = self.projector.check(key)
+            if problem is not None:
+                self.counters["bad_names"] += 1
+                return Reply.error(Status.INVALID_ARGUMENT, f"cpushim: pod {pod.label}: {problem}")
         for tracked in self.containers.values():
             if tracked.key == key:
                 # kubelet makes the next attempt only once the previous one has exited.
@@ -244,6 +275,7 @@ class Engine:
     ) -> Reply:
         pool = self.state.shared
         rq.pin(request.config.linux.resources, pool, drop_quota=False)
+        await self._project_new(request, key, Cpuset(pool, "", exclusive=False))
         reply = await self.runtime.unary(call, request=request.SerializeToString())
         response = _response(reply, pb.CreateContainerResponse)
         if response is None:
@@ -292,6 +324,7 @@ class Engine:
             await self._apply()
             mems = rq.mems_of(self.policy.topology.numa_nodes_of(cpus))
             rq.pin(request.config.linux.resources, cpus, mems, drop_quota=not plan.keep_quota)
+            await self._project_new(request, key, Cpuset(cpus, mems, exclusive=True))
             reply = await self.runtime.unary(call, request=request.SerializeToString())
             response = _response(reply, pb.CreateContainerResponse)
             if response is None:
@@ -353,6 +386,33 @@ class Engine:
             )
             log.warning("allocation refused", extra={"fields": {"error": message}})
             return Reply.error(Status.RESOURCE_EXHAUSTED, message)
+
+    async def _project_new(
+        self, request: pb.CreateContainerRequest, key: ContainerKey, cpuset: Cpuset
+    ) -> None:
+        """Write the projection of a container about to be created and mount it into it."""
+        if self.projector is None:
+            return
+        target = str(self.projector.mount_path)
+        if any(m.container_path == target for m in request.config.mounts):
+            log.warning(
+                "the container already mounts something at the projection's path; not projected",
+                extra={"fields": {"container": str(key), "path": target}},
+            )
+            return
+        mount = await self.projector.prepare(key, cpuset)
+        if mount is not None:
+            request.config.mounts.append(mount)
+
+    def project(self, tracked: Tracked) -> None:
+        """Project a live container's cpuset as it is now (after its cgroup changed)."""
+        if self.projector is None or tracked.phase is Phase.EXITED or tracked.applied is None:
+            return
+        cpus, mems, _ = self._desired(tracked)
+        if cpus != tracked.applied:
+            return  # not moved yet; the move projects it
+        pinned = self._assignment_of(tracked) is not None
+        self.projector.update(tracked.key, Cpuset(cpus, mems, exclusive=pinned))
 
     def _sandbox_of(self, key: ContainerKey) -> str:
         for pod in self.pods.values():
@@ -438,6 +498,7 @@ class Engine:
             reply = await self.runtime.unary(call, request=request.SerializeToString())
             if reply.status is Status.OK:
                 tracked.applied = tracked.recorded = cpus
+                self.project(tracked)
         return reply
 
     # --- decisions shared by the calls (the lock is held) --------------------------------------
@@ -520,12 +581,20 @@ class Engine:
 
     def _desired(self, tracked: Tracked) -> tuple[CPUSet, str, bool]:
         """The cpuset, mems and whether to drop the quota, for a container now."""
-        if tracked.exclusive:
-            assignment = self.state.assignments.get(tracked.key)
-            if assignment is not None and assignment.container_id == tracked.id:
-                nodes = self.policy.topology.numa_nodes_of(assignment.cpus)
-                return assignment.cpus, rq.mems_of(nodes), not tracked.keep_quota
+        assignment = self._assignment_of(tracked)
+        if assignment is not None:
+            nodes = self.policy.topology.numa_nodes_of(assignment.cpus)
+            return assignment.cpus, rq.mems_of(nodes), not tracked.keep_quota
         return self.state.shared, "", False
+
+    def _assignment_of(self, tracked: Tracked) -> Assignment | None:
+        """The exclusive CPUs this container holds, if it holds any."""
+        if not tracked.exclusive:
+            return None
+        assignment = self.state.assignments.get(tracked.key)
+        if assignment is None or assignment.container_id != tracked.id:
+            return None
+        return assignment
 
     async def _apply(self) -> None:
         """Write the cpuset of every live container whose cpuset is not what it should be."""
@@ -550,6 +619,8 @@ class Engine:
         self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
     ) -> None:
         result = await self.mover.move(tracked, cpus, mems, drop_quota)
+        if result.ok:
+            self.project(tracked)
         if result.gone:
             # Removed behind our back (directly on the runtime): stop tracking it.
             self._untrack(tracked.id)

@@ -96,6 +96,10 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
             if tracked.cgroup is not None and tracked.applied != tracked.recorded:
                 # Written straight into the cgroup before a stop; the runtime never heard.
                 engine.mover.record_later(tracked)
+            engine.project(tracked)
+    if engine.projector is not None:
+        keep = {t.key for t in engine.containers.values()} | set(engine.state.assignments)
+        await engine.projector.clean_stale(keep)
     log.info(
         "resynced with the runtime",
         extra={

@@ -237,6 +237,7 @@ class Watcher:
             )
         # Through the runtime too, so its own record (and systemd's) says the same.
         await self.engine.mover.update_locked(tracked, cpus, mems, drop_quota)
+        self.engine.project(tracked)
 
     # --- the state file ---------------------------------------------------------------------
 

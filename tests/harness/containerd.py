@@ -482,7 +482,9 @@ def cpushim_command(
     listen: str, runtime_endpoint: str, *extra: str, state_dir: Path, log_level: str = "debug"
 ) -> list[str]:
     """The command line that starts cpushim (its contract with these tests). ``state_dir``
-    is required so that no test writes the node's real checkpoint."""
+    is required so that no test writes the node's real checkpoint; the projection directories
+    go beside it (``<state_dir>-projection``). Metrics are off unless ``extra`` turns them on
+    (a later flag wins), so that cpushims of several tests never compete for a port."""
     return [
         sys.executable,
         "-m",
@@ -494,10 +496,19 @@ def cpushim_command(
         runtime_endpoint,
         "--state-dir",
         str(state_dir),
+        "--projection-dir",
+        str(projection_dir_for(state_dir)),
+        "--metrics-address",
+        "",
         "--log-level",
         log_level,
         *extra,
     ]
+
+
+def projection_dir_for(state_dir: Path) -> Path:
+    """Where :func:`cpushim_command` has cpushim write the projection directories."""
+    return state_dir.with_name(f"{state_dir.name}-projection")
 
 
 class ServingProcessError(RuntimeError):

@@ -18,7 +18,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.upstream import RuntimeChannel
-from shim.engine import Engine, EngineOptions, FailurePolicy
+from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
 from shim.engine import requests as rq
 from shim.engine.resync import start as resync
 from shim.policy import CPUPolicy
@@ -166,6 +166,7 @@ class Env:
             self.channel,
             self.engine.options,
             cgroups=self.engine.mover.layout,
+            projection=self.engine.projection,
         )
         await resync(engine, recover_from_runtime=recover)
         self.engine = engine
@@ -180,6 +181,7 @@ async def make_env(
     failure_policy: FailurePolicy = "fail-closed",
     *,
     options: EngineOptions | None = None,
+    projection: ProjectionSettings | None = None,
 ) -> Env:
     """An engine on ``fake``; when the fake keeps a cgroup tree, the engine writes it (as a
     cgroup v1 cpuset hierarchy)."""
@@ -193,6 +195,7 @@ async def make_env(
         channel,
         options or EngineOptions(failure_policy=failure_policy),
         cgroups=layout,
+        projection=projection,
     )
     await resync(engine)
     return Env(fake, state_dir, channel, engine, Kubelet(engine, channel))

@@ -1,0 +1,175 @@
+"""Keeps each container's projection directory (shim/projection) equal to its cpuset.
+
+The engine calls :meth:`Projector.prepare` before it forwards a CreateContainer (the
+directory must exist to be bind-mounted, and a workload may read it as soon as it starts) and
+:meth:`Projector.update` after every change it made to a container's cgroup, so the files never
+name CPUs the container does not have yet. Updates do not hold up the call that caused them:
+each directory has at most one write in flight, and a write always carries the latest cpuset,
+so a burst of changes costs one or two writes and they can never land out of order.
+
+A container is known by its pod UID and name, like its directory: the next attempt of a
+container writes where the previous one did, and the generation carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.projection import Pool
+from shim.projection.writer import ProjectionPathError, ProjectionWriter, check_name
+from shim.state import ContainerKey
+from shim.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Cpuset:
+    """What a container's directory says: its CPUs, memory nodes and pool."""
+
+    cpus: CPUSet
+    mems: str
+    exclusive: bool
+
+    @property
+    def pool(self) -> Pool:
+        return "exclusive" if self.exclusive else "shared"
+
+
+class Projector:
+    def __init__(
+        self,
+        writer: ProjectionWriter,
+        topology: Topology,
+        mount_path: Path,
+        counters: Counter[str],
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+    ) -> None:
+        self.writer = writer
+        self.topology = topology
+        self.mount_path = mount_path
+        self.counters = counters
+        self._spawn = spawn
+        self._wanted: dict[ContainerKey, Cpuset] = {}
+        self._written: dict[ContainerKey, Cpuset] = {}
+        self._writers: dict[ContainerKey, asyncio.Task[None]] = {}
+        # Called with (key, generation) after each write; the projection bench listens here.
+        self.on_written: Callable[[ContainerKey, int], None] | None = None
+
+    @staticmethod
+    def check(key: ContainerKey) -> str | None:
+        """Why ``key`` cannot name a directory (a UID or name with '/', '..', NUL, ...), or
+        None when it can."""
+        try:
+            check_name("pod UID", key.pod_uid)
+            check_name("container name", key.name)
+        except ProjectionPathError as exc:
+            return str(exc)
+        return None
+
+    async def prepare(self, key: ContainerKey, cpuset: Cpuset) -> pb.Mount | None:
+        """Write the directory of a container about to be created and return the mount that
+        shows it inside; None when it cannot be written (logged and counted: the container is
+        still created, without the mount)."""
+        self._wanted[key] = cpuset
+        writer = self._writers.get(key)
+        if writer is not None:
+            await asyncio.shield(writer)
+        if not await self._write(key, cpuset):
+            return None
+        return pb.Mount(
+            container_path=str(self.mount_path),
+            host_path=str(self.writer.directory(key.pod_uid, key.name)),
+            readonly=True,
+            propagation=pb.PROPAGATION_PRIVATE,
+        )
+
+    def update(self, key: ContainerKey, cpuset: Cpuset) -> None:
+        """The container's cgroup now holds ``cpuset``: project it soon."""
+        if self.check(key) is not None:
+            return
+        self._wanted[key] = cpuset
+        if key not in self._writers and self._written.get(key) != cpuset:
+            self._writers[key] = self._spawn(self._write_until_current(key))
+
+    async def _write_until_current(self, key: ContainerKey) -> None:
+        try:
+            while True:
+                wanted = self._wanted.get(key)
+                if wanted is None or wanted == self._written.get(key):
+                    return
+                if not await self._write(key, wanted):
+                    return
+        finally:
+            self._writers.pop(key, None)
+
+    async def _write(self, key: ContainerKey, cpuset: Cpuset) -> bool:
+        try:
+            generation = await self.writer.write(
+                key.pod_uid,
+                key.name,
+                cpuset.cpus,
+                cpuset.mems,
+                cpuset.exclusive,
+                cpuset.pool,
+                self.topology,
+            )
+        except (OSError, ValueError) as exc:
+            self.counters["projection_errors"] += 1
+            log.warning(
+                "could not write a container's projection",
+                extra={"fields": {"container": str(key), "error": str(exc)}},
+            )
+            return False
+        self._written[key] = cpuset
+        self.counters["projection_writes"] += 1
+        if self.on_written is not None:
+            self.on_written(key, generation)
+        return True
+
+    async def forget_pod(self, pod_uid: str) -> None:
+        """The pod is removed: its directories go."""
+        for key in [k for k in self._wanted if k.pod_uid == pod_uid]:
+            self._wanted.pop(key, None)
+            self._written.pop(key, None)
+            writer = self._writers.get(key)
+            if writer is not None:
+                await asyncio.shield(writer)
+        try:
+            await self.writer.remove_pod(pod_uid)
+        except (OSError, ValueError) as exc:
+            self.counters["projection_errors"] += 1
+            log.warning(
+                "could not remove a pod's projection",
+                extra={"fields": {"pod_uid": pod_uid, "error": str(exc)}},
+            )
+
+    async def clean_stale(self, keep: Collection[ContainerKey]) -> None:
+        """Remove the directories of containers that went while cpushim was down."""
+        try:
+            removed = await self.writer.clean_stale([(k.pod_uid, k.name) for k in keep])
+        except OSError as exc:
+            self.counters["projection_errors"] += 1
+            log.warning("could not clean stale projections", extra={"fields": {"error": str(exc)}})
+            return
+        if removed:
+            log.info(
+                "removed stale projections",
+                extra={"fields": {"directories": [str(p) for p in removed]}},
+            )
+
+    async def settle(self) -> None:
+        """Wait until every update asked for so far is written (tests, benches, shutdown)."""
+        while self._writers:
+            await asyncio.wait(set(self._writers.values()))
+
+    def written(self, key: ContainerKey) -> Cpuset | None:
+        return self._written.get(key)

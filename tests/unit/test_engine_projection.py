@@ -1,0 +1,233 @@
+"""The engine keeps each container's projection directory equal to its cpuset: written before
+the container is created and mounted into it, rewritten after each move, removed with the pod,
+swept at start."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shim import cgroups
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Status
+from shim.engine import EngineOptions, ProjectionSettings
+from shim.projection import Projection, read
+from shim.state import ContainerKey
+from tests.fake_runtime import FakeRuntime
+from tests.unit.engine_env import (
+    ALL,
+    FIRST_SINGLE,
+    SHARED_AFTER_FIRST_SINGLE,
+    Env,
+    Pod,
+    make_env,
+    until,
+)
+
+MOUNT = Path("/run/cpushim")
+NEVER = 3600.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        environment = await make_env(
+            fake,
+            tmp_path / "state",
+            options=EngineOptions(record_delay=NEVER),
+            projection=ProjectionSettings(tmp_path / "projection", MOUNT),
+        )
+        yield environment
+        environment.channel.close()
+
+
+def root(env: Env) -> Path:
+    assert env.engine.projection is not None
+    return env.engine.projection.directory
+
+
+def projected(env: Env, pod: Pod, name: str) -> Projection:
+    return read(root(env) / pod.uid / name)
+
+
+async def settled(env: Env) -> None:
+    assert env.engine.projector is not None
+    await env.engine.projector.settle()
+
+
+def mounts_of(env: Env, container_id: str) -> list[pb.Mount]:
+    return list(env.fake.containers[container_id].config.mounts)
+
+
+@pytest.mark.anyio
+async def test_a_shared_container_is_created_with_its_directory_mounted_read_only(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    container_id = await env.kubelet.start_new(pod, "main")
+    (mount,) = mounts_of(env, container_id)
+    assert mount.container_path == str(MOUNT)
+    assert mount.host_path == str(root(env) / pod.uid / "main")
+    assert mount.readonly
+    state = projected(env, pod, "main")
+    assert (state.cpus, state.pool, state.exclusive) == (str(ALL), "shared", False)
+    assert (root(env) / pod.uid / "main" / "cpus").read_text() == f"{ALL}\n"
+
+
+@pytest.mark.anyio
+async def test_a_pinned_container_and_the_shared_ones_see_every_change(env: Env) -> None:
+    shared_pod = await env.kubelet.run_pod("web", "besteffort")
+    await env.kubelet.start_new(shared_pod, "main")
+    before = projected(env, shared_pod, "main")
+
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned_pod, "main", 1000)
+    await settled(env)
+    pinned = projected(env, pinned_pod, "main")
+    assert (pinned.cpus, pinned.pool, pinned.exclusive) == (FIRST_SINGLE, "exclusive", True)
+    assert pinned.mems == "0"
+    assert pinned.numa_nodes == (0,)
+    assert pinned.sockets == (0,)
+    shrunk = projected(env, shared_pod, "main")
+    assert shrunk.cpus == SHARED_AFTER_FIRST_SINGLE
+    assert shrunk.generation == before.generation + 1
+
+    await env.kubelet.stop(pinned_id)
+    await settled(env)
+    grown = projected(env, shared_pod, "main")
+    assert grown.cpus == str(ALL)
+    assert grown.generation == shrunk.generation + 1
+
+
+@pytest.mark.anyio
+async def test_a_projection_is_written_only_after_the_cgroup_holds_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared_pod = await env.kubelet.run_pod("web", "besteffort")
+    shared_id = await env.kubelet.start_new(shared_pod, "main")
+    tracked = env.engine.containers[shared_id]
+    await until(lambda: tracked.cgroup is not None, "the shared container's cgroup located")
+    written_to_cgroup: list[str] = []
+    real_write = cgroups.write_cpus
+
+    def write_cpus(directory: Path, cpus: CPUSet) -> None:
+        real_write(directory, cpus)
+        if directory == tracked.cgroup:
+            written_to_cgroup.append(str(cpus))
+
+    monkeypatch.setattr(cgroups, "write_cpus", write_cpus)
+    projected_then: list[tuple[str, list[str]]] = []
+
+    def on_written(key: ContainerKey, generation: int) -> None:
+        if key == tracked.key:
+            cpus = projected(env, shared_pod, "main").cpus
+            projected_then.append((cpus, list(written_to_cgroup)))
+
+    assert env.engine.projector is not None
+    env.engine.projector.on_written = on_written
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned_pod, "main", 1000)
+    await env.kubelet.stop(pinned_id)
+    await settled(env)
+    assert written_to_cgroup == [SHARED_AFTER_FIRST_SINGLE, str(ALL)]
+    assert projected_then, "no projection was written for the shared container"
+    for cpus, cgroup_so_far in projected_then:
+        # Each set the file named had reached the cgroup before the file was written.
+        assert cpus in cgroup_so_far, (cpus, cgroup_so_far)
+    assert projected_then[-1][0] == str(ALL)
+
+
+@pytest.mark.anyio
+async def test_a_name_that_is_not_a_safe_directory_name_is_refused(env: Env) -> None:
+    pod = await env.kubelet.run_pod("web", "guaranteed")
+    free_before = env.engine.state.shared
+    for name in ("../escape", "a/b", ".hidden", "nul\x00"):
+        reply = await env.kubelet.create(pod, name, 1000)
+        assert reply.status is Status.INVALID_ARGUMENT, name
+        assert "directory name" in reply.status_message
+    assert env.fake.containers == {}
+    assert env.engine.state.shared == free_before
+    assert env.engine.state.assignments == {}
+    assert sorted(p.name for p in root(env).parent.iterdir() if p.name == "escape") == []
+
+
+@pytest.mark.anyio
+async def test_removing_the_pod_removes_its_directory(env: Env) -> None:
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    container_id = await env.kubelet.start_new(pod, "main")
+    assert (root(env) / pod.uid / "main").is_dir()
+    await env.kubelet.stop(container_id)
+    await env.kubelet.remove(container_id)
+    # The next attempt writes the same directory: it stays until the pod goes.
+    assert (root(env) / pod.uid / "main").is_dir()
+    await env.kubelet.ok(
+        "StopPodSandbox",
+        pb.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString(),
+    )
+    await env.kubelet.ok(
+        "RemovePodSandbox",
+        pb.RemovePodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString(),
+    )
+    assert not (root(env) / pod.uid).exists()
+
+
+@pytest.mark.anyio
+async def test_a_restart_sweeps_stale_directories_and_carries_generations_on(env: Env) -> None:
+    kept_pod = await env.kubelet.run_pod("web", "besteffort")
+    await env.kubelet.start_new(kept_pod, "main")
+    gone_pod = await env.kubelet.run_pod("old", "besteffort")
+    gone_id = await env.kubelet.start_new(gone_pod, "main")
+    before = projected(env, kept_pod, "main")
+    # Removed directly on the runtime while cpushim is down.
+    env.fake.containers.pop(gone_id)
+    env.fake.sandboxes.pop(gone_pod.sandbox_id)
+    await env.restart()
+    await settled(env)
+    assert not (root(env) / gone_pod.uid).exists()
+    assert projected(env, kept_pod, "main") == before
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pinned_pod, "main", 1000)
+    await settled(env)
+    after = projected(env, kept_pod, "main")
+    assert after.cpus == SHARED_AFTER_FIRST_SINGLE
+    assert after.generation == before.generation + 1
+
+
+@pytest.mark.anyio
+async def test_a_projection_that_cannot_be_written_costs_the_mount_not_the_container(
+    tmp_path: Path,
+) -> None:
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the projection root should be\n")
+    async with FakeRuntime() as fake:
+        env = await make_env(
+            fake, tmp_path / "state", projection=ProjectionSettings(blocked, MOUNT)
+        )
+        try:
+            pod = await env.kubelet.run_pod("web", "besteffort")
+            container_id = await env.kubelet.start_new(pod, "main")
+            assert mounts_of(env, container_id) == []
+            assert env.engine.counters["projection_errors"] >= 1
+            assert blocked.read_text().startswith("a file")
+        finally:
+            env.channel.close()
+
+
+@pytest.mark.anyio
+async def test_a_mount_kubelet_already_has_at_the_path_is_left_alone(env: Env) -> None:
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    request = env.kubelet.create_request(pod, "main")
+    own = pb.Mount(container_path=str(MOUNT), host_path="/srv/elsewhere")
+    request.config.mounts.append(own)
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    assert mounts_of(env, container_id) == [own]
