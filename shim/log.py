@@ -39,9 +39,15 @@ def setup(level: str) -> None:
         raise ValueError(f"unknown log level {level!r}; use one of {', '.join(_LEVELS)}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(_LEVELS[level])
+    logging.getLogger().handlers[:] = [handler]
+    set_level(level)
+
+
+def set_level(level: str) -> None:
+    """Log at ``level`` from now on (at start, and when the config file changes it)."""
+    if level not in _LEVELS:
+        raise ValueError(f"unknown log level {level!r}; use one of {', '.join(_LEVELS)}")
+    logging.getLogger().setLevel(_LEVELS[level])
     # grpclib and asyncio speak at debug level about every stream; keep them to warnings.
     for noisy in ("grpclib", "hpack", "h2", "asyncio"):
         logging.getLogger(noisy).setLevel(max(_LEVELS[level], logging.WARNING))

@@ -16,6 +16,7 @@ from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.server import Interceptor, RelayServer
 from shim.cri.upstream import RuntimeChannel
 from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
+from shim.engine.reloading import ConfigReloader
 from shim.engine.resync import StartupError
 from shim.engine.resync import start as resync
 from shim.engine.watching import Watcher
@@ -202,6 +203,10 @@ async def run(options: RunOptions) -> int:
         raise
     watcher = Watcher(engine, resync_period=options.resync_period)
     watcher.start()
+    reloader: ConfigReloader | None = None
+    if options.config_path is not None:
+        reloader = ConfigReloader(watcher, options, build_policy)
+        reloader.start()
     await server.start()
     log.info(
         "serving",
@@ -221,6 +226,8 @@ async def run(options: RunOptions) -> int:
     await stop.wait()
     log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
     finished = await server.shutdown(options.shutdown_grace)
+    if reloader is not None:
+        reloader.stop()
     await watcher.stop()
     await engine.drain(options.shutdown_grace)
     runtime.close()

@@ -21,7 +21,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -42,7 +42,7 @@ from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.projection.writer import ProjectionWriter
-from shim.state import Assignment, ContainerKey, CPUState
+from shim.state import Assignment, ContainerKey, CPUState, replan
 
 if TYPE_CHECKING:
     from shim.engine.watching import Watcher
@@ -500,6 +500,40 @@ class Engine:
                 tracked.applied = tracked.recorded = cpus
                 self.project(tracked)
         return reply
+
+    # --- a new policy while running ------------------------------------------------------------
+
+    async def change_policy(self, policy: CPUPolicy) -> list[ContainerKey]:
+        """Run under ``policy`` from now on (a config reload): assignments it still allows are
+        kept, the others get new CPUs where it can give them, every container is moved to
+        match, and the checkpoint says so. Returns the containers that lost their exclusive
+        CPUs for good (they share now). OSError when the checkpoint cannot be written, and
+        nothing changes then."""
+        async with self.lock:
+            planned, displaced = replan(self.state, policy)
+            lost: list[ContainerKey] = []
+            for key in displaced:
+                old = self.state.assignments[key]
+                try:
+                    if policy.name == "none":
+                        raise AllocationError("the none policy pins nothing")
+                    cpus = policy.allocate(planned.exclusive(), ExclusiveRequest(len(old.cpus)))
+                except AllocationError as exc:
+                    lost.append(key)
+                    self.counters["pinning_errors"] += 1
+                    log.error(
+                        "a running container cannot keep exclusive CPUs under the new policy;"
+                        " it shares",
+                        extra={"fields": {"container": str(key), "error": str(exc)}},
+                    )
+                    continue
+                planned = planned.assign(key, replace(old, cpus=cpus), policy)
+            await self._commit(planned.under(policy))
+            self.policy = policy
+            if self.projector is not None:
+                self.projector.topology = policy.topology
+            await self._apply()
+        return lost
 
     # --- decisions shared by the calls (the lock is held) --------------------------------------
 

@@ -122,6 +122,15 @@ class Watcher:
         self._state_watch = None
         self.inotify.close()
 
+    def set_resync_period(self, period: float) -> None:
+        """Resync every ``period`` seconds from now on; 0 stops the periodic resync."""
+        self.resync_period = period
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if period > 0:
+            self._timer = asyncio.get_running_loop().create_task(self._periodically())
+
     async def _periodically(self) -> None:
         while True:
             await asyncio.sleep(self.resync_period)

@@ -35,8 +35,7 @@ __all__ = ["direct", "shim", "two_cpus", "via"]
 CHANGE_TIMEOUT = 10.0
 # Inside the container: the projected files, then what the kernel says of the reader itself.
 READ_INSIDE = (
-    "cat /run/cpushim/cpus /run/cpushim/cpuset.json;"
-    " grep Cpus_allowed_list /proc/self/status"
+    "cat /run/cpushim/cpus /run/cpushim/cpuset.json; grep Cpus_allowed_list /proc/self/status"
 )
 
 

@@ -1,0 +1,172 @@
+"""Live reload of the config file: a good edit re-plans and moves containers, a bad one is
+refused and changes nothing."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shim.config import reload_options
+from shim.cpuset import CPUSet
+from shim.engine import EngineOptions
+from shim.engine.reloading import ConfigReloader
+from shim.engine.watching import Watcher
+from shim.run import RunOptions, build_policy
+from tests.fake_runtime import FakeRuntime
+from tests.harness.sysfs import MachineSpec, write_sysfs
+from tests.unit.engine_env import (
+    ALL,
+    FIRST_SINGLE,
+    SHARED_AFTER_FIRST_SINGLE,
+    Env,
+    make_env,
+    until,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Reloading:
+    env: Env
+    watcher: Watcher
+    reloader: ConfigReloader
+    path: Path
+    sysfs: Path
+
+    def write(self, text: str) -> None:
+        """Replace the file the way editors and config management do: temp file, rename."""
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        temporary.write_text(f'sysfsRoot = "{self.sysfs}"\n{text}')
+        os.replace(temporary, self.path)
+
+    async def reloaded(self, counter: str, count: int = 1) -> None:
+        await until(
+            lambda: self.env.engine.counters[counter] >= count, f"{counter} = {count}", deadline=5
+        )
+        await until(lambda: self.watcher.jobs.pending == 0, "watch jobs done")
+
+
+@pytest.fixture
+async def r(tmp_path: Path) -> AsyncIterator[Reloading]:
+    sysfs = write_sysfs(
+        MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2), tmp_path / "sys"
+    )
+    path = tmp_path / "etc" / "config.toml"
+    path.parent.mkdir()
+    path.write_text(f'sysfsRoot = "{sysfs}"\nreservedSystemCPUs = "0"\n')
+    options = reload_options(RunOptions(config_path=path))
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await make_env(
+            fake,
+            tmp_path / "state",
+            build_policy(options),
+            options=EngineOptions(record_delay=3600),
+        )
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        reloader = ConfigReloader(watcher, options, build_policy)
+        reloader.start()
+        try:
+            yield Reloading(env, watcher, reloader, path, sysfs)
+        finally:
+            reloader.stop()
+            await watcher.stop()
+            await env.engine.drain(5.0)
+            env.channel.close()
+
+
+async def pinned_and_shared(env: Env) -> tuple[str, str]:
+    shared_pod = await env.kubelet.run_pod("web", "besteffort")
+    shared_id = await env.kubelet.start_new(shared_pod, "main")
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned_pod, "main", 1000)
+    assert env.kernel_cpus(pinned_id) == FIRST_SINGLE
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    return shared_id, pinned_id
+
+
+async def test_new_reserved_cpus_re_plan_and_move_the_containers(r: Reloading) -> None:
+    env = r.env
+    shared_id, pinned_id = await pinned_and_shared(env)
+    # CPU 4 (the pinned container's) becomes reserved: it must move, and the pool with it.
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await r.reloaded("config_reloads")
+    assert env.engine.policy.reserved == CPUSet.parse("0,4")
+    moved = CPUSet.parse(env.kernel_cpus(pinned_id) or "")
+    assert len(moved) == 1
+    assert not moved & CPUSet.parse("0,4")
+    assert env.kernel_cpus(shared_id) == str(ALL - moved)
+    (held,) = env.saved().values()
+    assert held == {"main": str(moved)}
+    saved_reserved = env.engine.checkpoint.load().reserved
+    assert saved_reserved == CPUSet.parse("0,4")
+
+
+async def test_a_file_that_does_not_parse_is_refused_and_nothing_changes(
+    r: Reloading, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = r.env
+    _, pinned_id = await pinned_and_shared(env)
+    before = env.engine.state
+    r.write('reservedSystemCPUs = "0,4"\nnoSuchKey = 1\n')
+    with caplog.at_level(logging.ERROR):
+        await r.reloaded("config_errors")
+    assert env.engine.state == before
+    assert env.engine.policy.reserved == CPUSet.parse("0")
+    assert env.kernel_cpus(pinned_id) == FIRST_SINGLE
+    refusals = [rec for rec in caplog.records if "refused" in rec.getMessage()]
+    assert refusals
+    fields = refusals[-1].__dict__["fields"]
+    assert fields["key"] == "noSuchKey"
+    assert fields["line"] == 3
+    assert str(r.path) in fields["error"]
+
+
+async def test_values_that_make_no_policy_are_refused(r: Reloading) -> None:
+    env = r.env
+    await pinned_and_shared(env)
+    before = env.engine.state
+    r.write('reservedSystemCPUs = "9"\n')  # not a CPU of this machine
+    await r.reloaded("config_errors")
+    assert env.engine.state == before
+    assert env.engine.policy.reserved == CPUSet.parse("0")
+    # The next good edit still applies.
+    r.write('reservedSystemCPUs = "0"\nfailurePolicy = "fail-open"\n')
+    await r.reloaded("config_reloads")
+    assert env.engine.options.failure_policy == "fail-open"
+    assert env.engine.state == before
+
+
+async def test_keys_that_need_a_restart_are_named_not_applied(
+    r: Reloading, caplog: pytest.LogCaptureFixture
+) -> None:
+    r.write('reservedSystemCPUs = "0"\nlisten = "unix:///tmp/elsewhere.sock"\n')
+    with caplog.at_level(logging.INFO):
+        await r.reloaded("config_reloads")
+    (record,) = [rec for rec in caplog.records if rec.getMessage() == "config reloaded"]
+    assert record.__dict__["fields"]["need_restart"] == ["listen"]
+    assert r.reloader.options.listen == "unix:///tmp/elsewhere.sock"
+
+
+async def test_an_edit_in_place_is_seen_too(r: Reloading) -> None:
+    root = logging.getLogger()
+    level = root.level
+    try:
+        r.path.write_text(
+            f'sysfsRoot = "{r.sysfs}"\nreservedSystemCPUs = "0"\nlogLevel = "debug"\n'
+        )
+        await r.reloaded("config_reloads")
+        assert root.level == logging.DEBUG
+    finally:
+        root.setLevel(level)
