@@ -64,6 +64,8 @@ class Shim:
         self.socket_path = directory / "cpushim.sock"
         self.process: ServingProcess | None = None
         self.runs = 0
+        # Flags that would override a config file's keys; a test with a config clears them.
+        self.reserved_flags: tuple[str, ...] = ("--reserved-cpus", "0")
 
     @property
     def address(self) -> str:
@@ -77,8 +79,7 @@ class Shim:
         return cpushim_command(
             self.address,
             self.containerd.address,
-            "--reserved-cpus",
-            "0",
+            *self.reserved_flags,
             *extra,
             state_dir=self.state_dir,
         )

@@ -112,3 +112,57 @@ def test_the_state_file_is_rewritten_when_someone_else_changes_it(
     shim.start()
     assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+
+
+def test_a_config_edit_applies_live_and_a_bad_one_is_refused(
+    shim: Shim, via: Callable[[], KubeletClient], tmp_path: Path
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('reservedSystemCPUs = "0"\n')
+    shim.reserved_flags = ()
+    shim.start("--config", str(config))
+    kubelet = via()
+    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
+    kubelet.start_container(shared_id)
+    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    kubelet.start_container(pinned_id)
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+
+    # Reserve CPU 1 instead: the pinned container moves to CPU 0, the shared one to CPU 1.
+    replace_file(config, 'reservedSystemCPUs = "1"\n')
+    wait_for(
+        lambda: kubelet.kernel_cpus(pinned_id).cgroup_cpuset_cpus == "0",
+        REACTION_TIMEOUT,
+        "the pinned container moved off the newly reserved CPU",
+    )
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "0")
+    wait_for(
+        lambda: kubelet.kernel_cpus(shared_id).cgroup_cpuset_cpus == "1",
+        REACTION_TIMEOUT,
+        "the shared container on the new shared pool",
+    )
+    assert_kernel(kubelet.kernel_cpus(shared_id), "1")
+    assert shim.assignments() == {pinned_pod.uid: {"main": "0"}}
+
+    # Not a CPU of this machine: refused, and nothing moves.
+    config.write_text('reservedSystemCPUs = "7"\n')
+    process = shim.process
+    assert process is not None
+    wait_for(
+        lambda: "config file refused" in process.log(),
+        REACTION_TIMEOUT,
+        "the bad config refused",
+    )
+    refusal = next(line for line in process.log().splitlines() if "config file refused" in line)
+    assert "reserved CPUs 7 are not online" in refusal
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "0")
+    assert_kernel(kubelet.kernel_cpus(shared_id), "1")
+    assert shim.assignments() == {pinned_pod.uid: {"main": "0"}}
+
+
+def replace_file(path: Path, text: str) -> None:
+    """As editors and config management do: a temporary file renamed over the old one."""
+    temporary = path.with_name(f".{path.name}.new")
+    temporary.write_text(text)
+    os.replace(temporary, path)
