@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shim import notify
 from shim.cgroups import CgroupError, CgroupLayout
 from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
@@ -223,7 +224,10 @@ async def run(options: RunOptions) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # The state is resynced and the socket serves: systemd may start kubelet now.
+    notify.ready(f"serving {options.listen}; {len(engine.state.assignments)} pinned")
     await stop.wait()
+    notify.stopping()
     log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
     finished = await server.shutdown(options.shutdown_grace)
     if reloader is not None:
