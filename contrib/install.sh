@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Install cpushim on a node, as root, from a checkout of this repository:
+#
+#   contrib/install.sh [--root DIR] [--wheel FILE] [--python PYTHON] [--skip-package]
+#                      [--no-systemctl]
+#
+# What it installs (docs/operations.md has the whole procedure):
+#   /opt/cpushim/                                  a virtualenv holding cpushim and its dependencies
+#                                                  (pip install of this checkout, or of --wheel FILE)
+#   /usr/bin/cpushim                               a symlink to /opt/cpushim/bin/cpushim
+#   /etc/systemd/system/cpushim.service            from systemd/cpushim.service
+#   /etc/systemd/system/kubelet.service.d/10-cpushim.conf
+#                                                  from systemd/kubelet.service.d/10-cpushim.conf
+#   /etc/cpushim/config.toml                       from contrib/config.toml, only when missing: an
+#                                                  existing one is never overwritten
+# then `systemctl daemon-reload` when systemd runs. It enables, starts and restarts nothing:
+# kubelet goes through cpushim from its next restart.
+#
+# Running it again is harmless: it upgrades the package and the units, and keeps the config.
+#
+#   --root DIR       install under DIR instead of / (default: $DESTDIR, else /). systemctl is
+#                    never run then. The virtualenv's scripts name DIR/opt/cpushim, so a tree
+#                    installed this way runs where it is (tests, a chroot), not copied elsewhere.
+#   --wheel FILE     install this wheel instead of the checkout
+#   --python PYTHON  the Python (3.11 or later, with the venv module) the virtualenv is made
+#                    with (default: python3)
+#   --skip-package   leave /opt/cpushim and /usr/bin/cpushim alone: units and config only
+#   --no-systemctl   do not run systemctl daemon-reload (default: run it when the root is /
+#                    and systemd is running, i.e. /run/systemd/system exists)
+set -euo pipefail
+
+usage() {
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2
+    exit "${1:-2}"
+}
+
+src="$(cd "$(dirname "$0")/.." && pwd)"
+root="${DESTDIR:-/}"
+wheel=""
+python="python3"
+skip_package=0
+systemctl_mode="auto"
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --root) root="${2:?--root needs a directory}"; shift 2 ;;
+        --root=*) root="${1#--root=}"; shift ;;
+        --wheel) wheel="${2:?--wheel needs a file}"; shift 2 ;;
+        --wheel=*) wheel="${1#--wheel=}"; shift ;;
+        --python) python="${2:?--python needs an interpreter}"; shift 2 ;;
+        --python=*) python="${1#--python=}"; shift ;;
+        --skip-package) skip_package=1; shift ;;
+        --no-systemctl) systemctl_mode="no"; shift ;;
+        -h|--help) usage 0 ;;
+        *) echo "install.sh: unknown argument: $1" >&2; usage ;;
+    esac
+done
+
+[ -n "$root" ] || root="/"
+root="${root%/}"  # "" for /, so "$root/etc" is /etc
+if [ -n "$root" ]; then
+    mkdir -p "$root"
+    root="$(cd "$root" && pwd)"
+    [ "$root" != "/" ] || root=""
+fi
+if [ -n "$wheel" ]; then
+    [ -f "$wheel" ] || { echo "install.sh: no such wheel: $wheel" >&2; exit 1; }
+    wheel="$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")"
+fi
+
+say() { echo "install.sh: $*" >&2; }
+
+# -- the package: a virtualenv in /opt/cpushim, /usr/bin/cpushim pointing into it ---------------
+if [ "$skip_package" = 0 ]; then
+    venv="$root/opt/cpushim"
+    if [ ! -x "$venv/bin/python" ]; then
+        say "creating the virtualenv $venv"
+        mkdir -p "$(dirname "$venv")"
+        "$python" -m venv "$venv"
+    fi
+    package="${wheel:-$src}"
+    say "installing $package into $venv"
+    # The package with its dependencies, then the package again by force: an unchanged
+    # version number (a checkout between releases) would otherwise be left as it was.
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$package"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+        --force-reinstall "$package"
+    link="$root/usr/bin/cpushim"
+    if [ -e "$link" ] && [ ! -L "$link" ]; then
+        echo "install.sh: $link exists and is not a symlink; not replacing it" >&2
+        exit 1
+    fi
+    mkdir -p "$root/usr/bin"
+    # Relative, so that it resolves inside the root it was installed to.
+    ln -sfn ../../opt/cpushim/bin/cpushim "$link"
+    say "$link -> /opt/cpushim/bin/cpushim"
+fi
+
+# -- the units --------------------------------------------------------------------------------
+install -D -m 0644 "$src/systemd/cpushim.service" "$root/etc/systemd/system/cpushim.service"
+install -D -m 0644 "$src/systemd/kubelet.service.d/10-cpushim.conf" \
+    "$root/etc/systemd/system/kubelet.service.d/10-cpushim.conf"
+say "installed $root/etc/systemd/system/cpushim.service"
+say "installed $root/etc/systemd/system/kubelet.service.d/10-cpushim.conf"
+
+# -- the config, never overwritten ------------------------------------------------------------
+config="$root/etc/cpushim/config.toml"
+if [ -e "$config" ] || [ -L "$config" ]; then
+    say "kept the existing $config"
+else
+    install -d -m 0755 "$root/etc/cpushim"
+    install -m 0644 "$src/contrib/config.toml" "$config"
+    say "installed the default $config"
+fi
+
+# -- systemd ----------------------------------------------------------------------------------
+if [ "$systemctl_mode" = auto ]; then
+    if [ -z "$root" ] && [ -d /run/systemd/system ]; then
+        systemctl_mode="yes"
+    else
+        systemctl_mode="no"
+    fi
+fi
+if [ "$systemctl_mode" = yes ]; then
+    systemctl daemon-reload
+    say "systemctl daemon-reload done"
+fi
+
+if [ -z "$root" ]; then
+    cat >&2 <<'EOF'
+install.sh: done. To put kubelet behind cpushim (docs/operations.md):
+  1. set kubelet's cpuManagerPolicy: none (coming from static: rm /var/lib/kubelet/cpu_manager_state)
+  2. edit /etc/cpushim/config.toml (reservedSystemCPUs, cpuManagerPolicyOptions)
+  3. systemctl enable --now cpushim.service && systemctl restart kubelet.service
+EOF
+fi

@@ -1,0 +1,237 @@
+"""contrib/install.sh and contrib/uninstall.sh run into a temp root: idempotent both ways, the
+config kept, nothing of theirs left behind; the package itself from a wheel of the checkout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL = REPO / "contrib" / "install.sh"
+UNINSTALL = REPO / "contrib" / "uninstall.sh"
+
+UNIT = "etc/systemd/system/cpushim.service"
+DROP_IN = "etc/systemd/system/kubelet.service.d/10-cpushim.conf"
+CONFIG = "etc/cpushim/config.toml"
+
+
+def run(script: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(
+        ["bash", str(script), *args],
+        env=env if env is not None else _env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, f"{script.name} {args}: exit {done.returncode}\n{done.stderr}"
+    return done.stderr
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DESTDIR"}
+    env.update(extra)
+    return env
+
+
+def tree(root: Path, *, contents: bool = True) -> dict[str, tuple[str, int, bytes | str | None]]:
+    """Every path under root: its kind, permission bits and content (a link's target)."""
+    found: dict[str, tuple[str, int, bytes | str | None]] = {}
+    for path in sorted(root.rglob("*")):
+        info = path.lstat()
+        mode = stat.S_IMODE(info.st_mode)
+        name = str(path.relative_to(root))
+        if stat.S_ISLNK(info.st_mode):
+            found[name] = ("link", mode, os.readlink(path))
+        elif stat.S_ISDIR(info.st_mode):
+            found[name] = ("dir", mode, None)
+        else:
+            found[name] = ("file", mode, path.read_bytes() if contents else None)
+    return found
+
+
+def files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir() or p.is_symlink()}
+
+
+@pytest.fixture
+def fake_systemctl(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """PATH with a systemctl that only records its calls: the scripts must not call it when
+    installing into a root other than /."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "systemctl-calls"
+    script = bindir / "systemctl"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    script.chmod(0o755)
+    return _env(PATH=f"{bindir}:{os.environ['PATH']}"), calls
+
+
+def test_install_twice_gives_the_same_tree(
+    tmp_path: Path, fake_systemctl: tuple[dict[str, str], Path]
+) -> None:
+    env, calls = fake_systemctl
+    root = tmp_path / "root"
+    run(INSTALL, "--root", str(root), "--skip-package", env=env)
+    first = tree(root)
+    run(INSTALL, "--root", str(root), "--skip-package", env=env)
+    assert tree(root) == first
+    assert set(first) == {
+        "etc",
+        "etc/cpushim",
+        CONFIG,
+        "etc/systemd",
+        "etc/systemd/system",
+        UNIT,
+        "etc/systemd/system/kubelet.service.d",
+        DROP_IN,
+    }
+    assert (root / UNIT).read_bytes() == (REPO / "systemd/cpushim.service").read_bytes()
+    assert (root / DROP_IN).read_bytes() == (
+        REPO / "systemd/kubelet.service.d/10-cpushim.conf"
+    ).read_bytes()
+    assert (root / CONFIG).read_bytes() == (REPO / "contrib/config.toml").read_bytes()
+    for name in (UNIT, DROP_IN, CONFIG):
+        assert first[name][1] == 0o644, name
+    assert not calls.exists(), "systemctl was run for a root other than /"
+
+
+def test_an_edited_config_is_kept(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "etc/cpushim").mkdir(parents=True)
+    edited = b'reservedSystemCPUs = "0,1"\n'
+    (root / CONFIG).write_bytes(edited)
+    (root / CONFIG).chmod(0o600)
+    out = run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
+    assert "kept the existing" in out
+    assert (root / CONFIG).read_bytes() == edited
+    assert stat.S_IMODE((root / CONFIG).stat().st_mode) == 0o600
+    assert (root / UNIT).is_file()
+
+
+def test_uninstall_twice_leaves_only_the_config(
+    tmp_path: Path, fake_systemctl: tuple[dict[str, str], Path]
+) -> None:
+    env, calls = fake_systemctl
+    root = tmp_path / "root"
+    run(INSTALL, "--root", str(root), "--skip-package", env=env)
+    # As `systemctl enable cpushim` leaves it.
+    wants = root / "etc/systemd/system/multi-user.target.wants"
+    wants.mkdir()
+    (wants / "cpushim.service").symlink_to("/etc/systemd/system/cpushim.service")
+    # Not ours: kubeadm's drop-in beside ours, and a state directory.
+    (root / "etc/systemd/system/kubelet.service.d/10-kubeadm.conf").write_text("[Service]\n")
+    (root / "var/lib/cpushim").mkdir(parents=True)
+    (root / "var/lib/cpushim/state.json").write_text("{}")
+    (root / CONFIG).write_text("logLevel = 'debug'\n")
+
+    run(UNINSTALL, "--root", str(root), env=env)
+    after = tree(root)
+    run(UNINSTALL, "--root", str(root), env=env)
+    assert tree(root) == after
+    assert files(root) == {
+        CONFIG,
+        "etc/systemd/system/kubelet.service.d/10-kubeadm.conf",
+        "var/lib/cpushim/state.json",
+    }
+    assert (root / CONFIG).read_text() == "logLevel = 'debug'\n"
+    assert not calls.exists()
+
+    # A later install keeps the config as well.
+    run(INSTALL, "--root", str(root), "--skip-package", env=env)
+    assert (root / CONFIG).read_text() == "logLevel = 'debug'\n"
+
+
+def test_uninstall_purge_removes_config_and_state(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
+    (root / "var/lib/cpushim").mkdir(parents=True)
+    (root / "var/lib/cpushim/state.json").write_text("{}")
+    run(UNINSTALL, "--root", str(root), "--purge", "--no-systemctl")
+    run(UNINSTALL, "--root", str(root), "--purge", "--no-systemctl")
+    assert files(root) == set()
+    assert not (root / "etc/cpushim").exists()
+    assert not (root / "etc/systemd/system/kubelet.service.d").exists()
+
+
+def test_uninstall_leaves_a_cpushim_that_is_not_its_symlink(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/cpushim").write_text("#!/bin/sh\n")
+    out = run(UNINSTALL, "--root", str(root), "--no-systemctl")
+    assert "not the symlink" in out
+    assert (root / "usr/bin/cpushim").is_file()
+
+
+def test_destdir(tmp_path: Path) -> None:
+    root = tmp_path / "staged"
+    run(INSTALL, "--skip-package", env=_env(DESTDIR=str(root)))
+    assert (root / UNIT).is_file()
+    run(UNINSTALL, "--purge", env=_env(DESTDIR=str(root)))
+    assert files(root) == set()
+
+
+def test_unknown_argument_is_refused(tmp_path: Path) -> None:
+    for script in (INSTALL, UNINSTALL):
+        done = subprocess.run(
+            ["bash", str(script), "--root", str(tmp_path), "--bogus"],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 2
+        assert "unknown argument: --bogus" in done.stderr
+        assert "--root DIR" in done.stderr  # the usage follows
+
+
+def _wheel(tmp_path: Path) -> Path:
+    """A wheel of the checkout, built from a copy so the work tree gets no build/ (with build
+    isolation: the virtualenvs of the other Pythons have no setuptools)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copytree(REPO / "shim", source / "shim", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    out = tmp_path / "wheels"
+    pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps"]
+    subprocess.run(
+        [*pip, "--wheel-dir", str(out), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    [wheel] = out.glob("cpushim-*.whl")
+    return wheel
+
+
+def test_package_from_a_wheel(tmp_path: Path) -> None:
+    """The pip part, once: a virtualenv at /opt/cpushim and /usr/bin/cpushim running it
+    (about 20 s: the dependencies are installed into a new virtualenv)."""
+    wheel = _wheel(tmp_path)
+    root = tmp_path / "root"
+    args = ("--root", str(root), "--wheel", str(wheel), "--python", sys.executable)
+    run(INSTALL, *args, "--no-systemctl")
+    link = root / "usr/bin/cpushim"
+    assert os.readlink(link) == "../../opt/cpushim/bin/cpushim"
+    assert link.resolve() == (root / "opt/cpushim/bin/cpushim").resolve()
+    version = subprocess.run(
+        [str(link), "--version"], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert version.stdout.split() == ["cpushim", "0.1.0"]
+
+    first = tree(root, contents=False)
+    run(INSTALL, *args, "--no-systemctl")
+    assert {k: v for k, v in tree(root, contents=False).items() if "__pycache__" not in k} == {
+        k: v for k, v in first.items() if "__pycache__" not in k
+    }
+
+    run(UNINSTALL, "--root", str(root), "--no-systemctl")
+    assert files(root) == {CONFIG}
+    assert not (root / "opt/cpushim").exists()
