@@ -173,7 +173,12 @@ class FakeRuntime:
     socket_path: Path
     endpoint: str
 
-    def __init__(self, cgroup_root: Path | None = None, cgroup_version: int = 1) -> None:
+    def __init__(
+        self,
+        cgroup_root: Path | None = None,
+        cgroup_version: int = 1,
+        pid_source: Callable[[], int] | None = None,
+    ) -> None:
         # With a root, started containers get a cgroup directory below it (cgroupfs driver's
         # layout: the sandbox's cgroup parent, then the container id) holding ``cpuset.cpus``,
         # written on start and update and removed when the process exits, as runc does.
@@ -186,6 +191,9 @@ class FakeRuntime:
         self._failures: dict[str, deque[tuple[Status, str]]] = {}
         self._gates: dict[str, asyncio.Event] = {}
         self._next_pid = 1000
+        # Gives started containers real processes (their pids go into ``cgroup.procs``), for
+        # tests of what the engine does when a process exits; fake numbers otherwise.
+        self.pid_source = pid_source
         self._server: Server | None = None
         self._exit_stack = contextlib.ExitStack()
         self._handlers: dict[str, Callable[[Any], Message]] = {
@@ -391,6 +399,8 @@ class FakeRuntime:
         (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
         if self.cgroup_version == 2:
             (cgroup / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+        if self.pid_source is not None:
+            (cgroup / "cgroup.procs").write_text(f"{container.pid}\n")
 
     def cgroup_path(self, container_id: str) -> str:
         """The OCI ``cgroupsPath`` containerd gives a container (cgroupfs driver)."""
@@ -550,7 +560,7 @@ class FakeRuntime:
             raise GRPCError(Status.UNKNOWN, f"container is in {state} state")
         container.state = pb.CONTAINER_RUNNING
         container.started_at = time.time_ns()
-        container.pid = self._pid()
+        container.pid = self.pid_source() if self.pid_source is not None else self._pid()
         self._make_cgroup(container)
         return pb.StartContainerResponse()
 

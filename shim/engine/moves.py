@@ -39,6 +39,15 @@ from shim.engine.tracked import Phase, Tracked
 log = logging.getLogger(__name__)
 
 
+def pid_of(verbose_info: str) -> int:
+    """The process id in a ContainerStatus verbose ``info`` document; 0 when it has none."""
+    try:
+        pid = json.loads(verbose_info).get("pid", 0) if verbose_info else 0
+    except (ValueError, AttributeError):
+        return 0
+    return pid if isinstance(pid, int) and pid > 0 else 0
+
+
 @dataclass(frozen=True)
 class MoveResult:
     ok: bool
@@ -181,10 +190,12 @@ class Mover:
             status = pb.ContainerStatusResponse.FromString(reply.messages[0])
         except DecodeError:
             return None
-        directory = self.cgroup_of(status.info.get("info", ""))
+        info = status.info.get("info", "")
+        directory = self.cgroup_of(info)
         if directory is None or not directory.is_dir():
             return None
         tracked.cgroup = directory
+        tracked.pid = pid_of(info)
         return directory
 
     def cgroup_of(self, verbose_info: str) -> Path | None:

@@ -22,6 +22,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
 from shim.engine.core import Engine
+from shim.engine.moves import pid_of
 from shim.engine.tracked import Phase, Tracked
 from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
 from shim.policy.static import AllocationError, ExclusiveRequest
@@ -394,4 +395,5 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
         applied=applied,
         cgroup=cgroup,
         recorded=recorded,
+        pid=pid_of(container.info) if cgroup is not None else 0,
     )

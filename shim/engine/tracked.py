@@ -34,6 +34,8 @@ class Tracked:
     # The cpuset the runtime's own record holds (its spec), when known: a cgroup written
     # directly is told to the runtime afterwards.
     recorded: CPUSet | None = None
+    # The container's first process on this host, as the runtime reports it; 0 when unknown.
+    pid: int = 0
     # Held by every write of this container's cpuset (direct or through the runtime), so an
     # older cpuset can never land after a newer one.
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)

@@ -5,6 +5,10 @@ look now and then in case an event was lost.
   Every write of cpushim's holds the container's write lock and sets ``Tracked.applied``
   first, so a check made under that lock that finds the file unequal to ``applied`` has found
   someone else's write.
+- A container's first process exiting is seen on a pidfd (``pidfd_open(2)``, readable once
+  the process is gone) the moment the kernel reaps it; the runtime removes the cgroup only
+  after its shim has noticed, tens of milliseconds later. The cgroup watch stays as the net
+  for containers whose process cannot be opened (gone already, a kernel without pidfds).
 - A container whose cgroup went away (the runtime removes it when the process exits: v1 and
   v2 alike show it as a deletion in the parent directory) or whose v2 ``cgroup.events`` says
   ``populated 0`` has exited: its CPUs are released at once.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -92,8 +97,15 @@ class Watcher:
         self.inotify = Inotify(on_overflow=self._overflowed)
         self.jobs = Coalescer(engine._spawn)
         self._containers: dict[str, list[Subscription]] = {}
+        # Container id -> a pidfd of its first process, read-watched on the loop.
+        self._pidfds: dict[str, int] = {}
         self._state_watch: Subscription | None = None
         self._timer: asyncio.Task[None] | None = None
+
+    @property
+    def pidfd_count(self) -> int:
+        """Processes watched for their exit (the leak tests count them)."""
+        return len(self._pidfds)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -118,6 +130,8 @@ class Watcher:
             await asyncio.gather(self._timer, return_exceptions=True)
             self._timer = None
         self.engine.watcher = None
+        for container_id in list(self._pidfds):
+            self._close_pidfd(container_id)
         self._containers.clear()
         self._state_watch = None
         self.inotify.close()
@@ -189,6 +203,7 @@ class Watcher:
                 self.jobs.request("full-resync", self.look_everywhere)
             return False
         self._containers[container_id] = subscriptions
+        self._watch_process(tracked)
         # It may have changed between the runtime making it and the watch: look once.
         self.jobs.request(container_id, lambda: self.check(container_id))
         return True
@@ -196,6 +211,37 @@ class Watcher:
     def unwatch(self, container_id: str) -> None:
         for subscription in self._containers.pop(container_id, []):
             self.inotify.unsubscribe(subscription)
+        self._close_pidfd(container_id)
+
+    def _watch_process(self, tracked: Tracked) -> None:
+        """Learn of the container's process exiting from a pidfd, when one can be had for the
+        right process: the pid must still be in the container's cgroup, or it was reused."""
+        if tracked.pid <= 0 or tracked.cgroup is None or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            pidfd = os.pidfd_open(tracked.pid)
+        except OSError:
+            return  # exited already; the cgroup watch and the first check see to it
+        if not _holds(tracked.cgroup, tracked.pid):
+            os.close(pidfd)
+            return
+        container_id = tracked.id
+        self._pidfds[container_id] = pidfd
+        asyncio.get_running_loop().add_reader(pidfd, self._process_exited, container_id)
+
+    def _process_exited(self, container_id: str) -> None:
+        self._close_pidfd(container_id)
+        self.counters["process_exits_seen"] += 1
+        # Its own key: a request under the container's key while a check runs reruns the check.
+        self.jobs.request(
+            f"{container_id}:exit", lambda: self.engine.container_exited(container_id)
+        )
+
+    def _close_pidfd(self, container_id: str) -> None:
+        pidfd = self._pidfds.pop(container_id, None)
+        if pidfd is not None:
+            asyncio.get_running_loop().remove_reader(pidfd)
+            os.close(pidfd)
 
     @property
     def watched_containers(self) -> int:
@@ -338,3 +384,12 @@ def _look(directory: Path) -> tuple[bool, object]:
         return True, cgroups.read_cpus(directory)
     except (OSError, ValueError):
         return True, None
+
+
+def _holds(cgroup: Path, pid: int) -> bool:
+    """Whether ``pid`` is one of the processes of ``cgroup``."""
+    try:
+        with open(cgroup / "cgroup.procs", "rb") as procs:
+            return str(pid).encode() in procs.read().split()
+    except OSError:
+        return False

@@ -4,6 +4,7 @@ writes and deletions) and a fake containerd that writes and removes it as runc w
 from __future__ import annotations
 
 import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,3 +292,96 @@ async def test_no_watch_or_task_outlives_500_container_lifecycles(w: Watched) ->
     # Every exit by itself is seen; a stop may be seen from its cgroup before its reply.
     assert 250 <= w.counters["exits_seen"] <= 500
     assert w.env.engine.state.assignments == {}
+
+
+# --- process exits, through pidfds -----------------------------------------------------------
+
+
+class Processes:
+    """Real processes for the fake runtime's containers, so their exits are real."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, subprocess.Popen[bytes]] = {}
+
+    def spawn(self) -> int:
+        process = subprocess.Popen(["sleep", "3600"])
+        self.running[process.pid] = process
+        return process.pid
+
+    def kill(self, pid: int) -> None:
+        process = self.running.pop(pid)
+        process.kill()
+        process.wait()
+
+    def close(self) -> None:
+        for pid in list(self.running):
+            self.kill(pid)
+
+
+@pytest.fixture
+async def p(tmp_path: Path) -> AsyncIterator[tuple[Watched, Processes]]:
+    processes = Processes()
+    try:
+        async with FakeRuntime(cgroup_root=tmp_path / "cpuset", pid_source=processes.spawn) as fake:
+            async for watched in watched_env(tmp_path, fake):
+                yield watched, processes
+    finally:
+        processes.close()
+
+
+async def test_a_process_exit_releases_cpus_before_the_cgroup_goes(
+    p: tuple[Watched, Processes],
+) -> None:
+    w, processes = p
+    shared_id = await w.started("web")
+    pinned_id = await w.started("db", "guaranteed", 1000)
+    await until(lambda: w.watcher.pidfd_count == 2, "both processes watched")
+
+    processes.kill(w.env.fake.containers[pinned_id].pid)  # the runtime has not noticed
+
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "shared container grown")
+    assert w.env.engine.state.holding(pinned_id) is None
+    assert w.counters["process_exits_seen"] == 1
+    assert w.counters["exits_seen"] == 1
+    cgroup = w.env.fake.cgroup_dir(pinned_id)
+    assert cgroup is not None
+    assert cgroup.is_dir()
+    assert w.watcher.pidfd_count == 1
+
+
+async def test_a_reused_pid_is_not_watched(p: tuple[Watched, Processes]) -> None:
+    """A pid that is not in the container's cgroup (the process exited and the number was
+    given to another) must not stand for the container."""
+    w, processes = p
+    stranger = processes.spawn()
+    w.env.fake.pid_source = lambda: stranger
+    container_id = await w.started("web")
+    cgroup = w.env.fake.cgroup_dir(container_id)
+    assert cgroup is not None
+    (cgroup / "cgroup.procs").write_text("")  # the stranger is not the container's
+    w.watcher.unwatch(container_id)
+    w.watcher.watch(w.env.engine.containers[container_id])
+    assert w.watcher.pidfd_count == 0
+    processes.kill(stranger)
+    await w.settled()
+    assert w.counters["exits_seen"] == 0
+
+
+async def test_no_pidfd_outlives_its_container(p: tuple[Watched, Processes]) -> None:
+    w, processes = p
+    pod = await w.env.kubelet.run_pod("batch", "guaranteed")
+    for attempt in range(50):
+        container_id = await w.env.kubelet.start_new(pod, "main", 1000, attempt=attempt)
+        await until(lambda: w.watcher.pidfd_count == 1, "watched")
+        if attempt % 2:
+            await w.env.kubelet.stop(container_id)
+        else:
+            processes.kill(w.env.fake.containers[container_id].pid)
+            await until(
+                lambda: w.env.engine.state.holding(container_id) is None,  # noqa: B023
+                f"attempt {attempt} released on exit",
+            )
+        await w.env.kubelet.remove(container_id)
+        assert w.watcher.pidfd_count == 0
+    await w.settled()
+    assert w.counters["process_exits_seen"] == 25
