@@ -26,6 +26,8 @@ class CheckpointFile:
         self.writes = 0
         # What cpushim last wrote: the file should hold exactly this while it runs.
         self.last_written: bytes | None = None
+        # The state those bytes hold.
+        self.saved: CPUState | None = None
 
     def load(self) -> CPUState | None:
         """The saved state, None when there is none; CheckpointError when it is unreadable."""
@@ -45,12 +47,14 @@ class CheckpointFile:
         write_atomically(self.path, data)
         self.writes += 1
         self.last_written = data
+        self.saved = state
 
     async def save(self, state: CPUState) -> None:
         data = encode_checkpoint(state)
         await asyncio.to_thread(write_atomically, self.path, data)
         self.writes += 1
         self.last_written = data
+        self.saved = state
 
     def on_disk(self) -> bytes | None:
         """The file's bytes now; None when it is missing or unreadable."""

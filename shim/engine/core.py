@@ -103,6 +103,9 @@ class Engine:
         self.counters: collections.Counter[str] = collections.Counter()
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # A checkpoint write scheduled by _record_soon and not yet under way.
+        self._persisting: asyncio.Task[None] | None = None
+        self._persist_tasks: set[asyncio.Task[None]] = set()
         # Set by the watcher when it starts (shim/engine/watching.py); None without one.
         self.watcher: Watcher | None = None
         self.mover = Mover(
@@ -320,11 +323,18 @@ class Engine:
                     return chosen
                 cpus = chosen
             assignment = Assignment(cpus, "", pod.sandbox_id, attempt, pod.label)
-            await self._commit(self.state.assign(key, assignment, self.policy))
-            await self._apply()
             mems = rq.mems_of(self.policy.topology.numa_nodes_of(cpus))
+            # The projection does not wait for the decision's fsync: until the container
+            # exists nobody reads it, and a failed decision leaves it to the pod's removal.
+            projecting = self._spawn(
+                self._project_new(request, key, Cpuset(cpus, mems, exclusive=True))
+            )
+            try:
+                await self._commit(self.state.assign(key, assignment, self.policy))
+                await self._apply()
+            finally:
+                await projecting
             rq.pin(request.config.linux.resources, cpus, mems, drop_quota=not plan.keep_quota)
-            await self._project_new(request, key, Cpuset(cpus, mems, exclusive=True))
             reply = await self.runtime.unary(call, request=request.SerializeToString())
             response = _response(reply, pb.CreateContainerResponse)
             if response is None:
@@ -335,7 +345,9 @@ class Engine:
                 )
                 await self._release([key])
                 return reply
-            await self._record(self.state.update(key, container_id=response.container_id))
+            # Off the reply's path: a checkpoint without the id is squared at start-up (the
+            # container is found by pod and name), so this write need not be waited for.
+            self._record_soon(self.state.update(key, container_id=response.container_id))
             self.containers[response.container_id] = Tracked(
                 id=response.container_id,
                 key=key,
@@ -552,6 +564,10 @@ class Engine:
         if state == self.state:
             return
         self.state = state
+        await self._save_quietly(state)
+
+    async def _save_quietly(self, state: CPUState) -> None:
+        """Persist ``state``; a failure is logged and counted, not raised."""
         try:
             await self.checkpoint.save(state)
         except OSError as exc:
@@ -560,6 +576,27 @@ class Engine:
                 "could not write the checkpoint; the state in memory is kept",
                 extra={"fields": {"path": str(self.checkpoint.path), "error": str(exc)}},
             )
+
+    def _record_soon(self, state: CPUState) -> None:
+        """Make ``state`` the engine's now and persist it in the background, under the lock,
+        so it is written in order with every other checkpoint write; a burst costs one."""
+        self.state = state
+        if self._persisting is None:
+            task = self._persisting = self._spawn(self._persist_latest())
+            self._persist_tasks.add(task)
+            task.add_done_callback(self._persist_tasks.discard)
+
+    async def checkpoint_written(self) -> None:
+        """Wait until the checkpoint writes scheduled so far are done."""
+        while self._persist_tasks:
+            await asyncio.wait(set(self._persist_tasks))
+
+    async def _persist_latest(self) -> None:
+        async with self.lock:
+            # From here on a new change schedules a write of its own.
+            self._persisting = None
+            if self.checkpoint.saved != self.state:
+                await self._save_quietly(self.state)
 
     async def _release(self, keys: Iterable[ContainerKey]) -> None:
         """Give the CPUs of ``keys`` back to the shared pool and grow the shared containers."""

@@ -22,6 +22,7 @@ import json
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -112,6 +113,11 @@ def _until(condition: Callable[[], bool], since: float, deadline: float = 10.0) 
     return float("inf")
 
 
+def tmpfs_dir() -> str | None:
+    """/dev/shm when this machine has it (a tmpfs, like /run on a node)."""
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=50)
@@ -122,7 +128,11 @@ def main() -> int:
     full = CPUSet.parse(Path("/sys/devices/system/cpu/online").read_text())
     if len(full) < 2:
         raise SystemExit("churn needs at least 2 CPUs (one reserved, one to pin)")
-    with PrivateContainerd(image.ref) as containerd:
+    with (
+        PrivateContainerd(image.ref) as containerd,
+        tempfile.TemporaryDirectory(dir=tmpfs_dir(), prefix="cpushim-churn-") as scratch,
+    ):
+        projection_root = Path(scratch)
         containerd.import_image(image)
         log_root = containerd.dir / "pod-logs"
         listen = containerd.dir / "cpushim.sock"
@@ -132,6 +142,9 @@ def main() -> int:
                 containerd.address,
                 "--reserved-cpus",
                 str(full.take_lowest(1)),
+                # As on a node: /run (a tmpfs) holds the projections, the state is on disk.
+                "--projection-dir",
+                str(projection_root / "projection"),
                 state_dir=containerd.dir / "cpushim-state",
                 log_level="warning",
             ),

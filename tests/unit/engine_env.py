@@ -124,6 +124,8 @@ class Kubelet:
             "StartContainer",
             pb.StartContainerRequest(container_id=container_id).SerializeToString(),
         )
+        # What the checkpoint says of it is written in the background: let it land.
+        await self.engine.checkpoint_written()
         return container_id
 
     async def stop(self, container_id: str) -> None:
