@@ -10,8 +10,9 @@ image built locally, starts ``python -m shim run`` in front of it (static policy
 CPU reserved), and runs, the way kubelet would, a Burstable pod whose container asks for a
 quarter of a CPU, then a Guaranteed pod whose container asks for 1 whole CPU, then stops the
 Guaranteed one. After each step it prints the CPUs the kernel lets each running container run
-on, from its cgroup (``cpuset.cpus``) and from its process (``Cpus_allowed_list``). Then it
-tears everything down, also when something failed on the way.
+on, from its cgroup (``cpuset.cpus``) and from its process (``Cpus_allowed_list``), and what
+the container itself reads in the directory cpushim projects into it (``/run/cpushim/cpus``).
+Then it tears everything down, also when something failed on the way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +68,7 @@ class Row:
     requested: str
     cgroup_cpus: str
     allowed_cpus: str
+    projected_cpus: str
 
 
 def preflight() -> list[str]:
@@ -106,6 +109,18 @@ def start_pod(client: KubeletClient, spec: DemoPod) -> Running:
     return Running(spec, container_id)
 
 
+def projected_cpus(client: KubeletClient, container_id: str, kernel: str) -> str:
+    """What the container reads in its projection, /run/cpushim/cpus ("-" without one).
+    cpushim rewrites it just after the cgroup changes: give it a moment to catch up."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        result = client.exec_sync(container_id, ["cat", "/run/cpushim/cpus"])
+        text = result.stdout.decode().strip() if result.exit_code == 0 else "-"
+        if text in (kernel, "-") or time.monotonic() > deadline:
+            return text
+        time.sleep(0.02)
+
+
 def rows_of(client: KubeletClient, running: list[Running]) -> list[Row]:
     rows: list[Row] = []
     for item in running:
@@ -121,16 +136,27 @@ def rows_of(client: KubeletClient, running: list[Running]) -> list[Row]:
                 requested,
                 kernel.cgroup_cpuset_cpus,
                 kernel.cpus_allowed_list,
+                projected_cpus(client, item.container_id, kernel.cgroup_cpuset_cpus),
             )
         )
     return rows
 
 
 def print_table(title: str, rows: list[Row]) -> None:
-    headers = ("container", "QoS", "requested CPUs", "cgroup cpuset.cpus", "Cpus_allowed_list")
+    headers = (
+        "container",
+        "QoS",
+        "requested CPUs",
+        "cgroup cpuset.cpus",
+        "Cpus_allowed_list",
+        "/run/cpushim/cpus",
+    )
     table = [
         headers,
-        *((r.container, r.qos, r.requested, r.cgroup_cpus, r.allowed_cpus) for r in rows),
+        *(
+            (r.container, r.qos, r.requested, r.cgroup_cpus, r.allowed_cpus, r.projected_cpus)
+            for r in rows
+        ),
     ]
     widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
     print(f"\n== {title}")
