@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +17,13 @@ from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.server import Interceptor, RelayServer
-from shim.cri.upstream import RuntimeChannel
+from shim.cri.upstream import RuntimeChannel, unix_path
 from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
 from shim.engine.reloading import ConfigReloader
 from shim.engine.resync import StartupError
 from shim.engine.resync import start as resync
 from shim.engine.watching import Watcher
+from shim.metrics import Metrics, serve_metrics
 from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
@@ -176,66 +179,102 @@ async def run(options: RunOptions) -> int:
     if options.image_endpoint != options.runtime_endpoint:
         image_channel = RuntimeChannel(options.image_endpoint)
         interceptor = SeparateImageService(interceptor, image_channel)
+    metrics = Metrics(engine)
     server = RelayServer(
         listen=options.listen,
         runtime_endpoint=options.runtime_endpoint,
         interceptor=interceptor,
         socket_group=options.socket_group,
         runtime=runtime,
+        observer=metrics.relay,
     )
-    version = await wait_for_runtime(server.runtime, options.upstream_wait)
-    log.info(
-        "policy",
-        extra={
-            "fields": {
-                "policy": policy.name,
-                "reserved": str(policy.reserved),
-                "options": sorted(policy.option_names),
-                "online": str(policy.topology.online),
-                "isolated": str(policy.topology.isolated),
-                "state": str(engine.checkpoint.path),
-            }
-        },
-    )
-    try:
-        await resync(engine, recover_from_runtime=options.recover_from_runtime)
-    except StartupError:
+    async with contextlib.AsyncExitStack() as cleanup:
+        if options.metrics_address:
+            # Before the wait for the runtime: /healthz answers 503 meanwhile, saying why.
+            try:
+                metrics_server = await serve_metrics(
+                    metrics,
+                    options.metrics_address,
+                    lambda: runtime_unreachable(options.runtime_endpoint),
+                )
+            except OSError as exc:
+                runtime.close()
+                raise RuntimeError(
+                    f"cannot serve metrics on {options.metrics_address}: {exc}"
+                    ' (metricsAddress, --metrics-address; "" switches them off)'
+                ) from exc
+            cleanup.push_async_callback(_close_server, metrics_server)
+        version = await wait_for_runtime(server.runtime, options.upstream_wait)
+        log.info(
+            "policy",
+            extra={
+                "fields": {
+                    "policy": policy.name,
+                    "reserved": str(policy.reserved),
+                    "options": sorted(policy.option_names),
+                    "online": str(policy.topology.online),
+                    "isolated": str(policy.topology.isolated),
+                    "state": str(engine.checkpoint.path),
+                }
+            },
+        )
+        try:
+            await resync(engine, recover_from_runtime=options.recover_from_runtime)
+        except StartupError:
+            runtime.close()
+            raise
+        metrics.state_loaded = True
+        watcher = Watcher(engine, resync_period=options.resync_period)
+        watcher.start()
+        reloader: ConfigReloader | None = None
+        if options.config_path is not None:
+            reloader = ConfigReloader(watcher, options, build_policy)
+            reloader.start()
+        await server.start()
+        log.info(
+            "serving",
+            extra={
+                "fields": {
+                    "listen": options.listen,
+                    "runtime": options.runtime_endpoint,
+                    "image": options.image_endpoint,
+                    "runtime_reply_bytes": sum(len(m) for m in version.messages),
+                }
+            },
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        # The state is resynced and the socket serves: systemd may start kubelet now.
+        notify.ready(f"serving {options.listen}; {len(engine.state.assignments)} pinned")
+        await stop.wait()
+        notify.stopping()
+        log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
+        finished = await server.shutdown(options.shutdown_grace)
+        if reloader is not None:
+            reloader.stop()
+        await watcher.stop()
+        await engine.drain(options.shutdown_grace)
         runtime.close()
-        raise
-    watcher = Watcher(engine, resync_period=options.resync_period)
-    watcher.start()
-    reloader: ConfigReloader | None = None
-    if options.config_path is not None:
-        reloader = ConfigReloader(watcher, options, build_policy)
-        reloader.start()
-    await server.start()
-    log.info(
-        "serving",
-        extra={
-            "fields": {
-                "listen": options.listen,
-                "runtime": options.runtime_endpoint,
-                "image": options.image_endpoint,
-                "runtime_reply_bytes": sum(len(m) for m in version.messages),
-            }
-        },
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # The state is resynced and the socket serves: systemd may start kubelet now.
-    notify.ready(f"serving {options.listen}; {len(engine.state.assignments)} pinned")
-    await stop.wait()
-    notify.stopping()
-    log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
-    finished = await server.shutdown(options.shutdown_grace)
-    if reloader is not None:
-        reloader.stop()
-    await watcher.stop()
-    await engine.drain(options.shutdown_grace)
-    runtime.close()
-    if image_channel is not None:
-        image_channel.close()
-    log.info("stopped", extra={"fields": {"calls_finished": finished}})
-    return 0
+        if image_channel is not None:
+            image_channel.close()
+        log.info("stopped", extra={"fields": {"calls_finished": finished}})
+        return 0
+
+
+def runtime_unreachable(endpoint: str) -> str | None:
+    """Why the runtime's socket does not take a connection now, or None when it does: what
+    /healthz reports. A connect on a Unix socket answers at once; no CRI call is made."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.2)
+        try:
+            probe.connect(unix_path(endpoint))
+        except OSError as exc:
+            return f"runtime {endpoint} unreachable: {exc}"
+    return None
+
+
+async def _close_server(server: asyncio.Server) -> None:
+    server.close()
+    await server.wait_closed()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import hpack
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.huffman_table import decode_huffman
 
 Header = tuple[bytes, bytes]
@@ -19,6 +21,11 @@ Header = tuple[bytes, bytes]
 _STATIC_TABLE_LEN = 61
 _STATIC_PATH_INDEXES = {4: b"/", 5: b"/index.html"}
 _MAX_HEADER_LIST = 16 * 1024 * 1024
+_GRPC_STATUS = b"grpc-status"
+_GRPC_STATUS_HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(_GRPC_STATUS)
+# Trailer blocks repeat (one per status and message), so the status of each is looked up.
+_status_cache: dict[bytes, int | None] = {}
+_STATUS_CACHE_SIZE = 1024
 
 
 class HeaderBlockError(Exception):
@@ -164,6 +171,50 @@ class RequestBlockReader:
                 return None  # pseudo-headers come first; a request without :path has none
             pos = stop
         return None
+
+
+def grpc_status(block: bytes) -> int | None:
+    """The ``grpc-status`` of a self-contained trailer block, or None when it has none (or
+    refers to a dynamic table entry, which a block encoded under a zero-size table cannot)."""
+    try:
+        return _status_cache[block]
+    except KeyError:
+        pass
+    try:
+        status = _scan_status(block)
+    except (HeaderBlockError, IndexError, hpack.HPACKDecodingError):
+        status = None
+    if len(_status_cache) < _STATUS_CACHE_SIZE:
+        _status_cache[block] = status
+    return status
+
+
+def _scan_status(block: bytes) -> int | None:
+    pos, end = 0, len(block)
+    while pos < end:
+        first = block[pos]
+        if first & 0x80:  # indexed field: no static entry is grpc-status
+            index, pos = _read_int(block, pos, 7)
+            if index > _STATIC_TABLE_LEN:
+                return None
+            continue
+        if first & 0xE0 == 0x20:  # dynamic table size update
+            _, pos = _read_int(block, pos, 5)
+            continue
+        name_index, pos = _read_int(block, pos, 6 if first & 0x40 else 4)
+        is_status = False
+        if name_index:
+            if name_index > _STATIC_TABLE_LEN:
+                return None
+        else:
+            huffman, start, pos = _string_span(block, pos)
+            name = block[start:pos]
+            is_status = name == (_GRPC_STATUS_HUFFMAN if huffman else _GRPC_STATUS)
+        huffman, start, pos = _string_span(block, pos)
+        if is_status:
+            value = decode_huffman(block[start:pos]) if huffman else block[start:pos]
+            return int(value) if value.isdigit() and len(value) < 6 else None
+    return None
 
 
 def _int_bytes(value: int, prefix_bits: int, flags: int) -> bytes:

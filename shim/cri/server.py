@@ -13,7 +13,13 @@ import stat
 from typing import Protocol, cast
 
 from shim.cri.calls import Reply, Status, UnaryCall
-from shim.cri.splice import CallCancelled, CallReceived, ConnectionFailed, Splice
+from shim.cri.splice import (
+    CallCancelled,
+    CallObserver,
+    CallReceived,
+    ConnectionFailed,
+    Splice,
+)
 from shim.cri.upstream import RuntimeChannel, unix_path
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,7 @@ class RelayServer:
         socket_group: str | None = None,
         socket_mode: int = 0o660,
         runtime: RuntimeChannel | None = None,
+        observer: CallObserver | None = None,
     ) -> None:
         self.listen_path = unix_path(listen)
         self.runtime_path = unix_path(runtime_endpoint)
@@ -74,6 +81,8 @@ class RelayServer:
         self.runtime = runtime if runtime is not None else RuntimeChannel(runtime_endpoint)
         self._owns_runtime = runtime is None
         self.interceptor = interceptor
+        # Told of each call's end (metrics); None costs the splice nothing.
+        self.observer = observer
         self._socket_group = socket_group
         self._socket_mode = socket_mode
         self._server: asyncio.AbstractServer | None = None
@@ -144,7 +153,7 @@ class ClientConnection(asyncio.Protocol):
 
     def __init__(self, server: RelayServer) -> None:
         self.server = server
-        self.splice = Splice(server.interceptor.intercepts)
+        self.splice = Splice(server.interceptor.intercepts, observer=server.observer)
         self.client: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
         self._early: list[bytes] = []

@@ -18,9 +18,11 @@ own, with three exceptions, each accounted for:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from shim.cri import frames as fr
 from shim.cri.calls import (
@@ -38,6 +40,7 @@ from shim.cri.hpack_blocks import (
     RequestBlockReader,
     decode_block,
     encode_block,
+    grpc_status,
     header_value,
 )
 
@@ -88,6 +91,25 @@ class ConnectionFailed:
 
 
 Event = CallReceived | CallCancelled | ConnectionFailed
+
+
+class CallObserver(Protocol):
+    """Told of every call the splice sees end (metrics). ``status`` is the call's gRPC status,
+    or None when its trailers carried none; ``seconds`` runs from the request's HEADERS to the
+    response's end (its trailers, or a reset). Calls still open when a connection closes, and
+    calls refused by a GOAWAY, are not reported."""
+
+    def call_finished(self, path: str, status: int | None, seconds: float) -> None: ...
+
+
+def _reset_status(payload: bytes | bytearray) -> Status:
+    """The status a gRPC client reports for a stream the server reset (gRPC over HTTP/2)."""
+    code = int.from_bytes(payload[:4], "big") if len(payload) >= 4 else fr.INTERNAL_ERROR
+    if code == fr.CANCEL:
+        return Status.CANCELLED
+    if code == fr.REFUSED_STREAM:
+        return Status.UNAVAILABLE
+    return Status.INTERNAL
 
 
 class _RecentIds:
@@ -144,8 +166,12 @@ class Splice:
         intercepted: Callable[[str], bool],
         *,
         max_request_bytes: int = DEFAULT_MAX_REQUEST,
+        observer: CallObserver | None = None,
     ) -> None:
         self._intercepted = intercepted
+        self._observer = observer
+        # With an observer: stream -> (path, start time) for each call in flight.
+        self._timing: dict[int, tuple[str, float]] = {}
         self._max_request = max_request_bytes
         self._reader = RequestBlockReader()
 
@@ -259,6 +285,8 @@ class Splice:
                         span = end
                     else:
                         self.open_streams.pop(sid, None)
+                        if self._timing:
+                            self._finished(sid, Status.CANCELLED)
                 elif ftype == fr.PRIORITY and (sid in self._local or sid in self._local_closed):
                     _forward(self._out_upstream, buf, span, pos)
                     span = end
@@ -358,6 +386,8 @@ class Splice:
                 self._relayed_by_upstream.add(sid)
             self._remember_closed(sid)
             return
+        if self._observer is not None and path is not None:
+            self._timing[sid] = (path, time.perf_counter())
         if path is not None and (self.upstream_absent or self._intercepted(path)):
             headers = self._reader.last_headers
             if headers is None:
@@ -437,6 +467,8 @@ class Splice:
 
     def _client_reset_local(self, sid: int) -> None:
         if self._local.pop(sid, None) is not None:
+            if self._timing:
+                self._finished(sid, Status.CANCELLED)
             self._remember_closed(sid)
             self.events.append(CallCancelled(sid))
 
@@ -467,7 +499,9 @@ class Splice:
                     else:
                         self._client_window -= length
                     if flags & fr.FLAG_END_STREAM:
-                        self.open_streams.pop(sid, None)
+                        spliced = self.open_streams.pop(sid, None) is not None
+                        if self._timing and spliced:
+                            self._finished(sid, None)
                 elif ftype == fr.HEADERS or ftype == fr.CONTINUATION:
                     _forward(self._out_client, buf, span, pos)
                     self._upstream_header_frame(ftype, flags, sid, bytes(memoryview(buf)[pos:end]))
@@ -479,7 +513,9 @@ class Splice:
                     self._to_client(fr.settings_frame(rewritten), 0)
                     span = end
                 elif ftype == fr.RST_STREAM:
-                    self.open_streams.pop(sid, None)
+                    spliced = self.open_streams.pop(sid, None) is not None
+                    if self._timing and spliced:
+                        self._finished(sid, _reset_status(buf[pos + 9 : end]))
                     if sid in self._relayed_by_upstream:
                         _forward(self._out_client, buf, span, pos)
                         self._relayed_by_upstream.discard(sid)
@@ -537,6 +573,8 @@ class Splice:
             return  # answered here; blocks are self-contained, so dropping one is safe
         if first_flags & fr.FLAG_END_STREAM:
             self.open_streams.pop(sid, None)
+            if self._timing:
+                self._finished_by_trailers(sid, first_flags, raws)
         elif sid in self.open_streams:
             self.open_streams[sid] = True
         for chunk in raws:
@@ -550,6 +588,8 @@ class Splice:
         if stream is None or stream.replied:
             return
         stream.replied = True
+        if self._timing:
+            self._finished(sid, reply.status)
         max_frame = self._client_max_frame
         if reply.headers is None:
             for chunk in fr.header_frames(
@@ -594,6 +634,27 @@ class Splice:
     def _remember_closed(self, sid: int) -> None:
         self._local_closed.add(sid)
 
+    # ------------------------------------------------------------------ observing calls
+
+    def _finished(self, sid: int, status: int | None) -> None:
+        timing = self._timing.pop(sid, None)
+        if timing is not None and self._observer is not None:
+            self._observer.call_finished(timing[0], status, time.perf_counter() - timing[1])
+
+    def _finished_by_trailers(self, sid: int, flags: int, raws: list[bytes]) -> None:
+        timing = self._timing.pop(sid, None)
+        if timing is None or self._observer is None:
+            return
+        if len(raws) == 1 and not flags & (fr.FLAG_PADDED | fr.FLAG_PRIORITY):
+            status = grpc_status(raws[0][9:])  # the common case: one plain frame
+        else:
+            try:
+                block = fr.header_block_fragment(flags, memoryview(raws[0])[9:])
+            except fr.FrameError:  # the client's to judge; metrics do not fail a connection
+                block = b""
+            status = grpc_status(block + b"".join(raw[9:] for raw in raws[1:]))
+        self._observer.call_finished(timing[0], status, time.perf_counter() - timing[1])
+
     # ------------------------------------------------------------------ connection lifecycle
 
     def serve_without_upstream(self) -> None:
@@ -614,6 +675,8 @@ class Splice:
         self._held_for_client.clear()
         message = f"cpushim: lost the connection to the runtime: {reason}"
         for sid, started in sorted(self.open_streams.items()):
+            if self._timing:
+                self._finished(sid, Status.UNAVAILABLE)
             reply = Reply.error(Status.UNAVAILABLE, message)
             trailers = reply.trailers[2:] if started else reply.trailers
             block = encode_block(trailers)

@@ -10,15 +10,39 @@ import os
 import signal
 import socket
 import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import CPUSHIM_START_TIMEOUT, REPO_ROOT
-from tests.harness.containerd import PrivateContainerd, cpushim_command, socket_accepts
+from tests.e2e.test_inline_allocation import (  # the fixtures are shared with those tests
+    ONE_CPU,
+    Shim,
+    direct,
+    rpc_error,
+    run_pod,
+    shim,
+    two_cpus,
+    via,
+)
+from tests.harness.containerd import (
+    PrivateContainerd,
+    cpushim_command,
+    socket_accepts,
+    wait_for,
+)
 from tests.harness.kubelet import KubeletClient
 
 pytestmark = pytest.mark.e2e
+
+__all__ = ["direct", "shim", "two_cpus", "via"]
+
+REACTION_TIMEOUT = 10.0
 
 
 def receive(notifications: socket.socket, timeout: float) -> str:
@@ -72,3 +96,102 @@ def test_ready_is_sent_once_the_socket_serves_and_stopping_on_sigterm(
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+class Scrape:
+    """One scrape of /metrics, parsed by prometheus_client's own parser."""
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.samples[(name, frozenset(labels.items()))]
+
+
+def test_metrics_follow_a_real_lifecycle_and_healthz_follows_the_runtime(
+    shim: Shim, via: Callable[[], KubeletClient]
+) -> None:
+    base = f"http://127.0.0.1:{free_port()}"
+    shim.start("--metrics-address", base.removeprefix("http://"))
+
+    def scrape() -> Scrape:
+        status, text = get(f"{base}/metrics")
+        assert status == 200, text
+        return Scrape(text)
+
+    assert get(f"{base}/healthz") == (200, "ok\n")
+    start = scrape()
+    assert start.value("cpu_manager_shared_pool_size_millicores") == 2000
+    assert start.value("cpu_manager_pinning_requests_total") == 0
+
+    kubelet = via()
+    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
+    kubelet.start_container(shared_id)
+    _, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    kubelet.start_container(pinned_id)
+    refused = rpc_error(lambda: run_pod(kubelet, "second", "guaranteed", ONE_CPU))
+    assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    pinned = scrape()
+    assert pinned.value("cpu_manager_pinning_requests_total") == 2
+    assert pinned.value("cpu_manager_pinning_errors_total") == 1
+    assert pinned.value("cpu_manager_exclusive_cpu_allocation_count") == 1
+    assert pinned.value("cpu_manager_shared_pool_size_millicores") == 1000
+    create = "/runtime.v1.RuntimeService/CreateContainer"
+    assert pinned.value("cpushim_relay_calls_total", method=create, code="OK") == 2
+    assert pinned.value("cpushim_relay_calls_total", method=create, code="RESOURCE_EXHAUSTED") == 1
+    assert pinned.value("cpushim_relay_call_duration_seconds_count", method=create) == 3
+
+    # Drift, an exit from outside and a deleted state file: each is counted once.
+    cgroup = kubelet.kernel_cpus(pinned_id).cgroup_path.lstrip("/")
+    Path("/sys/fs/cgroup/cpuset", cgroup, "cpuset.cpus").write_text("0-1")
+    wait_for(lambda: scrape().value("cpushim_drift_repairs_total") == 1, REACTION_TIMEOUT, "drift")
+    os.kill(kubelet.container_pid(pinned_id), signal.SIGKILL)
+    wait_for(
+        lambda: scrape().value("cpu_manager_shared_pool_size_millicores") == 2000,
+        REACTION_TIMEOUT,
+        "the exit seen",
+    )
+    shim.state_file.unlink()
+    wait_for(
+        lambda: scrape().value("cpushim_state_rewrites_total") == 1,
+        REACTION_TIMEOUT,
+        "the state file rewritten",
+    )
+    after = scrape()
+    assert after.value("cpushim_exits_seen_total") == 1
+    assert after.value("cpushim_process_exits_seen_total") == 1
+    assert after.value("cpu_manager_exclusive_cpu_allocation_count") == 0
+    assert after.value("cpushim_config_errors_total") == 0
+    assert after.value("cpushim_internal_errors_total") == 0
+
+    # The runtime's socket goes away: /healthz says so, /metrics still answers.
+    runtime_socket = Path(shim.containerd.address.removeprefix("unix://"))
+    hidden = runtime_socket.with_name(f"{runtime_socket.name}.hidden")
+    runtime_socket.rename(hidden)
+    try:
+        status, text = get(f"{base}/healthz")
+        assert status == 503
+        assert "unreachable" in text
+        assert scrape().value("cpushim_drift_repairs_total") == 1
+    finally:
+        hidden.rename(runtime_socket)
+    assert get(f"{base}/healthz") == (200, "ok\n")

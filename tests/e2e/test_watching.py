@@ -92,6 +92,12 @@ def test_the_state_file_is_rewritten_when_someone_else_changes_it(
     kubelet = via()
     pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     kubelet.start_container(pinned_id)
+    # The container id reaches the checkpoint just after CreateContainer returns.
+    wait_for(
+        lambda: pinned_id in shim.state_file.read_text(),
+        REACTION_TIMEOUT,
+        "the container id in the checkpoint",
+    )
     good = shim.state_file.read_bytes()
 
     if damage == "delete":

@@ -1,0 +1,320 @@
+"""The Prometheus endpoint: ``/metrics`` and ``/healthz`` on a small HTTP server on the event loop.
+
+Nothing is counted twice: the engine's own counters (``Engine.counters``) and state are read
+when Prometheus scrapes, by a custom collector. The relay reports each call's end to a
+:class:`RelayStats` (a :class:`~shim.cri.splice.CallObserver`), which keeps plain counts and
+histogram buckets; they too become metric families only at scrape time.
+
+Names follow kubelet's CPU manager where kubelet has one (``cpu_manager_*``), so dashboards
+built for kubelet's static policy keep working; the rest are ``cpushim_*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from shim.config import parse_address
+from shim.cri.calls import Status
+from shim.cri.methods import BY_PATH
+
+if TYPE_CHECKING:
+    from shim.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Engine counters that kubelet's CPU manager also exports, under kubelet's names.
+KUBELET_COUNTERS: dict[str, tuple[str, str]] = {
+    "pinning_requests": (
+        "cpu_manager_pinning_requests",
+        "Number of containers that asked for exclusive CPUs",
+    ),
+    "pinning_errors": (
+        "cpu_manager_pinning_errors",
+        "Number of exclusive CPU requests that could not be satisfied",
+    ),
+}
+
+# Every other engine counter, exported as cpushim_<name>_total. A counter the engine uses
+# that is missing here is still exported (with a generic help text), and a unit test fails.
+ENGINE_COUNTERS: dict[str, str] = {
+    "adoptions_refused": (
+        "Containers found running with exclusive CPUs at resync that could not be adopted"
+    ),
+    "bad_annotations": "CreateContainer calls refused for invalid cpushim pod annotations",
+    "bad_names": "CreateContainer calls refused because the projection directory was unusable",
+    "cgroup_writes": "Cpusets written straight into a container's cgroup",
+    "checkpoint_errors": "Failures to write the state checkpoint",
+    "config_errors": "Configuration reloads refused because the new configuration was invalid",
+    "config_reloads": "Configuration reloads applied",
+    "cpuset_update_errors": "UpdateContainerResources calls (cpuset moves) the runtime refused",
+    "cpuset_updates": "Cpuset moves made through UpdateContainerResources",
+    "drift_repairs": "Container cpusets found changed behind cpushim's back and written back",
+    "exits_seen": "Containers seen exiting on their own (their exclusive CPUs released)",
+    "fail_open_forwards": "Calls forwarded unchanged after an internal error (fail-open policy)",
+    "full_resyncs": "Full comparisons of every container's cpuset and the state file",
+    "inotify_overflows": "inotify queue overflows (each one triggers a full resync)",
+    "internal_errors": "Intercepted calls whose handling failed with an unexpected error",
+    "periodic_resyncs": "Safety-net resyncs started by the resync period timer",
+    "process_exits_seen": "Container processes seen exiting (on a pidfd)",
+    "projection_errors": "Failures to write or clean up projection directories",
+    "projection_writes": "Projection files written into containers' directories",
+    "runtime_records": "Cpusets written to a cgroup that were then recorded with the runtime",
+    "state_rewrites": "Times the state file on disk was found changed and rewritten",
+    "watch_errors": "inotify watches that could not be placed",
+}
+
+# CRI call latencies: fast listing calls take well under a millisecond through the relay, image
+# pulls and stops with a grace period take seconds to minutes, streams as long as they last.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+_OTHER_METHOD = "other"  # a path that is no CRI method: one label value, however many there are
+_CODE_NAMES: dict[int | None, str] = {int(s): s.name for s in Status}
+_CODE_NAMES[None] = ""  # no grpc-status seen: an empty label, which Prometheus treats as absent
+
+
+class _Latencies:
+    __slots__ = ("buckets", "total")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+
+class RelayStats:
+    """Counts and latencies of the calls through the relay; the :class:`RelayServer`'s
+    ``observer``. Called on the event loop for every call, so it only adds to numbers."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, str], int] = {}  # (method, code) -> calls
+        self.latencies: dict[str, _Latencies] = {}  # method -> histogram
+        self._method_of: dict[str, str] = {}  # path -> method label, for known paths
+
+    def call_finished(self, path: str, status: int | None, seconds: float) -> None:
+        method = self._method_of.get(path)
+        if method is None:
+            if path in BY_PATH:
+                method = self._method_of[path] = path
+            else:
+                method = _OTHER_METHOD
+        code = _CODE_NAMES.get(status)
+        if code is None:
+            code = str(status)
+        key = (method, code)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        hist = self.latencies.get(method)
+        if hist is None:
+            hist = self.latencies[method] = _Latencies()
+        hist.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        hist.total += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        calls = CounterMetricFamily(
+            "cpushim_relay_calls",
+            "CRI calls through the relay that ended, by method and gRPC status code",
+            labels=("method", "code"),
+        )
+        for (method, code), count in sorted(self.calls.items()):
+            calls.add_metric((method, code), count)
+        yield calls
+        durations = HistogramMetricFamily(
+            "cpushim_relay_call_duration_seconds",
+            "Time from a CRI call's request headers to the end of its response, by method",
+            labels=("method",),
+        )
+        for method, hist in sorted(self.latencies.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip((*LATENCY_BUCKETS, float("inf")), hist.buckets, strict=True):
+                cumulative += count
+                buckets.append((_bound_label(bound), float(cumulative)))
+            durations.add_metric((method,), buckets, hist.total)
+        yield durations
+
+
+def _bound_label(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+class EngineCollector:
+    """The engine's counters and CPU state, read at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self.engine.counters
+        state = self.engine.state
+        for key, (name, text) in KUBELET_COUNTERS.items():
+            yield CounterMetricFamily(name, text, value=counters.get(key, 0))
+        yield GaugeMetricFamily(
+            "cpu_manager_shared_pool_size_millicores",
+            "Size of the shared CPU pool for non-guaranteed QoS pods, in millicores",
+            value=len(state.shared) * 1000,
+        )
+        yield GaugeMetricFamily(
+            "cpu_manager_exclusive_cpu_allocation_count",
+            "Number of CPUs exclusively allocated to containers",
+            value=sum(len(a.cpus) for a in state.assignments.values()),
+        )
+        names = set(ENGINE_COUNTERS) | (set(counters) - set(KUBELET_COUNTERS))
+        for key in sorted(names):
+            text = ENGINE_COUNTERS.get(key, f"cpushim engine counter {key}")
+            yield CounterMetricFamily(f"cpushim_{key}", text, value=counters.get(key, 0))
+
+
+class Metrics:
+    """What ``/metrics`` and ``/healthz`` report for one engine and its relay.
+
+    ``relay`` goes to :class:`~shim.cri.server.RelayServer` as its ``observer``.
+    ``state_loaded`` stays False (``/healthz`` answers 503) until the caller sets it, once the
+    engine's state has been loaded and resynced with the runtime.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.relay = RelayStats()
+        self.state_loaded = False
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine))
+        self.registry.register(self.relay)
+
+    def render(self) -> bytes:
+        """Every metric in the Prometheus text format 0.0.4 (what every Prometheus reads)."""
+        return generate_latest(self.registry)
+
+    def unhealthy(self, healthy: Callable[[], str | None]) -> str | None:
+        """Why ``/healthz`` fails, or None when it passes."""
+        if not self.state_loaded:
+            return "state not loaded yet"
+        return healthy()
+
+
+# --- the HTTP endpoint ---------------------------------------------------------------------------
+
+_READ_TIMEOUT = 10.0
+_MAX_REQUEST_HEAD = 8192
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+_TEXT = "text/plain; charset=utf-8"
+
+
+async def serve_metrics(
+    metrics: Metrics, address: str, healthy: Callable[[], str | None]
+) -> asyncio.Server:
+    """Serve ``/metrics`` and ``/healthz`` on ``address`` (``HOST:PORT``) until the returned
+    server is closed (``server.close(); await server.wait_closed()``).
+
+    ``healthy`` is asked on each ``/healthz`` request: None when the runtime is reachable, else
+    a one-line reason; it should answer from what is already known, without I/O.
+    """
+    host, port = parse_address(address)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await _serve_one(reader, writer, metrics, healthy)
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        except Exception:
+            log.exception("metrics endpoint request failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, host, port, reuse_address=True)
+    log.info("serving metrics", extra={"fields": {"address": address}})
+    return server
+
+
+async def _serve_one(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    metrics: Metrics,
+    healthy: Callable[[], str | None],
+) -> None:
+    async with asyncio.timeout(_READ_TIMEOUT):
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            _respond(writer, 400, _TEXT, b"request head too large\n")
+            return
+    if len(head) > _MAX_REQUEST_HEAD:
+        _respond(writer, 400, _TEXT, b"request head too large\n")
+        return
+    parts = head.split(b"\r\n", 1)[0].split()
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        _respond(writer, 400, _TEXT, b"bad request line\n")
+        return
+    method, target = parts[0], parts[1].split(b"?", 1)[0]
+    if target not in (b"/metrics", b"/healthz"):
+        _respond(writer, 404, _TEXT, b"not found; try /metrics or /healthz\n")
+        return
+    if method not in (b"GET", b"HEAD"):
+        _respond(writer, 405, _TEXT, b"only GET and HEAD\n", extra=b"Allow: GET, HEAD\r\n")
+        return
+    head_only = method == b"HEAD"
+    if target == b"/metrics":
+        _respond(writer, 200, CONTENT_TYPE_PLAIN_0_0_4, metrics.render(), head_only=head_only)
+    else:
+        reason = metrics.unhealthy(healthy)
+        if reason is None:
+            _respond(writer, 200, _TEXT, b"ok\n", head_only=head_only)
+        else:
+            line = " ".join(reason.split()) + "\n"
+            _respond(writer, 503, _TEXT, line.encode(), head_only=head_only)
+    await writer.drain()
+
+
+def _respond(
+    writer: asyncio.StreamWriter,
+    status: int,
+    content_type: str,
+    body: bytes,
+    *,
+    head_only: bool = False,
+    extra: bytes = b"",
+) -> None:
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n"
+    ).encode() + extra
+    writer.write(head + b"\r\n" + (b"" if head_only else body))

@@ -1,0 +1,352 @@
+"""The Prometheus endpoint: an engine driven through a container lifecycle against the fake
+containerd, scraped over real HTTP; /healthz; and the relay's per-call counts and latencies
+through a real RelayServer in front of the fake CRI server."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import hpack
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import shim
+from shim.cri.hpack_blocks import grpc_status
+from shim.cri.passthrough import PassthroughInterceptor
+from shim.cri.server import RelayServer
+from shim.metrics import ENGINE_COUNTERS, KUBELET_COUNTERS, Metrics, RelayStats, serve_metrics
+from tests.fake_cri import FUTURE_UNARY, FakeRuntimeServer, script, short_tmpdir
+from tests.fake_runtime import FakeRuntime
+from tests.unit.engine_env import Env, make_env
+from tests.unit.relay_env import RUNTIME, LoopThread, failure, unary
+
+pytestmark = pytest.mark.anyio
+
+SHIM = Path(shim.__file__).parent
+VERSION = RUNTIME + "Version"
+START = RUNTIME + "StartContainer"  # terminated at the relay by the passthrough interceptor
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with FakeRuntime() as fake:
+        environment = await make_env(fake, tmp_path / "state")
+        yield environment
+        environment.channel.close()
+
+
+def free_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def http_get(url: str, method: str = "GET") -> tuple[int, str, str]:
+    """(status, content type, body) of a plain HTTP request, errors included."""
+    request = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text exposition, keyed by name and sorted labels."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+class Served:
+    def __init__(self, metrics: Metrics, address: str) -> None:
+        self.metrics = metrics
+        self.url = f"http://{address}"
+        self.reason: str | None = None
+
+    async def get(self, path: str, method: str = "GET") -> tuple[int, str, str]:
+        return await asyncio.to_thread(http_get, self.url + path, method)
+
+    async def scrape(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        status, content_type, body = await self.get("/metrics")
+        assert status == 200
+        assert content_type.startswith("text/plain; version=0.0.4")
+        return samples(body)
+
+
+@pytest.fixture
+async def served(env: Env) -> AsyncIterator[Served]:
+    metrics = Metrics(env.engine)
+    address = free_address()
+    holder = Served(metrics, address)
+    server = await serve_metrics(metrics, address, lambda: holder.reason)
+    try:
+        yield holder
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+# --- the engine's counters and state -------------------------------------------------------------
+
+
+def counters_used_in_shim() -> set[str]:
+    used = set()
+    for path in SHIM.rglob("*.py"):
+        used |= set(re.findall(r"""counters\[\s*["'](\w+)["']\s*\]""", path.read_text()))
+    return used
+
+
+def test_every_counter_the_engine_uses_is_exported_with_help() -> None:
+    used = counters_used_in_shim()
+    assert {"pinning_requests", "exits_seen", "cpuset_updates"} <= used  # the scan finds them
+    missing = used - set(ENGINE_COUNTERS) - set(KUBELET_COUNTERS)
+    assert not missing, f"add these engine counters to shim.metrics.ENGINE_COUNTERS: {missing}"
+    assert not set(ENGINE_COUNTERS) & set(KUBELET_COUNTERS)
+
+
+async def test_a_lifecycle_scraped_over_http(env: Env, served: Served) -> None:
+    before = await served.scrape()
+    assert before[("cpu_manager_pinning_requests_total", ())] == 0
+    assert before[("cpu_manager_shared_pool_size_millicores", ())] == 8000
+    assert before[("cpu_manager_exclusive_cpu_allocation_count", ())] == 0
+    for name in ENGINE_COUNTERS:  # every counter is there from the start, at zero
+        assert before[(f"cpushim_{name}_total", ())] == 0
+
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pinned_id = await kubelet.start_new(await kubelet.run_pod("db", "guaranteed"), "main", 2000)
+    greedy = await kubelet.run_pod("greedy", "guaranteed")
+    await kubelet.create(greedy, "worker", 8000)  # more than there is: a pinning error
+    env.engine.counters["checkpoint_errors"] += 3
+
+    during = await served.scrape()
+    assert during[("cpu_manager_pinning_requests_total", ())] == 2
+    assert during[("cpu_manager_pinning_errors_total", ())] == 1
+    assert during[("cpu_manager_shared_pool_size_millicores", ())] == 6000
+    assert during[("cpu_manager_exclusive_cpu_allocation_count", ())] == 2
+    assert during[("cpushim_cpuset_updates_total", ())] >= 1  # the shared container moved
+    assert during[("cpushim_checkpoint_errors_total", ())] == 3
+
+    await env.engine.container_exited(pinned_id)
+    await kubelet.stop(shared_id)
+    env.engine.counters["made_up_for_this_test"] = 5  # a counter the table does not know yet
+
+    after = await served.scrape()
+    assert after[("cpushim_exits_seen_total", ())] == 1
+    assert after[("cpu_manager_exclusive_cpu_allocation_count", ())] == 0
+    assert after[("cpu_manager_shared_pool_size_millicores", ())] == 8000
+    assert after[("cpushim_made_up_for_this_test_total", ())] == 5
+    for key, value in env.engine.counters.items():
+        name = KUBELET_COUNTERS[key][0] if key in KUBELET_COUNTERS else f"cpushim_{key}"
+        assert after[(f"{name}_total", ())] == value, key
+
+
+async def test_help_text_is_exported(served: Served) -> None:
+    _, _, body = await served.get("/metrics")
+    assert "# HELP cpushim_drift_repairs_total " in body
+    assert "# TYPE cpu_manager_pinning_requests_total counter" in body
+    assert "# TYPE cpu_manager_shared_pool_size_millicores gauge" in body
+
+
+# --- /healthz and the HTTP side --------------------------------------------------------------
+
+
+async def test_healthz_needs_the_state_and_the_runtime(served: Served) -> None:
+    status, _, body = await served.get("/healthz")
+    assert (status, body) == (503, "state not loaded yet\n")
+
+    served.metrics.state_loaded = True
+    served.reason = "runtime unix:///run/containerd.sock:\n connection refused"
+    status, _, body = await served.get("/healthz")
+    assert (status, body) == (503, "runtime unix:///run/containerd.sock: connection refused\n")
+
+    served.reason = None
+    status, _, body = await served.get("/healthz")
+    assert (status, body) == (200, "ok\n")
+    status, _, body = await served.get("/healthz", method="HEAD")
+    assert (status, body) == (200, "")
+
+
+async def test_other_paths_and_methods_are_refused(served: Served) -> None:
+    assert (await served.get("/"))[0] == 404
+    assert (await served.get("/metrics", method="POST"))[0] == 405
+    assert (await served.get("/metrics?name[]=x"))[0] == 200
+
+
+async def test_a_garbled_request_is_answered_and_closed(served: Served) -> None:
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"nonsense\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    writer.close()
+
+
+async def test_closing_the_server_stops_serving(env: Env) -> None:
+    address = free_address()
+    server = await serve_metrics(Metrics(env.engine), address, lambda: None)
+    assert (await asyncio.to_thread(http_get, f"http://{address}/metrics"))[0] == 200
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(urllib.error.URLError):
+        await asyncio.to_thread(http_get, f"http://{address}/metrics")
+
+
+def test_a_bad_address_is_refused() -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        asyncio.run(serve_metrics(None, "nowhere", lambda: None))  # type: ignore[arg-type]
+
+
+# --- the relay's calls -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def relay() -> Iterator[tuple[grpc.Channel, RelayStats, Callable[[], None]]]:
+    """A real RelayServer with a RelayStats observer in front of the fake CRI server."""
+    loop = LoopThread()
+    stats = RelayStats()
+    try:
+        with short_tmpdir() as workdir:
+            fake = FakeRuntimeServer(workdir / "runtime.sock")
+            loop.run(fake.start())
+            server = RelayServer(
+                listen=f"unix://{workdir}/cri.sock",
+                runtime_endpoint=fake.endpoint,
+                interceptor=PassthroughInterceptor(),
+                observer=stats,
+            )
+            loop.run(server.start())
+
+            def reset() -> None:
+                async def clear() -> None:
+                    stats.calls.clear()
+                    stats.latencies.clear()
+
+                loop.run(clear())
+
+            try:
+                with grpc.insecure_channel(f"unix://{workdir}/cri.sock") as channel:
+                    yield channel, stats, reset
+            finally:
+                loop.run(server.shutdown(2.0))
+                loop.run(fake.stop())
+    finally:
+        loop.stop()
+
+
+def relay_samples(stats: RelayStats) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    registry.register(stats)
+    return samples(generate_latest(registry).decode())
+
+
+def settle(stats: RelayStats, calls: int) -> None:
+    """The relay reports a call's end as it forwards it, so at most a moment after the client
+    has it; wait for that."""
+    deadline = time.monotonic() + 5
+    while sum(stats.calls.values()) < calls and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def test_relay_calls_are_counted_by_method_and_code(
+    relay: tuple[grpc.Channel, RelayStats, Callable[[], None]],
+) -> None:
+    channel, stats, reset = relay
+    reset()
+    for _ in range(3):
+        unary(channel, VERSION, b"echo:hi", timeout=10)
+    unary(channel, START, b"echo:start", timeout=10)
+    assert failure(channel, VERSION, b"error:5:gone", timeout=10).code() == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    assert failure(channel, START, b"error:9:no", timeout=10).code() == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    unary(channel, FUTURE_UNARY, b"echo:new", timeout=10)
+    events = list(channel.unary_stream(RUNTIME + "GetContainerEvents")(script(b"stream:3")))
+    assert len(events) == 3
+    settle(stats, 8)
+
+    got = relay_samples(stats)
+
+    def calls(method: str, code: str) -> float:
+        return got.get(("cpushim_relay_calls_total", (("code", code), ("method", method))), 0)
+
+    assert calls(VERSION, "OK") == 3
+    assert calls(VERSION, "NOT_FOUND") == 1
+    assert calls(START, "OK") == 1
+    assert calls(START, "FAILED_PRECONDITION") == 1
+    assert calls("other", "OK") == 1  # a method cpushim does not know: one label for all
+    assert calls(RUNTIME + "GetContainerEvents", "OK") == 1
+    count = ("cpushim_relay_call_duration_seconds_count", (("method", VERSION),))
+    assert got[count] == 4
+    inf = ("cpushim_relay_call_duration_seconds_bucket", (("le", "+Inf"), ("method", VERSION)))
+    assert got[inf] == 4
+    total = got[("cpushim_relay_call_duration_seconds_sum", (("method", VERSION),))]
+    assert 0 < total < 10
+
+
+def test_calls_that_time_out_or_are_cancelled_count_once(
+    relay: tuple[grpc.Channel, RelayStats, Callable[[], None]],
+) -> None:
+    channel, stats, reset = relay
+    reset()
+    for path in (VERSION, START):
+        # The runtime (or the relay's forward, for START) ends it at the deadline.
+        error = failure(channel, path, b"sleep:1", timeout=0.2)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # No deadline: the client resets the stream (RST_STREAM CANCEL) when it gives up.
+        future = channel.unary_unary(path).future(script(b"sleep:1"))
+        time.sleep(0.2)
+        assert future.cancel()
+    settle(stats, 4)
+    time.sleep(1.2)  # the runtime's late answers must not count the calls again
+    unary(channel, VERSION, b"echo:after", timeout=10)
+    settle(stats, 5)
+    assert stats.calls.pop((VERSION, "OK")) == 1
+    # At the deadline the client's reset races the runtime's DEADLINE_EXCEEDED; either way
+    # each call counts once.
+    for path in (VERSION, START):
+        assert stats.calls.get((path, "CANCELLED"), 0) >= 1
+        assert (
+            stats.calls.get((path, "CANCELLED"), 0)
+            + stats.calls.get((path, "DEADLINE_EXCEEDED"), 0)
+            == 2
+        )
+    assert {code for _, code in stats.calls} <= {"CANCELLED", "DEADLINE_EXCEEDED"}
+
+
+# --- reading grpc-status from trailers -------------------------------------------------------
+
+
+@pytest.mark.parametrize("huffman", [False, True])
+def test_grpc_status_is_read_from_trailer_blocks(huffman: bool) -> None:
+    encoder = hpack.Encoder()
+    encoder.header_table_size = 0
+    block = encoder.encode([(b"grpc-status", b"14"), (b"grpc-message", b"x")], huffman=huffman)
+    assert grpc_status(block) == 14
+    trailers_only = hpack.Encoder().encode(
+        [(b":status", b"200"), (b"content-type", b"application/grpc"), (b"grpc-status", b"0")],
+        huffman=huffman,
+    )
+    assert grpc_status(trailers_only) == 0
+    assert grpc_status(hpack.Encoder().encode([(b"grpc-message", b"x")], huffman=huffman)) is None
+    assert grpc_status(b"\xbe") is None  # a dynamic table index
+    assert grpc_status(b"\x00\x0bgrpc-status\x7f") is None  # truncated
