@@ -42,6 +42,10 @@ for none).
                       "pod_uid" and "container" (null unless owner is container) and
                       "in_shared_pool" (reserved CPUs run shared containers too unless
                       strict-cpu-reservation is on)
+    runtime           only when cpushim's socket was asked: {"source", "error" (null or
+                      why it could not be asked), "containers" (how many it reported)};
+                      each assignment then gains "state" (running, exited, created,
+                      unknown, creating, gone, or "?" when the runtime was not reachable)
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from shim.topology import Topology
 __all__ = [
     "JSON_FORMAT",
     "MIN_WIDTH",
+    "Live",
     "Owner",
     "OwnerKind",
     "container_tags",
@@ -554,12 +559,35 @@ def _by_lowest_cpu(state: CPUState) -> list[tuple[ContainerKey, Assignment]]:
     )
 
 
+@dataclass(frozen=True)
+class Live:
+    """What the runtime says now, asked through cpushim's socket: the state of each container
+    by id (``running``, ``exited``, ``created``, ``unknown``), or why it could not be asked."""
+
+    source: str
+    containers: Mapping[str, str] | None = None
+    error: str | None = None
+
+    def state_of(self, container_id: str) -> str:
+        if not container_id:
+            return "creating"
+        if self.containers is None:
+            return "?"
+        return self.containers.get(container_id, "gone")
+
+
 def render_assignments(
-    state: CPUState, topology: Topology, *, width: int | None = None, color: bool = False
+    state: CPUState,
+    topology: Topology,
+    *,
+    width: int | None = None,
+    color: bool = False,
+    live: Live | None = None,
 ) -> str:
     """A table of the exclusive assignments, by lowest CPU, with the map's tags. Given a
     ``width``, names are cut and, if need be, the attempt and container id columns left out;
-    CPU lists wrap instead of being cut."""
+    CPU lists wrap instead of being cut. With ``live``, a STATE column says what the runtime
+    reports of each container (``gone``: it no longer knows it)."""
     if not state.assignments:
         text = "No exclusive assignments: every container runs in the shared pool."
         return "\n".join(_wrap(text, width or len(text))) + "\n"
@@ -579,6 +607,8 @@ def render_assignments(
         _Column("ATTEMPT", [str(a.attempt) for _, a in order], droppable=True),
         _Column("NUMA", [_ids(topology.numa_nodes_of(a.cpus)) or "-" for _, a in order]),
     ]
+    if live is not None:
+        columns.append(_Column("STATE", [live.state_of(a.container_id) for _, a in order]))
     cpus = _Column("CPUS", [str(a.cpus) for _, a in order])
     colours = {key: _TAG_SGR[index % len(_TAG_SGR)] for index, key in enumerate(tags)}
     lines = _fit_table(
@@ -601,8 +631,10 @@ def render_status(
     offline: CPUSet | None = None,
     color: bool = False,
     width: int = 80,
+    live: Live | None = None,
 ) -> str:
-    """What ``cpushim status`` prints: a summary, any problems, the map and the table."""
+    """What ``cpushim status`` prints: a summary, any problems, the map and the table; with
+    ``live``, where the runtime was asked and what each pinned container's state is."""
     width = max(width, MIN_WIDTH)
     owners = owners_of(topology, state)
     held = CPUSet().union(*(a.cpus for a in state.assignments.values())) & topology.online
@@ -619,12 +651,18 @@ def render_status(
     lines += _field("shared pool", _cpus_text(state.shared), width)
     lines += _field("isolated", _cpus_text(topology.isolated), width)
     lines += _field("offline", _cpus_text(offline or CPUSet()), width)
+    if live is not None:
+        if live.error is not None:
+            seen = f"{live.source}: not reachable ({live.error})"
+        else:
+            seen = f"{live.source}: {len(live.containers or {})} containers"
+        lines += _field("runtime", seen, width)
     for problem in integrity_problems(state, topology):
         lines += _wrap(f"warning: the checkpoint is inconsistent: {problem}", width)
     lines.append("")
     text = "\n".join(lines) + "\n"
     text += render_map(topology, owners, color, width) + "\n"
-    return text + render_assignments(state, topology, width=width, color=color)
+    return text + render_assignments(state, topology, width=width, color=color, live=live)
 
 
 # -- the topology page -------------------------------------------------------------------------
@@ -727,9 +765,10 @@ def topology_json(topology: Topology, *, offline: CPUSet | None = None) -> dict[
 
 
 def status_json(
-    topology: Topology, state: CPUState, *, offline: CPUSet | None = None
+    topology: Topology, state: CPUState, *, offline: CPUSet | None = None, live: Live | None = None
 ) -> dict[str, Any]:
-    """The state on this machine as plain data for ``cpushim status --json``."""
+    """The state on this machine as plain data for ``cpushim status --json``; with ``live``,
+    ``runtime`` ({"source", "error", "containers"}) and each assignment's ``state``."""
     owners = owners_of(topology, state)
     tags = container_tags(owners)
     document = topology_json(topology, offline=offline)
@@ -764,4 +803,12 @@ def status_json(
             for key, a in _by_lowest_cpu(state)
         ],
     )
+    if live is not None:
+        document["runtime"] = {
+            "source": live.source,
+            "error": live.error,
+            "containers": None if live.containers is None else len(live.containers),
+        }
+        for entry in document["assignments"]:
+            entry["state"] = live.state_of(entry["container_id"])
     return document

@@ -1,6 +1,7 @@
 """``cpushim status`` and ``cpushim topology``: read sysfs and the checkpoint, print what
-``shim.status`` renders. Read-only: neither command talks to a running cpushim or changes a
-file, so both are safe on a live node.
+``shim.status`` renders. Read-only: neither changes a file, so both are safe on a live node.
+When cpushim's socket exists, ``status`` also asks it (ListContainers, as kubelet does) what
+state each pinned container is in.
 
 ``shim.cli`` adds the subcommands with ``add_commands`` and calls ``args.handler(args)``, which
 returns the exit code: 0, or 1 with a one-line message on stderr when the topology or the
@@ -10,6 +11,7 @@ checkpoint cannot be read.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
 import sys
@@ -21,13 +23,18 @@ import orjson
 
 from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Status, UnaryCall
+from shim.cri.upstream import RuntimeChannel, unix_path
 from shim.state import CheckpointError, CPUState
-from shim.status import render_status, render_topology, status_json, topology_json
+from shim.status import Live, render_status, render_topology, status_json, topology_json
 from shim.topology import Topology, TopologyError
 
 __all__ = ["add_commands", "offline_cpus", "status_command", "topology_command", "use_color"]
 
 DEFAULT_STATE_DIR: Final = Path("/var/lib/cpushim")
+DEFAULT_SOCKET: Final = "unix:///run/cpushim/cri.sock"
+LIVE_TIMEOUT: Final = 3.0
 DEFAULT_SYSFS_ROOT: Final = Path("/sys")
 COLOR_CHOICES: Final = ("auto", "always", "never")
 
@@ -44,6 +51,13 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         description="Draw every CPU where it sits (sockets, NUMA nodes, cores, threads) with"
         " its owner: a pinned container, the shared pool, reserved, isolated. Reads the"
         " checkpoint and sysfs only.",
+    )
+    status.add_argument(
+        "--socket",
+        default=DEFAULT_SOCKET,
+        metavar="ADDRESS",
+        help=f"cpushim's socket, asked for the containers' states when it exists"
+        f" (default {DEFAULT_SOCKET}; '' not to ask)",
     )
     status.add_argument(
         "--state-dir",
@@ -133,6 +147,44 @@ def _state(state_dir: Path) -> CPUState:
     return state
 
 
+def live_view(address: str) -> Live | None:
+    """The containers' states from cpushim's socket; None when there is no socket to ask."""
+    if not address:
+        return None
+    try:
+        path = unix_path(address)
+    except ValueError as exc:
+        raise _Failure(f"--socket: {exc}") from exc
+    if not os.path.exists(path):
+        return None
+    try:
+        containers = asyncio.run(_list_containers(address))
+    except (OSError, RuntimeError) as exc:
+        return Live(address, error=" ".join(str(exc).split()))
+    return Live(address, containers=containers)
+
+
+async def _list_containers(address: str) -> dict[str, str]:
+    channel = RuntimeChannel(address)
+    try:
+        request = pb.ListContainersRequest().SerializeToString()
+        reply = await channel.unary(UnaryCall(LIST_CONTAINERS, (), request, LIVE_TIMEOUT))
+    finally:
+        channel.close()
+    if reply.status is not Status.OK or not reply.messages:
+        raise RuntimeError(f"ListContainers: {reply.status.name}: {reply.status_message}")
+    listing = pb.ListContainersResponse.FromString(reply.messages[0])
+    return {c.id: _STATES.get(c.state, "unknown") for c in listing.containers}
+
+
+_STATES: Final = {
+    pb.CONTAINER_CREATED: "created",
+    pb.CONTAINER_RUNNING: "running",
+    pb.CONTAINER_EXITED: "exited",
+}
+LIST_CONTAINERS: Final = "/runtime.v1.RuntimeService/ListContainers"
+
+
 def _width() -> int:
     # COLUMNS first, then the terminal, then 80 (also when stdout is a pipe).
     return shutil.get_terminal_size().columns
@@ -173,10 +225,13 @@ def status_command(args: argparse.Namespace) -> int:
         topology = _topology(args.sysfs_root)
         state = _state(args.state_dir)
         offline = offline_cpus(args.sysfs_root, topology)
+        live = live_view(args.socket)
         if args.json:
-            return _json(status_json(topology, state, offline=offline))
+            return _json(status_json(topology, state, offline=offline, live=live))
         color = use_color(args.color, sys.stdout, os.environ)
-        return render_status(topology, state, offline=offline, color=color, width=_width())
+        return render_status(
+            topology, state, offline=offline, color=color, width=_width(), live=live
+        )
 
     return _run("status", produce)
 

@@ -11,10 +11,13 @@ again without the variable.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import io
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,11 +30,13 @@ from hypothesis import strategies as st
 from shim.checkpoint import CheckpointFile
 from shim.cli import build_parser, main
 from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
 from shim.policy.none import NonePolicy
 from shim.policy.static import ExclusiveRequest, StaticPolicy
 from shim.state import Assignment, ContainerKey, CPUState, topology_fingerprint
 from shim.status import (
     MIN_WIDTH,
+    Live,
     Owner,
     OwnerKind,
     container_tags,
@@ -45,6 +50,7 @@ from shim.status import (
 )
 from shim.status_cli import offline_cpus, use_color
 from shim.topology import CPUInfo, Topology
+from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import (
     OFFLINE_NONCONTIGUOUS,
     PROPERTY_SETTINGS,
@@ -794,3 +800,67 @@ def test_the_commands_parse_their_defaults() -> None:
     assert not hasattr(parse(["topology"]), "state_dir")
     with pytest.raises(SystemExit):
         parse(["status", "--color", "sometimes"])
+
+
+# -- what the runtime says, through cpushim's socket --------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_status_asks_the_socket_for_each_pinned_containers_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    topology = expected_topology(SMALL)
+    sysfs = write_sysfs(SMALL, tmp_path / "sys")
+    async with FakeRuntime() as fake:
+        sandbox = fake.add_sandbox(
+            pb.PodSandboxConfig(metadata=pb.PodSandboxMetadata(name="web-0", uid="uid-web"))
+        )
+        running = fake.add_container(
+            sandbox, pb.ContainerConfig(metadata=pb.ContainerMetadata(name="app"))
+        )
+        state = small_state(topology)
+        state = state.update(ContainerKey("uid-web", "app"), container_id=running)
+        state_dir = tmp_path / "state"
+        CheckpointFile(state_dir).save_sync(state)
+        argv = ["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs)]
+        argv += ["--socket", fake.endpoint, "--color", "never"]
+
+        def status_page() -> str:
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                assert main(argv) == 0
+            return out.getvalue()
+
+        page = await asyncio.to_thread(status_page)
+    live = Live(fake.endpoint, containers={running: "running"})
+    assert page == render_status(topology, state, width=100, live=live)
+    assert f"runtime     {fake.endpoint}: 1 containers" in page
+    rows = {line.split()[0]: line.split() for line in page.splitlines() if "default/" in line}
+    assert rows["A"][-2] == "running"  # web-0/app, then its CPUs
+    assert rows["B"][-2] == "gone"  # db-0/postgres: the runtime no longer knows it
+
+
+def test_status_says_when_the_socket_does_not_answer(
+    node: tuple[Path, Path, CPUState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sysfs, state_dir, _ = node
+    dead = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unbound:
+        unbound.bind(str(dead))  # a socket file nobody listens on
+        argv = ["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs)]
+        assert run([*argv, "--socket", f"unix://{dead}", "--json"]) == 0
+    document = orjson.loads(capsys.readouterr().out)
+    assert document["runtime"]["source"] == f"unix://{dead}"
+    assert "unavailable" in document["runtime"]["error"]
+    assert {a["state"] for a in document["assignments"]} == {"?"}
+
+
+def test_status_without_a_socket_reads_the_checkpoint_only(
+    node: tuple[Path, Path, CPUState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sysfs, state_dir, _ = node
+    argv = ["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs), "--json"]
+    assert run([*argv, "--socket", f"unix://{tmp_path}/missing.sock"]) == 0
+    assert "runtime" not in orjson.loads(capsys.readouterr().out)
+    assert run([*argv, "--socket", ""]) == 0
+    assert "runtime" not in orjson.loads(capsys.readouterr().out)
