@@ -170,6 +170,8 @@ def test_metrics_follow_a_real_lifecycle_and_healthz_follows_the_runtime(
         REACTION_TIMEOUT,
         "the exit seen",
     )
+    # The release's checkpoint write lands just after: delete the file once it has.
+    wait_for(lambda: shim.assignments() == {}, REACTION_TIMEOUT, "the release in the checkpoint")
     shim.state_file.unlink()
     wait_for(
         lambda: scrape().value("cpushim_state_rewrites_total") == 1,

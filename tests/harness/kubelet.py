@@ -12,6 +12,7 @@ callables built from the method table, so the same client exercises any relay in
 from __future__ import annotations
 
 import json
+import time
 import uuid
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -366,9 +367,24 @@ class KubeletClient:
         for container in self.list_containers(sandbox_id=sandbox_id).containers:
             if container.state == pb.CONTAINER_RUNNING:
                 self.stop_container(container.id, timeout=0)
-            self.remove_container(container.id)
+            self._remove_stopped(container.id)
         self.stop_pod_sandbox(sandbox_id)
         self.remove_pod_sandbox(sandbox_id)
+
+    def _remove_stopped(self, container_id: str, budget: float = 10.0) -> None:
+        """RemoveContainer, stopping again while containerd says the container still runs:
+        after a kill from outside, containerd 1.6 lists the container as exited a moment before
+        its own task bookkeeping agrees (kubelet retries the same way, on its next sync)."""
+        deadline = time.monotonic() + budget
+        while True:
+            try:
+                self.remove_container(container_id)
+                return
+            except grpc.RpcError as error:
+                if "still running" not in (error.details() or "") or time.monotonic() > deadline:
+                    raise
+            self.stop_container(container_id, timeout=0)
+            time.sleep(0.05)
 
     def teardown_all(self) -> list[str]:
         """Best effort teardown of every pod this client ran; returns the errors met."""
