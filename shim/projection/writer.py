@@ -26,6 +26,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager, suppress
@@ -387,6 +388,13 @@ def _remove_container(root: Path, pod_uid: str, container_name: str) -> None:
 def _remove_pod(root: Path, pod_uid: str) -> None:
     try:
         with _open_root(root, create=False) as root_fd:
+            # rmtree refuses a symlink too, but its error differs between Python versions.
+            if stat.S_ISLNK(os.lstat(pod_uid, dir_fd=root_fd).st_mode):
+                raise OSError(
+                    errno.ELOOP,
+                    "is a symbolic link, not a projection directory",
+                    str(root / pod_uid),
+                )
             shutil.rmtree(pod_uid, dir_fd=root_fd)
     except FileNotFoundError:
         pass
