@@ -66,6 +66,9 @@ ENGINE_COUNTERS: dict[str, str] = {
     "fail_open_forwards": "Calls forwarded unchanged after an internal error (fail-open policy)",
     "full_resyncs": "Full comparisons of every container's cpuset and the state file",
     "inotify_overflows": "inotify queue overflows (each one triggers a full resync)",
+    "unread_requests": (
+        "Followed calls answered OK whose request could not be read (the watchers catch up)"
+    ),
     "internal_errors": "Intercepted calls whose handling failed with an unexpected error",
     "periodic_resyncs": "Safety-net resyncs started by the resync period timer",
     "process_exits_seen": "Container processes seen exiting (on a pidfd)",

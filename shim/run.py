@@ -187,6 +187,7 @@ async def run(options: RunOptions) -> int:
         socket_group=options.socket_group,
         runtime=runtime,
         observer=metrics.relay,
+        follower=engine,
     )
     async with contextlib.AsyncExitStack() as cleanup:
         if options.metrics_address:

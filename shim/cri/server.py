@@ -15,6 +15,7 @@ from typing import Protocol, cast
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.splice import (
     CallCancelled,
+    CallCompleted,
     CallObserver,
     CallReceived,
     ConnectionFailed,
@@ -31,6 +32,18 @@ class Interceptor(Protocol):
     def intercepts(self, path: str) -> bool: ...
 
     async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply: ...
+
+
+class Follower(Protocol):
+    """Learns the outcome of spliced calls before the client does: the call passes through
+    untouched, but its trailers wait until :meth:`followed` returns. For calls where cpushim
+    has work to do once the runtime has answered (a stopped container's CPUs go back before
+    StopContainer returns) without changing the request, at the splice's cost rather than a
+    terminated call's."""
+
+    def follows(self, path: str) -> bool: ...
+
+    async def followed(self, path: str, request: bytes | None, status: int | None) -> None: ...
 
 
 class AlreadyServingError(RuntimeError):
@@ -74,6 +87,7 @@ class RelayServer:
         socket_mode: int = 0o660,
         runtime: RuntimeChannel | None = None,
         observer: CallObserver | None = None,
+        follower: Follower | None = None,
     ) -> None:
         self.listen_path = unix_path(listen)
         self.runtime_path = unix_path(runtime_endpoint)
@@ -83,6 +97,7 @@ class RelayServer:
         self.interceptor = interceptor
         # Told of each call's end (metrics); None costs the splice nothing.
         self.observer = observer
+        self.follower = follower
         self._socket_group = socket_group
         self._socket_mode = socket_mode
         self._server: asyncio.AbstractServer | None = None
@@ -153,7 +168,13 @@ class ClientConnection(asyncio.Protocol):
 
     def __init__(self, server: RelayServer) -> None:
         self.server = server
-        self.splice = Splice(server.interceptor.intercepts, observer=server.observer)
+        follower = server.follower
+        self.splice = Splice(
+            server.interceptor.intercepts,
+            observer=server.observer,
+            followed=follower.follows if follower is not None else None,
+        )
+        self._following: set[asyncio.Task[None]] = set()
         self.client: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
         self._early: list[bytes] = []
@@ -250,6 +271,10 @@ class ClientConnection(asyncio.Protocol):
                     self._answer(event.stream_id, event.call)
                 )
                 self._calls[event.stream_id] = task
+            elif isinstance(event, CallCompleted):
+                task = asyncio.get_running_loop().create_task(self._follow(event))
+                self._following.add(task)
+                task.add_done_callback(self._following.discard)
             elif isinstance(event, CallCancelled):
                 task_to_cancel = self._calls.pop(event.stream_id, None)
                 if task_to_cancel is not None:
@@ -284,6 +309,17 @@ class ClientConnection(asyncio.Protocol):
             self.splice.goaway()
             self._shutting_down = True
         self._flush()
+
+    async def _follow(self, event: CallCompleted) -> None:
+        follower = self.server.follower
+        try:
+            if follower is not None:
+                await follower.followed(event.path, event.request, event.status)
+        except Exception:
+            log.exception("following a call failed", extra={"fields": {"path": event.path}})
+        finally:
+            self.splice.release(event.stream_id)
+            self._flush()
 
     def begin_shutdown(self) -> None:
         self._shutting_down = True

@@ -84,13 +84,26 @@ class CallCancelled:
 
 
 @dataclass(frozen=True)
+class CallCompleted:
+    """A followed call's response has ended upstream; its trailers wait here until the adapter
+    calls :meth:`Splice.release`. ``request`` is the request message (None when it could not
+    be read: compressed, too large or not one message); ``status`` the gRPC status of the
+    trailers (None when they carried none)."""
+
+    stream_id: int
+    path: str
+    request: bytes | None
+    status: int | None
+
+
+@dataclass(frozen=True)
 class ConnectionFailed:
     """The client broke HTTP/2; the adapter closes the connection after flushing."""
 
     reason: str
 
 
-Event = CallReceived | CallCancelled | ConnectionFailed
+Event = CallReceived | CallCancelled | CallCompleted | ConnectionFailed
 
 
 class CallObserver(Protocol):
@@ -147,6 +160,16 @@ class _RecentIds:
 
 
 @dataclass
+class _Followed:
+    """A spliced call whose request is copied and whose trailers are held for the adapter."""
+
+    path: str
+    encoding: bytes | None
+    body: bytearray = field(default_factory=bytearray)
+    too_large: bool = False
+
+
+@dataclass
 class _LocalStream:
     """A call the relay answers itself."""
 
@@ -167,8 +190,14 @@ class Splice:
         *,
         max_request_bytes: int = DEFAULT_MAX_REQUEST,
         observer: CallObserver | None = None,
+        followed: Callable[[str], bool] | None = None,
     ) -> None:
         self._intercepted = intercepted
+        # Spliced calls whose outcome the adapter must learn before the client does.
+        self._followed_paths = followed
+        self._following: dict[int, _Followed] = {}
+        # Stream -> (first frame's flags, trailer frames) held until release().
+        self._held_trailers: dict[int, tuple[int, list[bytes]]] = {}
         self._observer = observer
         # With an observer: stream -> (path, start time) for each call in flight.
         self._timing: dict[int, tuple[str, float]] = {}
@@ -220,7 +249,7 @@ class Splice:
     @property
     def idle(self) -> bool:
         """No call in flight on this connection."""
-        return not self.open_streams and not self._local
+        return not self.open_streams and not self._local and not self._held_trailers
 
     @property
     def client_blocks_self_contained(self) -> bool:
@@ -260,6 +289,9 @@ class Splice:
                         _forward(self._out_upstream, buf, span, pos)
                         self._client_data_local(sid, flags, buf[pos + 9 : end], length)
                         span = end
+                    elif self._following and sid in self._following:
+                        # Passes on unchanged; a copy is kept for the adapter.
+                        self._copy_followed(self._following[sid], flags, buf[pos + 9 : end])
                 elif ftype == fr.HEADERS or ftype == fr.CONTINUATION:
                     _forward(self._out_upstream, buf, span, pos)
                     self._client_header_frame(ftype, flags, sid, bytes(memoryview(buf)[pos:end]))
@@ -285,6 +317,9 @@ class Splice:
                         span = end
                     else:
                         self.open_streams.pop(sid, None)
+                        # Nothing more may be sent on a stream the client reset.
+                        self._following.pop(sid, None)
+                        self._held_trailers.pop(sid, None)
                         if self._timing:
                             self._finished(sid, Status.CANCELLED)
                 elif ftype == fr.PRIORITY and (sid in self._local or sid in self._local_closed):
@@ -408,7 +443,23 @@ class Splice:
                 self._local_request_done(sid, stream)
             return
         self.open_streams[sid] = False
+        if path is not None and self._followed_paths is not None and self._followed_paths(path):
+            headers = self._reader.last_headers
+            if headers is None:
+                headers = decode_block(block)
+            encoding = header_value(headers, b"grpc-encoding")
+            self._following[sid] = _Followed(path, encoding)
         self._out_upstream.extend(raws)
+
+    def _copy_followed(self, followed: _Followed, flags: int, payload: bytes | bytearray) -> None:
+        if followed.too_large:
+            return
+        data = fr.data_payload(flags, payload)
+        if len(followed.body) + len(data) > self._max_request + 5:
+            followed.too_large = True
+            followed.body.clear()
+        else:
+            followed.body += data
 
     def _client_data_local(
         self, sid: int, flags: int, payload: bytes | bytearray, length: int
@@ -500,6 +551,7 @@ class Splice:
                         self._client_window -= length
                     if flags & fr.FLAG_END_STREAM:
                         spliced = self.open_streams.pop(sid, None) is not None
+                        self._following.pop(sid, None)
                         if self._timing and spliced:
                             self._finished(sid, None)
                 elif ftype == fr.HEADERS or ftype == fr.CONTINUATION:
@@ -514,6 +566,7 @@ class Splice:
                     span = end
                 elif ftype == fr.RST_STREAM:
                     spliced = self.open_streams.pop(sid, None) is not None
+                    self._following.pop(sid, None)
                     if self._timing and spliced:
                         self._finished(sid, _reset_status(buf[pos + 9 : end]))
                     if sid in self._relayed_by_upstream:
@@ -573,10 +626,39 @@ class Splice:
             return  # answered here; blocks are self-contained, so dropping one is safe
         if first_flags & fr.FLAG_END_STREAM:
             self.open_streams.pop(sid, None)
+            followed = self._following.pop(sid, None)
+            if followed is not None:
+                self._hold_trailers(sid, followed, first_flags, raws)
+                return
             if self._timing:
                 self._finished_by_trailers(sid, first_flags, raws)
         elif sid in self.open_streams:
             self.open_streams[sid] = True
+        for chunk in raws:
+            self._to_client(chunk, 0)
+
+    # ------------------------------------------------------------------ followed calls
+
+    def _hold_trailers(self, sid: int, followed: _Followed, flags: int, raws: list[bytes]) -> None:
+        self._held_trailers[sid] = (flags, raws)
+        request: bytes | None = None
+        if not followed.too_large:
+            try:
+                messages = unframe_messages(bytes(followed.body), followed.encoding)
+            except MessageError:
+                messages = []
+            if len(messages) == 1:
+                request = messages[0]
+        self.events.append(CallCompleted(sid, followed.path, request, _trailer_status(flags, raws)))
+
+    def release(self, sid: int) -> None:
+        """Send a followed call's held trailers: the client learns the call is done."""
+        held = self._held_trailers.pop(sid, None)
+        if held is None:
+            return  # the client reset it meanwhile
+        flags, raws = held
+        if self._timing:
+            self._finished_by_trailers(sid, flags, raws)
         for chunk in raws:
             self._to_client(chunk, 0)
 
@@ -645,14 +727,7 @@ class Splice:
         timing = self._timing.pop(sid, None)
         if timing is None or self._observer is None:
             return
-        if len(raws) == 1 and not flags & (fr.FLAG_PADDED | fr.FLAG_PRIORITY):
-            status = grpc_status(raws[0][9:])  # the common case: one plain frame
-        else:
-            try:
-                block = fr.header_block_fragment(flags, memoryview(raws[0])[9:])
-            except fr.FrameError:  # the client's to judge; metrics do not fail a connection
-                block = b""
-            status = grpc_status(block + b"".join(raw[9:] for raw in raws[1:]))
+        status = _trailer_status(flags, raws)
         self._observer.call_finished(timing[0], status, time.perf_counter() - timing[1])
 
     # ------------------------------------------------------------------ connection lifecycle
@@ -670,8 +745,10 @@ class Splice:
             self._to_client(fr.goaway(self.highest_stream, fr.NO_ERROR), 0)
 
     def upstream_lost(self, reason: str) -> None:
-        """The runtime connection is gone: end every spliced call with UNAVAILABLE."""
+        """The runtime connection is gone: end every spliced call with UNAVAILABLE (trailers
+        already held for a followed call are still released by the adapter)."""
         self._upstream_block = None
+        self._following.clear()
         self._held_for_client.clear()
         message = f"cpushim: lost the connection to the runtime: {reason}"
         for sid, started in sorted(self.open_streams.items()):
@@ -693,3 +770,14 @@ class Splice:
         self.failed = True
         self._out_client.append(fr.goaway(self.highest_stream, fr.PROTOCOL_ERROR, reason.encode()))
         self.events.append(ConnectionFailed(reason))
+
+
+def _trailer_status(flags: int, raws: list[bytes]) -> int | None:
+    """The grpc-status in a trailer block of one or more frames; None when it has none."""
+    if len(raws) == 1 and not flags & (fr.FLAG_PADDED | fr.FLAG_PRIORITY):
+        return grpc_status(raws[0][9:])  # the common case: one plain frame
+    try:
+        block = fr.header_block_fragment(flags, memoryview(raws[0])[9:])
+    except fr.FrameError:  # the client's to judge; this read does not fail a connection
+        block = b""
+    return grpc_status(block + b"".join(raw[9:] for raw in raws[1:]))

@@ -127,21 +127,61 @@ class Engine:
                 self.counters,
                 self._spawn,
             )
+        # What follows a call the runtime has answered OK, for the calls whose request the
+        # engine does not change: the relay passes them through and holds the reply's end
+        # until this is done (follows/followed).
+        self._after: dict[str, Callable[[bytes], Awaitable[None]]] = {
+            rq.START_CONTAINER: self._container_started,
+            rq.STOP_CONTAINER: self._container_stopped,
+            rq.REMOVE_CONTAINER: self._container_removed,
+            rq.STOP_POD_SANDBOX: self._pod_sandbox_stopped,
+            rq.REMOVE_POD_SANDBOX: self._pod_sandbox_removed,
+        }
         self._handlers: dict[str, Handler] = {
             rq.RUN_POD_SANDBOX: self._run_pod_sandbox,
             rq.CREATE_CONTAINER: self._create_container,
-            rq.START_CONTAINER: self._start_container,
-            rq.STOP_CONTAINER: self._stop_container,
-            rq.REMOVE_CONTAINER: self._remove_container,
-            rq.STOP_POD_SANDBOX: self._stop_pod_sandbox,
-            rq.REMOVE_POD_SANDBOX: self._remove_pod_sandbox,
             rq.UPDATE_CONTAINER_RESOURCES: self._update_container_resources,
+            **{path: self._forward_then_follow for path in self._after},
         }
 
     # --- the Interceptor protocol -----------------------------------------------------------
 
     def intercepts(self, path: str) -> bool:
-        return path in LIFECYCLE_PATHS
+        """The calls whose request the engine changes or must see before the runtime does;
+        the other lifecycle calls are followed (below)."""
+        return path in LIFECYCLE_PATHS and path not in self._after
+
+    # --- the Follower protocol: calls the relay passes through --------------------------------
+
+    def follows(self, path: str) -> bool:
+        return path in self._after
+
+    async def followed(self, path: str, request: bytes | None, status: int | None) -> None:
+        """The runtime has answered a followed call; its reply reaches kubelet after this."""
+        if status != Status.OK:
+            return
+        if request is None:
+            self.counters["unread_requests"] += 1
+            log.warning(
+                "a call the runtime answered OK could not be read; the watchers catch up",
+                extra={"fields": {"path": path}},
+            )
+            return
+        await asyncio.shield(self._spawn(self._follow(path, request)))
+
+    async def _follow(self, path: str, request: bytes) -> None:
+        try:
+            await self._after[path](request)
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("work after a call failed", extra={"fields": {"path": path}})
+
+    async def _forward_then_follow(self, call: UnaryCall) -> Reply:
+        """A followed call that reached the engine whole (``handle``): the same work."""
+        reply = await self.runtime.unary(call)
+        if reply.status is Status.OK:
+            await self._after[call.path](call.request)
+        return reply
 
     async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply:
         rejected = check_request(call)
@@ -195,43 +235,37 @@ class Engine:
             self.pods[pod.sandbox_id] = pod
         return reply
 
-    async def _stop_pod_sandbox(self, call: UnaryCall) -> Reply:
-        sandbox_id = pb.StopPodSandboxRequest.FromString(call.request).pod_sandbox_id
-        reply = await self.runtime.unary(call)
-        if reply.status is Status.OK:
-            async with self.lock:
-                for tracked in self.containers.values():
-                    if tracked.sandbox_id == sandbox_id:
-                        self._mark_exited(tracked)
-                await self._release(
-                    key
-                    for key, a in self.state.assignments.items()
-                    if a.sandbox_id == sandbox_id and a.container_id
-                )
-        return reply
+    async def _pod_sandbox_stopped(self, request: bytes) -> None:
+        sandbox_id = pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id
+        async with self.lock:
+            for tracked in self.containers.values():
+                if tracked.sandbox_id == sandbox_id:
+                    self._mark_exited(tracked)
+            await self._release(
+                key
+                for key, a in self.state.assignments.items()
+                if a.sandbox_id == sandbox_id and a.container_id
+            )
 
-    async def _remove_pod_sandbox(self, call: UnaryCall) -> Reply:
-        sandbox_id = pb.RemovePodSandboxRequest.FromString(call.request).pod_sandbox_id
-        reply = await self.runtime.unary(call)
-        if reply.status is Status.OK:
-            async with self.lock:
-                for container_id in [
-                    t.id for t in self.containers.values() if t.sandbox_id == sandbox_id
-                ]:
-                    self._untrack(container_id)
-                await self._release(
-                    key
-                    for key, a in self.state.assignments.items()
-                    if a.sandbox_id == sandbox_id and a.container_id
-                )
-                pod = self.pods.pop(sandbox_id, None)
-                gone = pod is not None and not any(p.uid == pod.uid for p in self.pods.values())
-                if pod is not None and gone:
-                    for key in [k for k in self.last_cpus if k.pod_uid == pod.uid]:
-                        del self.last_cpus[key]
-            if pod is not None and gone and self.projector is not None:
-                await self.projector.forget_pod(pod.uid)
-        return reply
+    async def _pod_sandbox_removed(self, request: bytes) -> None:
+        sandbox_id = pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id
+        async with self.lock:
+            for container_id in [
+                t.id for t in self.containers.values() if t.sandbox_id == sandbox_id
+            ]:
+                self._untrack(container_id)
+            await self._release(
+                key
+                for key, a in self.state.assignments.items()
+                if a.sandbox_id == sandbox_id and a.container_id
+            )
+            pod = self.pods.pop(sandbox_id, None)
+            gone = pod is not None and not any(p.uid == pod.uid for p in self.pods.values())
+            if pod is not None and gone:
+                for key in [k for k in self.last_cpus if k.pod_uid == pod.uid]:
+                    del self.last_cpus[key]
+        if pod is not None and gone and self.projector is not None:
+            await self.projector.forget_pod(pod.uid)
 
     def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
         if config.metadata.uid:
@@ -432,14 +466,12 @@ class Engine:
                 return pod.sandbox_id
         return ""
 
-    async def _start_container(self, call: UnaryCall) -> Reply:
-        container_id = pb.StartContainerRequest.FromString(call.request).container_id
-        reply = await self.runtime.unary(call)
+    async def _container_started(self, request: bytes) -> None:
+        container_id = pb.StartContainerRequest.FromString(request).container_id
         tracked = self.containers.get(container_id)
-        if reply.status is Status.OK and tracked is not None:
+        if tracked is not None:
             tracked.phase = Phase.RUNNING
             self._spawn(self._locate(tracked))
-        return reply
 
     async def _locate(self, tracked: Tracked) -> None:
         """Learn where a started container's cgroup is, so later moves can write it directly
@@ -475,29 +507,23 @@ class Engine:
             if key is not None:
                 await self._release([key])
 
-    async def _stop_container(self, call: UnaryCall) -> Reply:
-        container_id = pb.StopContainerRequest.FromString(call.request).container_id
-        reply = await self.runtime.unary(call)
-        if reply.status is Status.OK:
-            async with self.lock:
-                tracked = self.containers.get(container_id)
-                if tracked is not None:
-                    self._mark_exited(tracked)
-                key = self.state.holding(container_id)
-                if key is not None:
-                    await self._release([key])
-        return reply
+    async def _container_stopped(self, request: bytes) -> None:
+        container_id = pb.StopContainerRequest.FromString(request).container_id
+        async with self.lock:
+            tracked = self.containers.get(container_id)
+            if tracked is not None:
+                self._mark_exited(tracked)
+            key = self.state.holding(container_id)
+            if key is not None:
+                await self._release([key])
 
-    async def _remove_container(self, call: UnaryCall) -> Reply:
-        container_id = pb.RemoveContainerRequest.FromString(call.request).container_id
-        reply = await self.runtime.unary(call)
-        if reply.status is Status.OK:
-            async with self.lock:
-                self._untrack(container_id)
-                key = self.state.holding(container_id)
-                if key is not None:
-                    await self._release([key])
-        return reply
+    async def _container_removed(self, request: bytes) -> None:
+        container_id = pb.RemoveContainerRequest.FromString(request).container_id
+        async with self.lock:
+            self._untrack(container_id)
+            key = self.state.holding(container_id)
+            if key is not None:
+                await self._release([key])
 
     async def _update_container_resources(self, call: UnaryCall) -> Reply:
         request = pb.UpdateContainerResourcesRequest.FromString(call.request)

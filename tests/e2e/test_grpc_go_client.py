@@ -50,6 +50,9 @@ LIST_POD_SANDBOX = GoRequest(f"{RUNTIME}/ListPodSandbox")
 LIST_IMAGES = GoRequest(f"{IMAGES}/ListImages")
 # An intercepted lifecycle call whose request is not a protobuf message (a truncated varint),
 # and one that is valid but names a container nobody has.
+# CreateContainer is terminated at cpushim (it rewrites the request); StartContainer passes
+# through with its reply's end held until cpushim has done its part.
+CREATE_MALFORMED = GoRequest(f"{RUNTIME}/CreateContainer", b"\xff\xff\xff\xff")
 START_MALFORMED = GoRequest(f"{RUNTIME}/StartContainer", b"\xff\xff\xff\xff")
 START_MISSING = GoRequest(
     f"{RUNTIME}/StartContainer",
@@ -156,16 +159,22 @@ def test_grpc_go_replies_match_direct(
 def test_grpc_go_intercepted_errors(
     goclient: Path, containerd: PrivateContainerd, cpushim: ServingProcess
 ) -> None:
-    """Errors from intercepted StartContainer calls, with spliced calls on the same connection."""
-    requests = [START_MALFORMED, VERSION, START_MISSING, STATUS]
+    """Errors from intercepted and followed calls, with spliced calls on the same connection."""
+    requests = [CREATE_MALFORMED, START_MALFORMED, VERSION, START_MISSING, STATUS]
     direct = run_goclient(goclient, containerd.address, requests, calls=5)
     relayed = run_goclient(goclient, cpushim.address, requests, calls=5)
 
-    malformed = relayed.of(START_MALFORMED)
+    malformed = relayed.of(CREATE_MALFORMED)
     assert {(c.code, c.code_name) for c in malformed} == {
         (CODE_INVALID_ARGUMENT, "InvalidArgument")
     }, malformed
-    assert all(not c.ok for c in direct.of(START_MALFORMED))
+    assert all(not c.ok for c in direct.of(CREATE_MALFORMED))
+    # A followed call's error is the runtime's own, exactly as without cpushim.
+    followed_direct = {(c.code, c.message) for c in direct.of(START_MALFORMED)}
+    followed_relayed = {(c.code, c.message) for c in relayed.of(START_MALFORMED)}
+    assert len(followed_direct) == 1, followed_direct
+    assert next(iter(followed_direct))[0] != 0
+    assert followed_relayed == followed_direct
 
     missing_direct = {(c.code, c.message) for c in direct.of(START_MISSING)}
     missing_relayed = {(c.code, c.message) for c in relayed.of(START_MISSING)}

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import grpc
 
 from shim.cri.passthrough import PassthroughInterceptor
-from shim.cri.server import RelayServer
+from shim.cri.server import Follower, Interceptor, RelayServer
 from tests.fake_cri import FakeRuntimeServer, script, short_tmpdir
 
 T = TypeVar("T")
@@ -41,9 +41,17 @@ class LoopThread:
 
 
 class RelayEnv:
-    def __init__(self, workdir: Path, loop: LoopThread) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        loop: LoopThread,
+        interceptor: Interceptor | None = None,
+        follower: Follower | None = None,
+    ) -> None:
         self.workdir = workdir
         self.loop = loop
+        self.interceptor = interceptor or PassthroughInterceptor()
+        self.follower = follower
         self.fake = FakeRuntimeServer(workdir / "runtime.sock")
         self.relay: RelayServer | None = None
         self.relay_socket = workdir / "run" / "cri.sock"
@@ -61,7 +69,8 @@ class RelayEnv:
         self.relay = RelayServer(
             listen=self.relay_target,
             runtime_endpoint=self.fake.endpoint,
-            interceptor=PassthroughInterceptor(),
+            interceptor=self.interceptor,
+            follower=self.follower,
         )
         self.loop.run(self.relay.start())
 
@@ -75,11 +84,13 @@ class RelayEnv:
 
 
 @contextmanager
-def relay_env() -> Iterator[RelayEnv]:
+def relay_env(
+    interceptor: Interceptor | None = None, follower: Follower | None = None
+) -> Iterator[RelayEnv]:
     loop = LoopThread()
     try:
         with short_tmpdir() as workdir:
-            env = RelayEnv(workdir, loop)
+            env = RelayEnv(workdir, loop, interceptor, follower)
             env.start()
             try:
                 yield env

@@ -1,0 +1,118 @@
+"""Followed calls: spliced through unchanged, but their reply's end waits for the follower,
+which gets the request and the runtime's status (shim/cri/splice.py, shim/cri/server.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from shim.cri.calls import Status
+from shim.cri.passthrough import PassthroughInterceptor
+from tests.fake_cri import command_of, script
+from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
+
+FOLLOWED = RUNTIME + "StopContainer"
+OTHER = RUNTIME + "Version"
+
+
+@dataclass
+class Recorder:
+    """A follower that records each call and, while ``gate`` is clear, holds it."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    gate: asyncio.Event | None = None
+    seen: list[tuple[str, bytes | None, int | None]] = field(default_factory=list)
+    entered: threading.Event = field(default_factory=threading.Event)
+
+    def follows(self, path: str) -> bool:
+        return path == FOLLOWED
+
+    async def followed(self, path: str, request: bytes | None, status: int | None) -> None:
+        self.seen.append((path, request, status))
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+
+    def hold(self, env: RelayEnv) -> None:
+        async def make() -> asyncio.Event:
+            return asyncio.Event()
+
+        self.loop = env.loop.loop
+        self.gate = env.loop.run(make())
+
+    def open_gate(self) -> None:
+        assert self.loop is not None
+        assert self.gate is not None
+        self.loop.call_soon_threadsafe(self.gate.set)
+
+
+@pytest.fixture
+def followed() -> Iterator[tuple[RelayEnv, Recorder]]:
+    recorder = Recorder()
+    # Nothing terminated here: every call is spliced, StopContainer followed.
+    with relay_env(PassthroughInterceptor(frozenset()), recorder) as env:
+        yield env, recorder
+
+
+def test_the_follower_gets_the_request_and_status_before_the_client_gets_the_reply(
+    followed: tuple[RelayEnv, Recorder],
+) -> None:
+    env, recorder = followed
+    recorder.hold(env)
+    with env.channel() as channel:
+        call = channel.unary_unary(FOLLOWED).future(script(b"echo:stopped"), timeout=10)
+        assert recorder.entered.wait(10), "the follower was not called"
+        # The runtime has answered, but the reply's end waits for the follower.
+        assert not call.done()
+        # Other calls on the same connection are not held up meanwhile.
+        assert unary(channel, OTHER, b"echo:meanwhile", timeout=10).endswith(b"meanwhile")
+        assert not call.done()
+        recorder.open_gate()
+        assert call.result(timeout=10).endswith(b"stopped")
+    ((path, request, status),) = recorder.seen
+    assert path == FOLLOWED
+    assert request is not None
+    assert command_of(request) == b"echo:stopped"
+    assert status == Status.OK
+
+
+def test_a_failed_call_reaches_the_follower_with_its_status(
+    followed: tuple[RelayEnv, Recorder],
+) -> None:
+    env, recorder = followed
+    with env.channel() as channel, pytest.raises(grpc.RpcError) as caught:
+        unary(channel, FOLLOWED, b"error:5:no such container", timeout=10)
+    assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+    ((_, _, status),) = recorder.seen
+    assert status == Status.NOT_FOUND
+
+
+def test_a_request_over_many_frames_is_read_whole(followed: tuple[RelayEnv, Recorder]) -> None:
+    env, recorder = followed
+    command = b"echo:" + b"x" * 200_000  # many DATA frames of the default 16 KiB
+    with env.channel() as channel:
+        assert unary(channel, FOLLOWED, command, timeout=10).endswith(b"x" * 1000)
+    ((_, request, _),) = recorder.seen
+    assert request is not None
+    assert command_of(request) == command
+
+
+def test_a_call_the_client_gives_up_on_while_held_leaves_the_connection_usable(
+    followed: tuple[RelayEnv, Recorder],
+) -> None:
+    env, recorder = followed
+    recorder.hold(env)
+    with env.channel() as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            unary(channel, FOLLOWED, b"echo:late", timeout=1)
+        assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        recorder.open_gate()  # release() after the client's reset sends nothing
+        recorder.gate = None
+        assert unary(channel, FOLLOWED, b"echo:again", timeout=10).endswith(b"again")
+        assert unary(channel, OTHER, b"echo:other", timeout=10).endswith(b"other")
+    assert [status for _, _, status in recorder.seen] == [Status.OK, Status.OK]
