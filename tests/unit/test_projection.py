@@ -34,7 +34,12 @@ from shim.projection import (
 )
 from shim.projection import writer as writer_module
 from shim.projection.content import core_name, describe, render, rfc3339
-from shim.projection.writer import ProjectionPathError, ProjectionWriter, check_name
+from shim.projection.writer import (
+    ProjectionPathError,
+    ProjectionWriter,
+    check_name,
+    on_memory_fs,
+)
 from tests.harness.sysfs import MachineSpec, expected_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1049,3 +1054,37 @@ async def test_the_subscriber_needs_only_the_standard_library_and_anyio(tmp_path
     shim_modules, foreign = rest.split("|")
     assert shim_modules.split() == ["shim", "shim.cpuset", "shim.projection"]
     assert foreign.split() in ([], ["idna"], ["typing_extensions"], ["idna", "typing_extensions"])
+
+
+# --- where the writer writes from ---------------------------------------------------------------
+
+MOUNTINFO = """\
+22 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+25 22 0:21 / /run rw,nosuid,nodev shared:5 - tmpfs tmpfs rw,mode=755
+26 25 0:22 / /run/lock rw,nosuid shared:6 - tmpfs tmpfs rw
+40 25 254:2 / /run/data rw,relatime shared:9 - xfs /dev/vdb rw
+41 22 0:30 / /srv/my\\040dir rw shared:10 - ramfs ramfs rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "memory"),
+    [
+        ("/run/cpushim/projection", True),  # made or not, below the tmpfs
+        ("/run", True),
+        ("/run/data/projection", False),  # a disk mounted below a tmpfs
+        ("/runaway", False),  # a prefix of the name is not a parent
+        ("/var/lib/cpushim", False),
+        ("/srv/my dir/x", True),  # mountinfo escapes spaces as \040
+    ],
+)
+def test_the_writer_writes_inline_only_on_a_memory_file_system(path: str, memory: bool) -> None:
+    assert on_memory_fs(Path(path), MOUNTINFO) is memory
+
+
+def test_this_machines_tmpfs_is_seen(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm here")
+    assert ProjectionWriter(shm / "cpushim-not-made").inline
+    assert ProjectionWriter(tmp_path, inline=False).inline is False
