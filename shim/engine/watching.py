@@ -326,6 +326,10 @@ class Watcher:
     async def check_state(self) -> None:
         """Rewrite ``state.json`` from memory when it is not what cpushim last wrote."""
         checkpoint = self.engine.checkpoint
+        # Most events are cpushim's own writes: those need neither the lock nor a rewrite.
+        found = await asyncio.to_thread(checkpoint.on_disk)
+        if found is not None and found == checkpoint.last_written:
+            return
         async with self.engine.lock:
             found = await asyncio.to_thread(checkpoint.on_disk)
             if found is not None and found == checkpoint.last_written:
