@@ -36,11 +36,6 @@ TWO = ONE.assign(
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def no_umask() -> Iterator[None]:
     """umask 0, so the modes seen are the ones cpushim asks for, not the umask's doing."""
     old = os.umask(0)

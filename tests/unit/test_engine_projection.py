@@ -32,11 +32,6 @@ NEVER = 3600.0
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
         environment = await make_env(

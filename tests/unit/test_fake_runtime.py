@@ -28,11 +28,6 @@ M = TypeVar("M", bound=Message)
 RUNTIME = "/runtime.v1.RuntimeService/"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Client:
     def __init__(self, endpoint: str) -> None:
         self.channel = RuntimeChannel(endpoint)

@@ -37,11 +37,6 @@ START = RUNTIME + "StartContainer"  # terminated at the relay by the passthrough
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
     async with FakeRuntime() as fake:
         environment = await make_env(fake, tmp_path / "state")

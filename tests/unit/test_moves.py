@@ -30,11 +30,6 @@ pytestmark = pytest.mark.anyio
 NEVER = 3600.0
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def cgroup_env(tmp_path: Path, fake: FakeRuntime, record_delay: float) -> Env:
     return await make_env(
         fake, tmp_path / "state", options=EngineOptions(record_delay=record_delay)

@@ -60,11 +60,6 @@ EARLY_NS = 1_000_000  # a clock 1 ms after the epoch: fresh generations start at
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def tmpfs_path(tmp_path: Path) -> Iterator[Path]:
     """A directory on tmpfs when there is one, as /run is where cpushim writes."""
     shm = Path("/dev/shm")

@@ -31,11 +31,6 @@ from tests.unit.engine_env import (
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class Reloading:
     env: Env
