@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from shim.cpuset import CPUSet
+from shim.mountinfo import parse_mountinfo
 
 CPUSET_CPUS = "cpuset.cpus"
 CGROUP_EVENTS = "cgroup.events"
@@ -53,20 +53,11 @@ class CgroupLayout:
         """The cpuset hierarchy from ``/proc/self/mountinfo``: v1's cpuset mount when there is
         one, else the v2 mount (the top one when v2 is mounted more than once)."""
         unified: list[Path] = []
-        for line in text.splitlines():
-            fields = line.split()
-            if "-" not in fields:
-                continue
-            separator = fields.index("-")
-            if separator < 5 or len(fields) < separator + 3:
-                continue
-            mount_point = Path(_unescape(fields[4]))
-            fstype = fields[separator + 1]
-            super_options = fields[separator + 3].split(",") if len(fields) > separator + 3 else []
-            if fstype == "cgroup" and "cpuset" in super_options:
-                return cls(CgroupVersion.V1, mount_point)
-            if fstype == "cgroup2":
-                unified.append(mount_point)
+        for mount in parse_mountinfo(text):
+            if mount.fstype == "cgroup" and "cpuset" in mount.super_options:
+                return cls(CgroupVersion.V1, mount.point)
+            if mount.fstype == "cgroup2":
+                unified.append(mount.point)
         if unified:
             return cls(CgroupVersion.V2, min(unified, key=lambda p: len(p.parts)))
         raise CgroupError("no cgroup v1 cpuset hierarchy and no cgroup v2 mount in mountinfo")
@@ -146,8 +137,3 @@ def write_cpus(directory: Path, cpus: CPUSet) -> None:
         os.write(fd, str(cpus).encode() or b"\n")
     finally:
         os.close(fd)
-
-
-def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as three octal digits."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)

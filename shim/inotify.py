@@ -31,6 +31,10 @@ IN_MOVE_SELF: Final[int] = pyinotify.IN_MOVE_SELF
 IN_IGNORED: Final[int] = pyinotify.IN_IGNORED
 IN_Q_OVERFLOW: Final[int] = pyinotify.IN_Q_OVERFLOW
 
+# On a directory: every way a file in it is written, replaced by rename, made or removed. For
+# files (the state, the config) that editors and cpushim itself replace by rename.
+FILE_CHANGES: Final[int] = IN_CLOSE_WRITE | IN_MOVED_TO | IN_MOVED_FROM | IN_DELETE | IN_CREATE
+
 
 @dataclass(frozen=True)
 class Event:

@@ -22,11 +22,7 @@ from typing import TYPE_CHECKING
 
 from shim.config import ConfigError, reload_options
 from shim.inotify import (
-    IN_CLOSE_WRITE,
-    IN_CREATE,
-    IN_DELETE,
-    IN_MOVED_FROM,
-    IN_MOVED_TO,
+    FILE_CHANGES,
     Event,
     Subscription,
     WatchError,
@@ -48,9 +44,6 @@ POLICY_FIELDS = frozenset(
 LIVE_FIELDS = frozenset({"failure_policy", "log_level", "resync_period"})
 # Where the options came from, not what they say.
 _PROVENANCE = frozenset({"config_path", "cli_overrides"})
-
-# Every way a file can be written, replaced or removed in a directory.
-_EVENTS = IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_MOVED_FROM
 
 
 class ConfigReloader:
@@ -83,7 +76,9 @@ class ConfigReloader:
                 self.watcher.jobs.request("config", self.reload)
 
         try:
-            self._subscription = self.watcher.inotify.subscribe(str(directory), _EVENTS, on_event)
+            self._subscription = self.watcher.inotify.subscribe(
+                str(directory), FILE_CHANGES, on_event
+            )
         except WatchError as exc:
             self.engine.counters["watch_errors"] += 1
             log.warning(

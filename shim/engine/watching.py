@@ -32,15 +32,14 @@ from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
 from shim.engine.core import Engine
 from shim.engine.tracked import Phase, Tracked
 from shim.inotify import (
+    FILE_CHANGES,
     IN_CLOSE_WRITE,
-    IN_CREATE,
     IN_DELETE,
     IN_DELETE_SELF,
     IN_IGNORED,
     IN_MODIFY,
     IN_MOVE_SELF,
     IN_MOVED_FROM,
-    IN_MOVED_TO,
     Event,
     Inotify,
     Subscription,
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RESYNC_PERIOD = 300.0
 
-_STATE_EVENTS = IN_CLOSE_WRITE | IN_MOVED_TO | IN_MOVED_FROM | IN_DELETE | IN_CREATE
 _GONE_EVENTS = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
 
 
@@ -309,7 +307,7 @@ class Watcher:
 
         try:
             self._state_watch = self.inotify.subscribe(
-                str(directory), _STATE_EVENTS | _GONE_EVENTS, on_event
+                str(directory), FILE_CHANGES | _GONE_EVENTS, on_event
             )
         except WatchError as exc:
             self.counters["watch_errors"] += 1

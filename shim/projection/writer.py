@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Final
 
 from shim.cpuset import CPUSet
+from shim.mountinfo import parse_mountinfo
 from shim.projection import CPUS_FILE, STATE_FILE, Pool, Projection, ProjectionError, parse
 from shim.projection.content import describe, render, rfc3339, same_state
 from shim.topology import Topology
@@ -500,15 +501,9 @@ def on_memory_fs(path: Path, mountinfo: str | None = None) -> bool:
     # Symlinks in the part that exists are followed; the rest is taken as written.
     target = Path(os.path.realpath(path))
     best, best_type = "", ""
-    for line in mountinfo.splitlines():
-        fields = line.split(" - ", 1)
-        if len(fields) != 2:
-            continue
-        head, tail = fields[0].split(), fields[1].split()
-        if len(head) < 5 or not tail:
-            continue
-        point = head[4].encode().decode("unicode_escape")
+    for mount in parse_mountinfo(mountinfo):
+        point = str(mount.point)
         inside = str(target) == point or str(target).startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):
-            best, best_type = point, tail[0]
+            best, best_type = point, mount.fstype
     return best_type in MEMORY_FILE_SYSTEMS
