@@ -252,7 +252,27 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
+def _narrowest_fit(topology: Topology, avail: int, count: int) -> int:
+    """``avail`` within the one NUMA node, else the one socket, that can hold all ``count``
+    CPUs, the smaller kind of group first, the best fit (fewest free CPUs) among those; or all
+    of ``avail`` when no single group can. Best fit alone would start in the fullest group
+    even when it cannot hold the request and so split it across NUMA nodes."""
+    levels = [topology.numa_masks, topology.socket_masks]
+    if topology.num_sockets > topology.num_numa_nodes:  # sockets are the smaller group
+        levels.reverse()
+    for masks in levels:
+        fitting = [
+            (free, group)
+            for group, mask in masks.items()
+            if (free := (mask & avail).bit_count()) >= count
+        ]
+        if fitting:
+            return avail & masks[min(fitting)[1]]
+    return avail
+
+
 def _take_packed(topology: Topology, avail: int, count: int, spread: bool, uncore: bool) -> int:
+    avail = _narrowest_fit(topology, avail, count)
     acc = _Accumulator(topology, avail, count, spread)
     acc.take_whole_levels()
     if uncore and not acc.satisfied:

@@ -85,6 +85,18 @@ P = CPUSet.parse
         ("4 NUMA: node plus a core", FOUR_NUMA, P("0-39"), 12, PACKED, "0-5,20-25"),
         ("4 NUMA: a socket's worth", FOUR_NUMA, P("0-39"), 20, PACKED, "0-9,20-29"),
         ("4 NUMA: socket plus node", FOUR_NUMA, P("0-39"), 30, PACKED, "0-14,20-34"),
+        # The fullest group cannot hold the request: the best fit among those that can.
+        ("4 NUMA: 3 into one node", FOUR_NUMA, P("4-19,24-39"), 3, PACKED, "5-6,25"),
+        ("socket with one core left", XEON, P("0,12-24,36-47"), 3, PACKED, "12-13,36"),
+        ("full cores into one node", FOUR_NUMA, P("4-19,24-39"), 4, FULL, "5-6,25-26"),
+        (
+            "nothing holds 14: packed",
+            FOUR_NUMA,
+            P("4-9,24-29,35-39"),
+            14,
+            PACKED,
+            "4-9,24-29,35-36",
+        ),
         # Consecutive sibling ids (AMD numbering).
         ("amd: one whole core", EPYC, EPYC.online, 2, PACKED, "0-1"),
         ("amd: packed crosses an L3 boundary", EPYC, EPYC.online - P("0-5"), 4, PACKED, "6-9"),
@@ -302,7 +314,8 @@ def test_corrupt_assignments_are_refused() -> None:
     [
         # Socket 1 has fewer usable CPUs (5 and 23 offline, 7 and 22 isolated): best fit.
         ("avoid", 2, "4,20"),
-        ("avoid", 5, "1,4,6,17,20"),
+        # Socket 1 cannot hold 5, socket 0 can: all 5 from socket 0.
+        ("avoid", 5, "1-3,17-18"),
         ("require", 2, "7,22"),
         ("require", 1, "22"),  # core {6,22} sorts before core {7}
         ("prefer", 2, "7,22"),

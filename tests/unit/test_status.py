@@ -514,8 +514,9 @@ def test_a_narrow_table_drops_columns_before_names_become_unreadable() -> None:
 
     everything = ["TAG", "POD", "CONTAINER", "CONTAINER ID", "ATTEMPT", "NUMA", "CPUS"]
     assert header(100) == everything
-    # One column is enough at 80: the id goes, and the room left goes back to the pod names.
-    assert header(80) == ["TAG", "POD", "CONTAINER", "ATTEMPT", "NUMA", "CPUS"]
+    # One column is enough at 80: the narrowest one that makes room goes, and the room left
+    # goes back to the pod names.
+    assert header(80) == ["TAG", "POD", "CONTAINER", "CONTAINER ID", "NUMA", "CPUS"]
     assert "default/web-7f9c8d6b5-x2k4q" in render_assignments(state, topology, width=80)
     assert header(60) == ["TAG", "POD", "CONTAINER", "NUMA", "CPUS"]
     assert "de../web-7f9c8d6b5-x2k4q" in render_assignments(state, topology, width=60)
