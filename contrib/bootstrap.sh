@@ -4,6 +4,8 @@
 # golang-google-grpc-dev: the e2e tests build a grpc-go client offline from them) and a
 # virtualenv with cpushim and its test tools.
 #   contrib/bootstrap.sh [PYTHON]      (PYTHON defaults to python3; the venv goes to .venv)
+# With WITH_VM=1 it also installs what the VM tests boot their guests with (tests/vm/):
+# QEMU without its GUI recommends, and debootstrap.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,14 +21,26 @@ command -v runc >/dev/null || missing+=(runc)
 if ! command -v go >/dev/null || [ ! -d /usr/share/gocode/src/google.golang.org/grpc ]; then
     missing+=(golang-go golang-google-grpc-dev)
 fi
-if [ ${#missing[@]} -gt 0 ]; then
+vm_missing=()
+if [ "${WITH_VM:-0}" = 1 ]; then
+    command -v qemu-system-x86_64 >/dev/null || vm_missing+=(qemu-system-x86)
+    command -v debootstrap >/dev/null || vm_missing+=(debootstrap)
+fi
+if [ $((${#missing[@]} + ${#vm_missing[@]})) -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
-        echo "bootstrap: need root to install ${missing[*]} (apt-get)" >&2
+        echo "bootstrap: need root to install ${missing[*]} ${vm_missing[*]} (apt-get)" >&2
         exit 1
     fi
-    echo "bootstrap: installing ${missing[*]}" >&2
+    echo "bootstrap: installing ${missing[*]} ${vm_missing[*]}" >&2
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    if [ ${#missing[@]} -gt 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+    if [ ${#vm_missing[@]} -gt 0 ]; then
+        # QEMU's recommends are its GUI and audio stacks; the guests need none of them.
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${vm_missing[@]}" >/dev/null
+    fi
 fi
 
 if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then

@@ -1,0 +1,477 @@
+"""Scenarios that run inside an emulated multi-socket guest (tests/vm/guest_runner.py), each
+checked by what the guest kernel reports: ``Cpus_allowed_list`` and ``Mems_allowed_list`` of
+the container's process and its cgroup's ``cpuset.cpus`` and ``cpuset.mems``.
+
+The file is not named ``test_*.py`` on purpose: the host's pytest never collects it. Every
+scenario runs on every topology; what it expects is computed from the topology the host
+asked QEMU for (``topology.json`` in the results directory), so none is ever skipped.
+
+Each scenario starts its own cpushim (static policy, the topology's reserved CPUs) on a fresh
+state directory in front of the guest's one containerd, and tears its pods down after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shim.cpuset import CPUSet
+from shim.topology import Topology as SysfsTopology
+from tests.harness.containerd import (
+    PrivateContainerd,
+    ServingProcess,
+    ServingProcessError,
+    cpushim_command,
+)
+from tests.harness.images import TEST_IMAGE, build_image
+from tests.harness.kubelet import (
+    ContainerResources,
+    KubeletClient,
+    QoSClass,
+    Sandbox,
+    cpuset_cgroup_of_pid,
+    new_pod_uid,
+    read_status_field,
+)
+from tests.vm.topologies import Topology
+
+MIB = 1024 * 1024
+WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
+CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
+# Under TCG everything is slower than on the host; cpushim's start-up imports dominate.
+CPUSHIM_START_TIMEOUT = 90.0
+CHURN_STEPS = 20
+# Each running shared container is moved on every pinning and release (a runc update).
+MAX_SHARED = 2
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def topology() -> Topology:
+    results = Path(os.environ["CPUSHIM_VM_RESULTS"])
+    data = json.loads((results / "topology.json").read_text())
+    assert isinstance(data, dict)
+    return Topology.from_json(data)
+
+
+@pytest.fixture(scope="session")
+def containerd() -> Iterator[PrivateContainerd]:
+    image = build_image(TEST_IMAGE)
+    with PrivateContainerd(sandbox_image=image.ref, start_timeout=90.0) as instance:
+        instance.import_image(image, timeout=120.0)
+        with KubeletClient(instance.address, log_root=instance.dir / "pod-logs") as probe:
+            probe.wait_ready(timeout=90.0)
+        yield instance
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A started container and what it was asked for (``cpus`` None: a shared container)."""
+
+    name: str
+    sandbox: Sandbox
+    container_id: str
+    pid: int
+    cpus: int | None
+    own_pod: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What the guest kernel says about one container."""
+
+    cpus_allowed: CPUSet
+    mems_allowed: CPUSet
+    cgroup_cpus: CPUSet
+    cgroup_mems: CPUSet
+
+
+class Node:
+    """cpushim in front of the guest's containerd, and a kubelet-shaped client through it.
+
+    Starting cpushim costs seconds of emulated CPU, so one instance serves every scenario
+    that wants the same policy options; a scenario leaves no pod behind (``finish``)."""
+
+    def __init__(self, containerd: PrivateContainerd, directory: Path, topology: Topology):
+        self.containerd = containerd
+        self.directory = directory
+        self.topology = topology
+        self.socket_path = directory / "cpushim.sock"
+        self.state_dir = directory / "state"
+        self.options: tuple[str, ...] | None = None
+        self.process: ServingProcess | None = None
+        self.client: KubeletClient | None = None
+        self.running: dict[str, Running] = {}
+        self.pods: list[Sandbox] = []
+
+    def start(self, *options: str) -> KubeletClient:
+        """A cpushim with these ``--policy-option``s: the running one, or a new one on a
+        fresh state directory once the previous one has stopped (two cpushims in front of
+        one containerd would each adopt the other's containers)."""
+        if self.client is not None and self.options == options:
+            return self.client
+        self.stop_cpushim()
+        self.options = options
+        extra = ["--policy", "static", "--reserved-cpus", str(self.topology.reserved)]
+        for option in options:
+            extra += ["--policy-option", option]
+        directory = self.directory / ("-".join(options) or "default")
+        directory.mkdir()
+        self.socket_path = directory / "cpushim.sock"
+        self.state_dir = directory / "state"
+        self.process = ServingProcess(
+            cpushim_command(
+                f"unix://{self.socket_path}",
+                self.containerd.address,
+                *extra,
+                state_dir=self.state_dir,
+                log_level="info",
+            ),
+            socket_path=self.socket_path,
+            log_path=directory / "cpushim.log",
+        )
+        try:
+            self.process.start(timeout=CPUSHIM_START_TIMEOUT)
+        except ServingProcessError as error:
+            pytest.fail(str(error), pytrace=False)
+        self.client = KubeletClient(
+            f"unix://{self.socket_path}", log_root=self.containerd.dir / "pod-logs", timeout=60
+        )
+        return self.client
+
+    @property
+    def kubelet(self) -> KubeletClient:
+        assert self.client is not None, "start cpushim first"
+        return self.client
+
+    def run(
+        self, name: str, cpus: int | None, qos: QoSClass | None = None, pod: Sandbox | None = None
+    ) -> Running:
+        """A container named ``name``: Guaranteed with ``cpus`` whole CPUs, or a shared one
+        (BestEffort, or Burstable with half a CPU), in a pod of its own unless ``pod`` is
+        given (of the same QoS class)."""
+        if cpus is not None:
+            qos = "guaranteed"
+            milli, memory = cpus * 1000, 32 * MIB
+            resources = ContainerResources(milli, milli, memory, memory)
+        elif qos == "burstable":
+            resources = ContainerResources(500, 0, 16 * MIB, 0)
+        else:
+            qos, resources = "besteffort", ContainerResources()
+        own_pod = pod is None
+        sandbox = pod or self.pod(name, qos)
+        container_id = self.kubelet.create_container(
+            sandbox,
+            name,
+            TEST_IMAGE,
+            WORKLOAD,
+            cpu_milli_request=resources.cpu_milli_request,
+            cpu_milli_limit=resources.cpu_milli_limit,
+            memory_request=resources.memory_request,
+            memory_limit=resources.memory_limit,
+        )
+        self.kubelet.start_container(container_id)
+        pid = self.kubelet.container_pid(container_id)
+        running = Running(name, sandbox, container_id, pid, cpus, own_pod)
+        self.running[name] = running
+        return running
+
+    def pod(self, name: str, qos: QoSClass) -> Sandbox:
+        sandbox = self.kubelet.run_pod_sandbox(name, "default", new_pod_uid(), qos)
+        self.pods.append(sandbox)
+        return sandbox
+
+    def stop(self, running: Running) -> None:
+        """kubelet's order: stop and remove the container, then the sandbox if it was the
+        container's own."""
+        self.kubelet.stop_container(running.container_id, timeout=10)
+        self.kubelet.remove_container(running.container_id)
+        if running.own_pod:
+            self.kubelet.stop_pod_sandbox(running.sandbox.id)
+            self.kubelet.remove_pod_sandbox(running.sandbox.id)
+            self.pods.remove(running.sandbox)
+        del self.running[running.name]
+
+    def finish(self) -> None:
+        """Tears down every pod the scenario ran, through cpushim, which must then hold no
+        exclusive CPUs. Shared pods go first: every release of exclusive CPUs grows each
+        running shared container (a runc update, seconds under emulation)."""
+        self.running.clear()
+        pods, self.pods = self.pods, []
+        if self.client is None:
+            return
+        for sandbox in sorted(pods, key=lambda pod: pod.qos == "guaranteed"):
+            self.client.teardown_pod(sandbox.id)
+        errors = self.client.teardown_all()
+        assert not errors, f"teardown through cpushim failed: {errors}"
+        assert self.checkpoint() == {}, "cpushim still holds CPUs after every pod went"
+
+    def stop_cpushim(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.process is not None:
+            code = self.process.stop(timeout=30)
+            log = self.process.log()
+            self.process = None
+            assert code == 0, f"cpushim exited {code}; its log:\n{log}"
+
+    def checkpoint(self) -> dict[str, CPUSet]:
+        """Container name -> exclusive CPUs, from cpushim's state.json."""
+        body = json.loads((self.state_dir / "state.json").read_text())["body"]
+        return {
+            name: CPUSet.parse(entry["cpus"])
+            for containers in body["assignments"].values()
+            for name, entry in containers.items()
+        }
+
+
+def observe(running: Running) -> Observed:
+    cgroup = CPUSET_ROOT / cpuset_cgroup_of_pid(running.pid).lstrip("/")
+    return Observed(
+        cpus_allowed=CPUSet.parse(read_status_field(running.pid, "Cpus_allowed_list")),
+        mems_allowed=CPUSet.parse(read_status_field(running.pid, "Mems_allowed_list")),
+        cgroup_cpus=CPUSet.parse((cgroup / "cpuset.cpus").read_text()),
+        cgroup_mems=CPUSet.parse((cgroup / "cpuset.mems").read_text()),
+    )
+
+
+@pytest.fixture(scope="session")
+def shared_node(
+    containerd: PrivateContainerd, topology: Topology, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Node]:
+    instance = Node(containerd, tmp_path_factory.mktemp("cpushim"), topology)
+    yield instance
+    instance.stop_cpushim()
+
+
+@pytest.fixture
+def node(shared_node: Node) -> Iterator[Node]:
+    try:
+        yield shared_node
+    finally:
+        shared_node.finish()
+
+
+# -- what every assignment must look like -------------------------------------------------------
+
+
+def nodes_of(topology: Topology, cpus: CPUSet) -> CPUSet:
+    return CPUSet(topology.numa_node_of(cpu) for cpu in cpus)
+
+
+def assert_exclusive(topology: Topology, seen: Observed, count: int) -> CPUSet:
+    """The kernel agrees with itself, the set has the size asked for, keeps off the reserved
+    CPUs, and memory comes from exactly the NUMA nodes of those CPUs."""
+    assert seen.cpus_allowed == seen.cgroup_cpus, seen
+    assert len(seen.cpus_allowed) == count, seen
+    assert not seen.cpus_allowed & topology.reserved, seen
+    nodes = nodes_of(topology, seen.cpus_allowed)
+    assert seen.mems_allowed == nodes, seen
+    assert seen.cgroup_mems == nodes, seen
+    return seen.cpus_allowed
+
+
+def assert_invariants(node: Node) -> None:
+    """ARCHITECTURE.md section 4, from the kernel: exclusive sets are disjoint from each
+    other, from the reserved CPUs and from the shared pool; every shared container sees the
+    same non-empty pool; pool and exclusive sets together are every CPU; cpushim's checkpoint
+    names exactly the exclusive sets the kernel enforces."""
+    topology = node.topology
+    exclusive: dict[str, CPUSet] = {}
+    shared: dict[str, CPUSet] = {}
+    for name, running in node.running.items():
+        seen = observe(running)
+        assert seen.cpus_allowed == seen.cgroup_cpus, (name, seen)
+        if running.cpus is None:
+            shared[name] = seen.cpus_allowed
+        else:
+            exclusive[name] = assert_exclusive(topology, seen, running.cpus)
+    taken = CPUSet()
+    for name, cpus in exclusive.items():
+        assert not cpus & taken, f"{name} {cpus} overlaps another exclusive set: {exclusive}"
+        taken |= cpus
+    pool = topology.cpus - taken
+    assert pool, "the shared pool is empty"
+    assert topology.reserved.issubset(pool)
+    for name, cpus in shared.items():
+        assert cpus == pool, f"shared {name} runs on {cpus}, the pool is {pool} ({exclusive})"
+    assert node.checkpoint() == exclusive
+
+
+def refused(node: Node, name: str, cpus: int, pod: Sandbox) -> grpc.RpcError:
+    """Creates a Guaranteed container that cpushim must refuse; returns the error kubelet
+    would get."""
+    with pytest.raises(grpc.RpcError) as caught:
+        node.run(name, cpus, pod=pod)
+    return caught.value
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+
+def test_the_guest_kernel_sees_the_emulated_topology(topology: Topology) -> None:
+    seen = SysfsTopology.from_sysfs(Path("/sys"))
+    assert seen.online == topology.cpus
+    assert seen.num_sockets == topology.sockets
+    assert seen.num_numa_nodes == topology.numa_node_count
+    assert seen.cpus_per_core == topology.threads_per_core
+    for socket in range(topology.sockets):
+        assert seen.cpus_in_socket(socket) == topology.socket_cpus(socket)
+    for numa_node in range(topology.numa_node_count):
+        assert seen.cpus_in_numa_node(numa_node) == topology.numa_node_cpus(numa_node)
+    for cpu in topology.cpus:
+        assert seen.siblings(cpu) == topology.core_cpus(topology.core_of(cpu))
+
+
+def test_two_cpus_are_one_whole_core_or_two_cores_of_one_numa_node(
+    node: Node, topology: Topology
+) -> None:
+    node.start()
+    cpus = assert_exclusive(topology, observe(node.run("pair", 2)), 2)
+    cores = {topology.core_of(cpu) for cpu in cpus}
+    if topology.smt:
+        assert len(cores) == 1, f"{cpus} are not the threads of one core"
+        assert cpus == topology.core_cpus(cores.pop())
+    else:
+        assert len(nodes_of(topology, cpus)) == 1, f"{cpus} span NUMA nodes"
+    assert_invariants(node)
+
+
+def test_a_socket_sized_request_gets_a_whole_socket_and_its_memory(
+    node: Node, topology: Topology
+) -> None:
+    # The socket with the most free CPUs (the reserved ones sit on socket 0).
+    free = {s: topology.socket_cpus(s) - topology.reserved for s in range(topology.sockets)}
+    socket = max(free, key=lambda s: (len(free[s]), -s))
+    node.start()
+    seen = observe(node.run("socket", len(free[socket])))
+    cpus = assert_exclusive(topology, seen, len(free[socket]))
+    assert cpus == free[socket]
+    socket_nodes = CPUSet(range(socket * topology.numa_nodes_per_socket,
+                                (socket + 1) * topology.numa_nodes_per_socket))  # fmt: skip
+    assert seen.mems_allowed == socket_nodes
+    assert_invariants(node)
+
+
+def test_three_cpus_pack_into_one_numa_node(node: Node, topology: Topology) -> None:
+    node.start()
+    cpus = assert_exclusive(topology, observe(node.run("three", 3)), 3)
+    assert len(nodes_of(topology, cpus)) == 1, f"{cpus} span NUMA nodes"
+    # Packed: as few cores as the SMT level allows (one whole core and a thread, on SMT).
+    cores = {topology.core_of(cpu) for cpu in cpus}
+    assert len(cores) == -(-3 // topology.threads_per_core), f"{cpus} use cores {cores}"
+    assert_invariants(node)
+
+
+def test_shared_containers_never_touch_exclusive_cpus(node: Node, topology: Topology) -> None:
+    node.start()
+    node.run("besteffort", None, "besteffort")
+    node.run("burstable", None, "burstable")
+    assert_invariants(node)
+    # One Guaranteed pod, several containers (pods cost seconds each under emulation).
+    pod = node.pod("pinned", "guaranteed")
+    for index, size in enumerate([2, 3, 1]):
+        node.run(f"pinned-{index}", size, pod=pod)
+        assert_invariants(node)
+    node.stop(node.running["pinned-1"])
+    assert_invariants(node)
+    node.run("pinned-3", 4, pod=pod)
+    assert_invariants(node)
+
+
+def test_reserved_cpus_stay_reserved_when_every_other_cpu_is_taken(
+    node: Node, topology: Topology
+) -> None:
+    node.start()
+    node.run("besteffort", None, "besteffort")
+    pod = node.pod("pinned", "guaranteed")
+    free = len(topology.cpus - topology.reserved)
+    index = 0
+    while free:
+        size = min(4, free)
+        node.run(f"pinned-{index}", size, pod=pod)
+        free -= size
+        index += 1
+    assert_invariants(node)
+    assert observe(node.running["besteffort"]).cpus_allowed == topology.reserved
+    error = refused(node, "one-more", 1, pod)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+    assert_invariants(node)
+
+
+def test_churn_keeps_every_invariant(node: Node, topology: Topology) -> None:
+    """Random creates and stops of containers in two long-lived pods (a Guaranteed one for
+    the pinned containers, a BestEffort one for the shared), as kubelet restarts containers
+    in place; after every step, every invariant holds."""
+    seed = random.randrange(1 << 32)
+    print(f"churn seed {seed}")
+    chance = random.Random(seed)
+    node.start()
+    pinned_pod = node.pod("churn-pinned", "guaranteed")
+    shared_pod = node.pod("churn-shared", "besteffort")
+    node.run("shared", None, pod=shared_pod)
+    allocatable = len(topology.cpus - topology.reserved)
+    for step in range(CHURN_STEPS):
+        pinned = [r for r in node.running.values() if r.cpus is not None]
+        free = allocatable - sum(r.cpus or 0 for r in pinned)
+        if pinned and (chance.random() < 0.4 or free == 0):
+            node.stop(chance.choice(pinned))
+        elif chance.random() < 0.15 and len(node.running) - len(pinned) < MAX_SHARED:
+            node.run(f"shared-{step}", None, pod=shared_pod)
+        else:
+            size = chance.randint(1, 4)
+            if size <= free:
+                node.run(f"pinned-{step}", size, pod=pinned_pod)
+            else:
+                error = refused(node, f"pinned-{step}", size, pinned_pod)
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (seed, error)
+        assert_invariants(node)
+
+
+# Scenarios with policy options last: each options set needs a cpushim of its own.
+
+
+def test_full_pcpus_only_takes_whole_cores_and_refuses_an_odd_request_on_smt(
+    node: Node, topology: Topology
+) -> None:
+    kubelet = node.start("full-pcpus-only")
+    if topology.smt:
+        pod = node.pod("pinned", "guaranteed")
+        error = refused(node, "odd", 3, pod)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        assert "SMT alignment" in str(error.details()), error.details()
+        # Nothing of the refused container was created.
+        assert not kubelet.list_containers().containers
+        even = assert_exclusive(topology, observe(node.run("even", 4, pod=pod)), 4)
+        for cpu in even:
+            assert topology.core_cpus(topology.core_of(cpu)).issubset(even), f"{even} splits a core"
+    else:
+        # Without SMT every core is one CPU: an odd request is whole cores already.
+        assert_exclusive(topology, observe(node.run("odd", 3)), 3)
+    assert_invariants(node)
+
+
+def test_distribute_cpus_across_numa_spreads_evenly_over_the_fewest_nodes(
+    node: Node, topology: Topology
+) -> None:
+    allocatable = len(topology.cpus - topology.reserved)
+    # More than one NUMA node holds, when the machine has more than one.
+    count = min(topology.cpus_per_numa_node + 2, allocatable - 1)
+    node.start("distribute-cpus-across-numa")
+    cpus = assert_exclusive(topology, observe(node.run("spread", count)), count)
+    per_node = [len(cpus & topology.numa_node_cpus(n)) for n in range(topology.numa_node_count)]
+    used = [n for n in per_node if n]
+    fewest = 1 if count <= topology.cpus_per_numa_node else 2
+    assert len(used) == fewest, f"{cpus}: per node {per_node}"
+    assert max(used) - min(used) <= 1, f"{cpus} is not spread evenly: per node {per_node}"
+    assert_invariants(node)
