@@ -27,6 +27,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -308,14 +309,10 @@ def requirements(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
     return [*project["dependencies"], *project["optional-dependencies"]["test"]]
 
 
-def deps_dir(guest_python: str) -> Path:
-    host_python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    if host_python != guest_python:
-        raise AssetError(
-            f"the guest has Python {guest_python} and these tests run on {host_python}: the"
-            f" packages are installed with this Python's pip, so run the VM tests on Python"
-            f" {guest_python}"
-        )
+def deps_dir() -> Path:
+    """cpushim's and the tests' packages for this Python's minor version, which must be the
+    guest's (checked by :func:`guest_assets` once the root is there)."""
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
     wanted = requirements()
 
     def build(directory: Path) -> None:
@@ -326,18 +323,37 @@ def deps_dir(guest_python: str) -> Path:
         )  # fmt: skip
 
     key = _digest(*wanted, "compiled")
-    return _cached(cache_dir() / f"deps-py{guest_python}-{key}", build) / "site"
+    return _cached(cache_dir() / f"deps-py{python}-{key}", build) / "site"
 
 
 def guest_assets(times: StageTimes) -> GuestAssets:
-    with times.stage("kernel"):
-        kernel = kernel_dir()
-    with times.stage("initramfs"):
-        initramfs = initramfs_file(kernel)
-    with times.stage("root file system"):
-        root = root_dir()
-    with times.stage("python packages"):
-        deps = deps_dir(guest_python_version(root))
+    """Every asset, built side by side when not cached (debootstrap is the long pole)."""
+
+    def kernel_and_initramfs() -> tuple[Path, Path]:
+        with times.stage("kernel"):
+            kernel = kernel_dir()
+        with times.stage("initramfs"):
+            return kernel, initramfs_file(kernel)
+
+    def python_packages() -> Path:
+        with times.stage("python packages"):
+            return deps_dir()
+
+    with times.stage("assets, side by side"), ThreadPoolExecutor(max_workers=2) as pool:
+        boot = pool.submit(kernel_and_initramfs)
+        packages = pool.submit(python_packages)
+        with times.stage("root file system"):
+            root = root_dir()
+        kernel, initramfs = boot.result()
+        deps = packages.result()
+    guest_python = guest_python_version(root)
+    host_python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if guest_python != host_python:
+        raise AssetError(
+            f"the guest has Python {guest_python} and these tests run on {host_python}: the"
+            f" packages are installed with this Python's pip, so run the VM tests on Python"
+            f" {guest_python}"
+        )
     return GuestAssets(kernel / "vmlinux", initramfs, root, deps)
 
 
