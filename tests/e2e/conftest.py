@@ -24,14 +24,11 @@ from tests.harness.containerd import (
 )
 from tests.harness.images import TEST_IMAGE, ImageBuildError, build_image, find_busybox
 from tests.harness.kubelet import KubeletClient
+from tests.harness.prerequisites import require
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPUSHIM_START_TIMEOUT = 20.0
 CPUSHIM_STOP_TIMEOUT = 20.0
-
-
-def on_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
 
 
 def missing_prerequisites() -> list[str]:
@@ -50,13 +47,7 @@ def missing_prerequisites() -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def e2e_prerequisites() -> None:
-    missing = missing_prerequisites()
-    if not missing:
-        return
-    reason = "e2e prerequisites missing: " + "; ".join(missing)
-    if on_ci():
-        pytest.fail(f"{reason} (CI=true: e2e tests are mandatory)", pytrace=False)
-    pytest.skip(reason)
+    require("e2e", missing_prerequisites())
 
 
 @pytest.fixture(scope="session")

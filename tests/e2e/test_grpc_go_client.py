@@ -20,7 +20,6 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from shim.cri import runtime_v1_pb2 as pb
-from tests.e2e.conftest import on_ci
 from tests.harness.containerd import PrivateContainerd, ServingProcess, wait_for
 from tests.harness.goclient import (
     INSTALL_HINT,
@@ -33,6 +32,7 @@ from tests.harness.goclient import (
 )
 from tests.harness.images import TEST_IMAGE
 from tests.harness.kubelet import KubeletClient, new_pod_uid
+from tests.harness.prerequisites import on_ci
 
 pytestmark = pytest.mark.e2e
 

@@ -15,15 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.prerequisites import require
 from tests.vm.assets import AssetError, GuestAssets, StageTimes, build_payload, guest_assets
 from tests.vm.machine import Guest, GuestRun, missing_host_tools
 from tests.vm.topologies import TOPOLOGIES
 
 STAGE_TIMES = StageTimes()
-
-
-def on_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
 
 
 def missing_prerequisites() -> list[str]:
@@ -37,13 +34,7 @@ def missing_prerequisites() -> list[str]:
 
 @pytest.fixture(scope="session")
 def vm_prerequisites() -> None:
-    missing = missing_prerequisites()
-    if not missing:
-        return
-    reason = "VM test prerequisites missing: " + "; ".join(missing)
-    if on_ci():
-        pytest.fail(f"{reason} (CI=true: the VM tests are mandatory)", pytrace=False)
-    pytest.skip(reason)
+    require("VM", missing_prerequisites())
 
 
 @pytest.fixture(scope="session")
