@@ -252,27 +252,55 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
-def _narrowest_fit(topology: Topology, avail: int, count: int) -> int:
-    """``avail`` within the one NUMA node, else the one socket, that can hold all ``count``
-    CPUs, the smaller kind of group first, the best fit (fewest free CPUs) among those; or all
-    of ``avail`` when no single group can. Best fit alone would start in the fullest group
-    even when it cannot hold the request and so split it across NUMA nodes."""
+def _within_one_group(topology: Topology, mask: int) -> bool:
+    """Whether ``mask`` lies in one NUMA node and one socket."""
+    return any(mask & ~m == 0 for m in topology.numa_masks.values()) and any(
+        mask & ~m == 0 for m in topology.socket_masks.values()
+    )
+
+
+def _fitting_groups(topology: Topology, avail: int, count: int, uncore: bool) -> list[int]:
+    """Masks of the single NUMA nodes, else single sockets (the smaller kind of group
+    first), that can hold all ``count`` CPUs, best first: those whose whole free cores cover
+    the most of the request (so the choice splits no more cores than need be), then, with
+    ``uncore``, those with a last-level-cache group that holds it all, then best fit (fewest
+    free CPUs), then lowest id."""
+    per_core = topology.cpus_per_core
+    cores_wanted = count // per_core
     levels = [topology.numa_masks, topology.socket_masks]
-    if topology.num_sockets > topology.num_numa_nodes:  # sockets are the smaller group
+    if topology.num_sockets > topology.num_numa_nodes:
         levels.reverse()
     for masks in levels:
-        fitting = [
-            (free, group)
-            for group, mask in masks.items()
-            if (free := (mask & avail).bit_count()) >= count
-        ]
-        if fitting:
-            return avail & masks[min(fitting)[1]]
-    return avail
+        ranked = []
+        for group, mask in masks.items():
+            free = mask & avail
+            if free.bit_count() < count:
+                continue
+            whole_cores = whole_cores_mask(topology, free).bit_count() // per_core
+            one_cache = uncore and any(
+                (free & cache).bit_count() >= count for cache in topology.uncore_masks.values()
+            )
+            ranked.append((-min(whole_cores, cores_wanted), not one_cache, free.bit_count(), group))
+        if ranked:
+            return [masks[group] for *_, group in sorted(ranked)]
+    return []
 
 
 def _take_packed(topology: Topology, avail: int, count: int, spread: bool, uncore: bool) -> int:
-    avail = _narrowest_fit(topology, avail, count)
+    chosen = _take_packed_from(topology, avail, count, spread, uncore)
+    if _within_one_group(topology, chosen):
+        return chosen
+    # Best fit started in a group that could not hold the whole request. When one NUMA node
+    # (or socket) can, take it all from there instead of spreading over two.
+    groups = _fitting_groups(topology, avail, count, uncore)
+    if not groups:
+        return chosen
+    return _take_packed_from(topology, avail & groups[0], count, spread, uncore)
+
+
+def _take_packed_from(
+    topology: Topology, avail: int, count: int, spread: bool, uncore: bool
+) -> int:
     acc = _Accumulator(topology, avail, count, spread)
     acc.take_whole_levels()
     if uncore and not acc.satisfied:

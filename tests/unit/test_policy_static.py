@@ -89,6 +89,11 @@ P = CPUSet.parse
         ("4 NUMA: 3 into one node", FOUR_NUMA, P("4-19,24-39"), 3, PACKED, "5-6,25"),
         ("socket with one core left", XEON, P("0,12-24,36-47"), 3, PACKED, "12-13,36"),
         ("full cores into one node", FOUR_NUMA, P("4-19,24-39"), 4, FULL, "5-6,25-26"),
+        # ... but a result already inside one node stays as best fit made it: whole cores
+        # elsewhere beat lone threads, and a whole L3 group beats two halves.
+        ("one node already: whole core", FOUR_NUMA, P("0-1,5-19,25-39"), 2, PACKED, "5,25"),
+        ("one node already: cores", FOUR_NUMA, P("0-3,5-19,25-39"), 4, PACKED, "5-6,25-26"),
+        ("one node already: one L3", EPYC, P("3-12,64-127"), 8, UNCORE, "64-71"),
         (
             "nothing holds 14: packed",
             FOUR_NUMA,
