@@ -7,7 +7,12 @@
 #   contrib/test.sh [pytest arguments] only pytest on Python 3.11, with these arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WITH_VM=1 contrib/bootstrap.sh
+# The VM tests' packages need root to install; without root those tests skip (off CI).
+if [ "$(id -u)" -eq 0 ]; then
+    WITH_VM=1 contrib/bootstrap.sh
+else
+    contrib/bootstrap.sh
+fi
 
 stage() {
     local name=$1 started=$SECONDS

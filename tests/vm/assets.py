@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.harness.images import find_busybox
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GUEST_DIR = Path(__file__).resolve().parent
 
@@ -239,7 +241,8 @@ def build_initramfs(kernel: Path, busybox: Path, init_script: bytes) -> bytes:
 
 
 def initramfs_file(kernel: Path) -> Path:
-    busybox = Path("/bin/busybox")
+    # A static busybox: the initramfs has no libc for a dynamic one to load.
+    busybox = find_busybox()
     init_script = (GUEST_DIR / "initramfs-init.sh").read_bytes()
     key = _digest(kernel.name, init_script, busybox.read_bytes(), *GUEST_MODULES)
 

@@ -90,10 +90,6 @@ class Guests:
             self._fill()
         return run
 
-    def kill_all(self) -> None:
-        for guest in self.running:
-            guest.kill()
-
 
 def selected_topologies(session: pytest.Session) -> list[str]:
     names: list[str] = []
@@ -120,11 +116,12 @@ def vm_guests(
         for name in names
     ]
     parallel = int(os.environ.get("CPUSHIM_VM_PARALLEL", str(len(guests))))
-    instance = Guests(guests, parallel)
     try:
+        instance = Guests(guests, parallel)
         yield instance
     finally:
-        instance.kill_all()
+        for guest in guests:
+            guest.kill()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -6,8 +6,8 @@ The file is not named ``test_*.py`` on purpose: the host's pytest never collects
 scenario runs on every topology; what it expects is computed from the topology the host
 asked QEMU for (``topology.json`` in the results directory), so none is ever skipped.
 
-Each scenario starts its own cpushim (static policy, the topology's reserved CPUs) on a fresh
-state directory in front of the guest's one containerd, and tears its pods down after.
+Scenarios with the same policy options share one cpushim (static policy, the topology's
+reserved CPUs) in front of the guest's one containerd; each tears its pods down after.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,8 +125,9 @@ class Node:
         extra = ["--policy", "static", "--reserved-cpus", str(self.topology.reserved)]
         for option in options:
             extra += ["--policy-option", option]
-        directory = self.directory / ("-".join(options) or "default")
-        directory.mkdir()
+        directory = Path(
+            tempfile.mkdtemp(prefix=f"{'-'.join(options) or 'default'}-", dir=self.directory)
+        )
         self.socket_path = directory / "cpushim.sock"
         self.state_dir = directory / "state"
         self.process = ServingProcess(

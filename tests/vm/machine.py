@@ -9,19 +9,25 @@ fails its test and never the CI run's budget.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+from tests.harness.images import ImageBuildError, find_busybox
 from tests.vm.assets import GuestAssets
 from tests.vm.topologies import Topology
 
 QEMU = "qemu-system-x86_64"
+PR_SET_PDEATHSIG = 1
 QBOOT = Path("/usr/share/qemu/qboot.rom")
 KERNEL_COMMAND_LINE = (
     # panic=-1 reboots at once on a panic (a dying init included), which ends QEMU.
@@ -42,8 +48,10 @@ def missing_host_tools() -> list[str]:
     ]
     if not QBOOT.exists():
         missing.append(f"{QBOOT} (Debian: qemu-system-data)")
-    if not Path("/bin/busybox").exists():
-        missing.append("/bin/busybox (Debian: busybox-static)")
+    try:
+        find_busybox()
+    except ImageBuildError as error:
+        missing.append(str(error))
     return missing
 
 
@@ -112,11 +120,31 @@ class GuestRun:
         return "\n".join(text.splitlines()[-lines:])
 
 
+def _die_with_parent() -> None:
+    """In the QEMU child before exec: the kernel kills it when pytest dies, so a cancelled
+    run (SIGTERM, SIGKILL) leaves no guest running on the machine."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_T = TypeVar("_T")
+
+
+def _read_or_none(path: Path, parse: Callable[[str], _T]) -> _T | None:
+    """A result file, or None when it is missing or torn (a guest killed mid-write)."""
+    try:
+        return parse(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def read_junit(path: Path) -> list[ScenarioResult]:
-    if not path.exists():
+    try:
+        root = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
         return []
     scenarios: list[ScenarioResult] = []
-    for case in ElementTree.parse(path).getroot().iter("testcase"):
+    for case in root.iter("testcase"):
         outcome, message = "passed", ""
         for kind in ("failure", "error", "skipped"):
             element = case.find(kind)
@@ -156,7 +184,11 @@ class Guest:
         self._started_wall = time.time()
         with (self.results / "qemu.log").open("wb") as log:
             self._process = subprocess.Popen(
-                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                preexec_fn=_die_with_parent,
             )
 
     def result(self) -> GuestRun:
@@ -174,12 +206,11 @@ class Guest:
             process.wait()
         seconds = time.monotonic() - self._started
         exit_file = self.results / "exit-code"
-        exit_code = int(exit_file.read_text()) if exit_file.exists() else None
-        if exit_file.exists():
+        exit_code = _read_or_none(exit_file, int)
+        if exit_code is not None:
             # The guest may have ended well before anyone asked: its last write tells when.
             seconds = min(seconds, exit_file.stat().st_mtime - self._started_wall)
-        timings_file = self.results / "timings.json"
-        timings = json.loads(timings_file.read_text()) if timings_file.exists() else {}
+        timings = _read_or_none(self.results / "timings.json", json.loads) or {}
         self._run = GuestRun(
             self.topology,
             self.results,

@@ -64,5 +64,9 @@ def test_every_scenario_passes_in_the_guest(topology_name: str, vm_guests: Guest
         )
     ran = {scenario.name: scenario.outcome for scenario in run.scenarios}
     expected = {scenario: "passed" for scenario in scenario_names()}
-    assert ran == expected, describe(run)
-    assert run.exit_code == 0, describe(run)
+    if ran != expected or run.exit_code != 0:
+        pytest.fail(
+            f"{describe(run)}\nguest pytest exit code {run.exit_code}; console:\n"
+            f"{run.console_tail()}",
+            pytrace=False,
+        )
