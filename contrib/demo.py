@@ -41,7 +41,12 @@ from tests.harness.containerd import (  # noqa: E402
     cpushim_command,
 )
 from tests.harness.images import TEST_IMAGE, ImageBuildError, build_image  # noqa: E402
-from tests.harness.kubelet import KubeletClient, QoSClass, new_pod_uid  # noqa: E402
+from tests.harness.kubelet import (  # noqa: E402
+    ContainerResources,
+    KubeletClient,
+    QoSClass,
+    new_pod_uid,
+)
 
 MIB = 1024 * 1024
 WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
@@ -100,10 +105,9 @@ def start_pod(client: KubeletClient, spec: DemoPod) -> Running:
         spec.container,
         TEST_IMAGE,
         WORKLOAD,
-        cpu_milli_request=spec.cpu_milli_request,
-        cpu_milli_limit=spec.cpu_milli_limit,
-        memory_request=spec.memory,
-        memory_limit=spec.memory,
+        resources=ContainerResources(
+            spec.cpu_milli_request, spec.cpu_milli_limit, spec.memory, spec.memory
+        ),
     )
     client.start_container(container_id)
     return Running(spec, container_id)

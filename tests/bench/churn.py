@@ -34,7 +34,7 @@ from tests.harness.containerd import (
     cpushim_command,
 )
 from tests.harness.images import build_image
-from tests.harness.kubelet import KubeletClient, new_pod_uid
+from tests.harness.kubelet import ContainerResources, KubeletClient, new_pod_uid
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
@@ -82,10 +82,7 @@ def churn(
                 "main",
                 image,
                 WORKLOAD,
-                cpu_milli_request=1000,
-                cpu_milli_limit=1000,
-                memory_request=32 * MIB,
-                memory_limit=32 * MIB,
+                resources=ContainerResources(1000, 1000, 32 * MIB, 32 * MIB),
             )
         with timed("StartContainer"):
             client.start_container(container_id)

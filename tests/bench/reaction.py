@@ -36,7 +36,7 @@ from tests.harness.containerd import (
     wait_for,
 )
 from tests.harness.images import build_image
-from tests.harness.kubelet import KubeletClient, Sandbox, new_pod_uid
+from tests.harness.kubelet import ContainerResources, KubeletClient, Sandbox, new_pod_uid
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
@@ -71,10 +71,7 @@ def pinned(client: KubeletClient, image: str, index: int) -> tuple[Sandbox, str]
         "main",
         image,
         WORKLOAD,
-        cpu_milli_request=1000,
-        cpu_milli_limit=1000,
-        memory_request=32 * MIB,
-        memory_limit=32 * MIB,
+        resources=ContainerResources(1000, 1000, 32 * MIB, 32 * MIB),
     )
     client.start_container(container_id)
     return sandbox, container_id

@@ -163,10 +163,7 @@ def run_pod(
         "main",
         TEST_IMAGE,
         WORKLOAD,
-        cpu_milli_request=resources.cpu_milli_request,
-        cpu_milli_limit=resources.cpu_milli_limit,
-        memory_request=resources.memory_request,
-        memory_limit=resources.memory_limit,
+        resources=resources,
     )
     return sandbox, container_id
 
@@ -220,10 +217,7 @@ def test_pinning_moves_shared_containers_before_create_and_back_before_stop_retu
             "main",
             TEST_IMAGE,
             WORKLOAD,
-            cpu_milli_request=1000,
-            cpu_milli_limit=1000,
-            memory_request=32 * MIB,
-            memory_limit=32 * MIB,
+            resources=ONE_CPU,
         )
     )
     assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -243,10 +237,7 @@ def test_pinning_moves_shared_containers_before_create_and_back_before_stop_retu
         "main",
         TEST_IMAGE,
         WORKLOAD,
-        cpu_milli_request=1000,
-        cpu_milli_limit=1000,
-        memory_request=32 * MIB,
-        memory_limit=32 * MIB,
+        resources=ONE_CPU,
     )
     kubelet.start_container(retried_id)
     assert_kernel(kubelet.kernel_cpus(retried_id), "1")
@@ -275,7 +266,7 @@ def test_sigkill_and_restart_keep_every_assignment(
     late_pod = kubelet.run_pod_sandbox("late", "default", new_pod_uid(), "guaranteed")
     error = rpc_error(
         lambda: kubelet.create_container(
-            late_pod, "main", TEST_IMAGE, WORKLOAD, cpu_milli_request=1000, cpu_milli_limit=1000
+            late_pod, "main", TEST_IMAGE, WORKLOAD, resources=ContainerResources(1000, 1000)
         )
     )
     assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED

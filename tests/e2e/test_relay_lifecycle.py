@@ -222,10 +222,7 @@ def _lifecycle(client: KubeletClient, events: EventCollector) -> Transcript:
             "main",
             TEST_IMAGE,
             WORKLOAD,
-            cpu_milli_request=GUARANTEED_ONE_CPU.cpu_milli_request,
-            cpu_milli_limit=GUARANTEED_ONE_CPU.cpu_milli_limit,
-            memory_request=GUARANTEED_ONE_CPU.memory_request,
-            memory_limit=GUARANTEED_ONE_CPU.memory_limit,
+            resources=GUARANTEED_ONE_CPU,
         )
         normaliser.name(container_id, "<container-id>")
         created = client.container_status(container_id)

@@ -485,10 +485,7 @@ class KubeletClient:
         command: Sequence[str],
         args: Sequence[str] = (),
         *,
-        cpu_milli_request: int = 0,
-        cpu_milli_limit: int = 0,
-        memory_request: int = 0,
-        memory_limit: int = 0,
+        resources: ContainerResources = ContainerResources(),
         attempt: int = 0,
         envs: Mapping[str, str] | None = None,
         timeout: float | None = None,
@@ -504,9 +501,7 @@ class KubeletClient:
             image,
             command,
             args,
-            resources=ContainerResources(
-                cpu_milli_request, cpu_milli_limit, memory_request, memory_limit
-            ),
+            resources=resources,
             attempt=attempt,
             envs=envs,
             image_id=status.image.id,

@@ -176,10 +176,7 @@ class Node:
             name,
             TEST_IMAGE,
             WORKLOAD,
-            cpu_milli_request=resources.cpu_milli_request,
-            cpu_milli_limit=resources.cpu_milli_limit,
-            memory_request=resources.memory_request,
-            memory_limit=resources.memory_limit,
+            resources=resources,
         )
         self.kubelet.start_container(container_id)
         pid = self.kubelet.container_pid(container_id)
