@@ -1,0 +1,114 @@
+"""The inotify adapter: one kernel watch per path, many subscribers, events read straight."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shim import inotify
+from shim.inotify import Event, Inotify, parse_events
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def watcher() -> AsyncIterator[Inotify]:
+    overflows: list[None] = []
+    watching = Inotify(on_overflow=lambda: overflows.append(None))
+    watching.start()
+    yield watching
+    watching.close()
+
+
+async def until(condition: object, within: float = 5.0) -> None:
+    assert callable(condition)
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+
+
+async def test_two_subscribers_share_one_kernel_watch(watcher: Inotify, tmp_path: Path) -> None:
+    writes: list[Event] = []
+    removals: list[Event] = []
+    first = watcher.subscribe(str(tmp_path), inotify.IN_CLOSE_WRITE, writes.append)
+    watcher.subscribe(str(tmp_path), inotify.IN_DELETE, removals.append)
+    assert watcher.watch_count == 1
+    assert watcher.subscription_count == 2
+
+    (tmp_path / "a").write_text("x")
+    (tmp_path / "a").unlink()
+    await until(lambda: writes and removals)
+    assert [e.name for e in writes] == ["a"]
+    assert [e.name for e in removals] == ["a"]
+
+    watcher.unsubscribe(first)
+    assert watcher.watch_count == 1
+    (tmp_path / "b").write_text("x")
+    (tmp_path / "b").unlink()
+    await until(lambda: len(removals) == 2)
+    assert [e.name for e in writes] == ["a"]
+
+
+async def test_every_rename_is_delivered(watcher: Inotify, tmp_path: Path) -> None:
+    arrived: list[str] = []
+    # Both halves: the kernel merges a queued event with an identical one before it, and two
+    # IN_MOVED_TO of the same name differ only in the cookie, which it does not compare.
+    watcher.subscribe(
+        str(tmp_path),
+        inotify.IN_MOVED_FROM | inotify.IN_MOVED_TO,
+        lambda e: arrived.append(e.name) if e.mask & inotify.IN_MOVED_TO else None,
+    )
+    # As cpushim writes its checkpoint and projections: a temporary file renamed over the
+    # real one, many times.
+    for index in range(300):
+        temporary = tmp_path / f".state.json.{index}.tmp"
+        temporary.write_text(str(index))
+        os.replace(temporary, tmp_path / "state.json")
+    await until(lambda: len(arrived) == 300)
+    assert set(arrived) == {"state.json"}
+
+
+async def test_the_last_unsubscribe_drops_the_kernel_watch(
+    watcher: Inotify, tmp_path: Path
+) -> None:
+    subscription = watcher.subscribe(str(tmp_path), inotify.IN_CREATE, lambda e: None)
+    watcher.unsubscribe(subscription)
+    assert watcher.watch_count == 0
+    assert watcher.subscription_count == 0
+
+
+async def test_a_missing_path_is_a_watch_error(watcher: Inotify, tmp_path: Path) -> None:
+    with pytest.raises(inotify.WatchError, match="cannot watch"):
+        watcher.subscribe(str(tmp_path / "absent"), inotify.IN_CREATE, lambda e: None)
+    assert watcher.watch_count == 0
+
+
+async def test_a_removed_directory_drops_its_watch(watcher: Inotify, tmp_path: Path) -> None:
+    directory = tmp_path / "cgroup"
+    directory.mkdir()
+    seen: list[Event] = []
+    watcher.subscribe(str(directory), inotify.IN_CREATE, seen.append)
+    directory.rmdir()
+    await until(lambda: any(e.mask & inotify.IN_IGNORED for e in seen))
+    assert watcher.watch_count == 0
+    # Watched again once it is back, under a new kernel watch.
+    directory.mkdir()
+    watcher.subscribe(str(directory), inotify.IN_CREATE, seen.append)
+    (directory / "cpuset.cpus").write_text("0")
+    await until(lambda: any(e.name == "cpuset.cpus" for e in seen))
+
+
+def test_events_are_parsed_with_their_padded_names() -> None:
+    def raw(wd: int, mask: int, name: bytes, padded: int) -> bytes:
+        return struct.pack("iIII", wd, mask, 7, padded) + name.ljust(padded, b"\0")
+
+    data = raw(1, inotify.IN_MOVED_TO, b"state.json", 16) + raw(-1, inotify.IN_Q_OVERFLOW, b"", 0)
+    assert parse_events(data) == [
+        (1, inotify.IN_MOVED_TO, "state.json"),
+        (-1, inotify.IN_Q_OVERFLOW, ""),
+    ]
