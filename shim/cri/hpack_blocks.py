@@ -22,7 +22,10 @@ _STATIC_TABLE_LEN = 61
 _STATIC_PATH_INDEXES = {4: b"/", 5: b"/index.html"}
 _MAX_HEADER_LIST = 16 * 1024 * 1024
 _GRPC_STATUS = b"grpc-status"
-_GRPC_STATUS_HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(_GRPC_STATUS)
+_HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
+_GRPC_STATUS_HUFFMAN = _HUFFMAN.encode(_GRPC_STATUS)
+# Header names looked up by block_value, Huffman-encoded.
+_huffman_names: dict[bytes, bytes] = {}
 # Trailer blocks repeat (one per status and message), so the status of each is looked up.
 _status_cache: dict[bytes, int | None] = {}
 _STATUS_CACHE_SIZE = 1024
@@ -190,10 +193,30 @@ def grpc_status(block: bytes) -> int | None:
 
 
 def _scan_status(block: bytes) -> int | None:
+    value = _scan_value(block, _GRPC_STATUS, _GRPC_STATUS_HUFFMAN)
+    if value is None:
+        return None
+    return int(value) if value.isdigit() and len(value) < 6 else None
+
+
+def block_value(block: bytes, name: bytes) -> bytes | None:
+    """The value of a header that has no static table entry (``grpc-encoding``) in a
+    self-contained block, found without decoding the other fields; None when it has none.
+    HeaderBlockError when the block is malformed."""
+    encoded = _huffman_names.get(name)
+    if encoded is None:
+        encoded = _huffman_names[name] = _HUFFMAN.encode(name)
+    try:
+        return _scan_value(block, name, encoded)
+    except (IndexError, hpack.HPACKDecodingError) as exc:
+        raise HeaderBlockError(f"cannot read header block: {exc}") from exc
+
+
+def _scan_value(block: bytes, name: bytes, name_huffman: bytes) -> bytes | None:
     pos, end = 0, len(block)
     while pos < end:
         first = block[pos]
-        if first & 0x80:  # indexed field: no static entry is grpc-status
+        if first & 0x80:  # indexed field: the names looked up here have no static entry
             index, pos = _read_int(block, pos, 7)
             if index > _STATIC_TABLE_LEN:
                 return None
@@ -202,18 +225,16 @@ def _scan_status(block: bytes) -> int | None:
             _, pos = _read_int(block, pos, 5)
             continue
         name_index, pos = _read_int(block, pos, 6 if first & 0x40 else 4)
-        is_status = False
+        found = False
         if name_index:
             if name_index > _STATIC_TABLE_LEN:
                 return None
         else:
             huffman, start, pos = _string_span(block, pos)
-            name = block[start:pos]
-            is_status = name == (_GRPC_STATUS_HUFFMAN if huffman else _GRPC_STATUS)
+            found = block[start:pos] == (name_huffman if huffman else name)
         huffman, start, pos = _string_span(block, pos)
-        if is_status:
-            value = decode_huffman(block[start:pos]) if huffman else block[start:pos]
-            return int(value) if value.isdigit() and len(value) < 6 else None
+        if found:
+            return decode_huffman(block[start:pos]) if huffman else block[start:pos]
     return None
 
 

@@ -38,6 +38,7 @@ from shim.cri.hpack_blocks import (
     Header,
     HeaderBlockError,
     RequestBlockReader,
+    block_value,
     decode_block,
     encode_block,
     grpc_status,
@@ -446,8 +447,9 @@ class Splice:
         if path is not None and self._followed_paths is not None and self._followed_paths(path):
             headers = self._reader.last_headers
             if headers is None:
-                headers = decode_block(block)
-            encoding = header_value(headers, b"grpc-encoding")
+                encoding = block_value(block, b"grpc-encoding")
+            else:
+                encoding = header_value(headers, b"grpc-encoding")
             self._following[sid] = _Followed(path, encoding)
         self._out_upstream.extend(raws)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 from google.protobuf.message import DecodeError
 
 from shim import cgroups
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 def pid_of(verbose_info: str) -> int:
     """The process id in a ContainerStatus verbose ``info`` document; 0 when it has none."""
     try:
-        pid = json.loads(verbose_info).get("pid", 0) if verbose_info else 0
+        pid = orjson.loads(verbose_info).get("pid", 0) if verbose_info else 0
     except (ValueError, AttributeError):
         return 0
     return pid if isinstance(pid, int) and pid > 0 else 0
@@ -205,7 +205,7 @@ class Mover:
         if self.layout is None or not verbose_info:
             return None
         try:
-            spec = json.loads(verbose_info).get("runtimeSpec", {})
+            spec = orjson.loads(verbose_info).get("runtimeSpec", {})
             path = spec.get("linux", {}).get("cgroupsPath", "")
             return self.layout.container_dir(path) if isinstance(path, str) and path else None
         except (ValueError, AttributeError, CgroupError) as exc:

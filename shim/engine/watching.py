@@ -254,7 +254,8 @@ class Watcher:
         async with tracked.write_lock:
             if tracked.phase is not Phase.RUNNING:
                 return
-            alive, current = await asyncio.to_thread(_look, directory)
+            # cgroupfs answers from memory: a worker thread would cost more than the reads.
+            alive, current = _look(directory)
             if not alive:
                 gone = True
             else:
@@ -281,7 +282,7 @@ class Watcher:
             },
         )
         try:
-            await asyncio.to_thread(cgroups.write_cpus, tracked.cgroup, cpus)
+            cgroups.write_cpus(tracked.cgroup, cpus)
             tracked.applied = cpus
         except OSError as exc:
             log.info(
@@ -324,12 +325,13 @@ class Watcher:
     async def check_state(self) -> None:
         """Rewrite ``state.json`` from memory when it is not what cpushim last wrote."""
         checkpoint = self.engine.checkpoint
-        # Most events are cpushim's own writes: those need neither the lock nor a rewrite.
-        found = await asyncio.to_thread(checkpoint.on_disk)
+        # Most events are cpushim's own writes: those need neither the lock nor a rewrite. The
+        # file was just written (page cache, a few kilobytes), so it is read on the loop.
+        found = checkpoint.on_disk()
         if found is not None and found == checkpoint.last_written:
             return
         async with self.engine.lock:
-            found = await asyncio.to_thread(checkpoint.on_disk)
+            found = checkpoint.on_disk()
             if found is not None and found == checkpoint.last_written:
                 return
             self.counters["state_rewrites"] += 1

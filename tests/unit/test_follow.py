@@ -92,6 +92,18 @@ def test_a_failed_call_reaches_the_follower_with_its_status(
     assert status == Status.NOT_FOUND
 
 
+def test_a_compressed_request_is_read_decompressed(followed: tuple[RelayEnv, Recorder]) -> None:
+    env, recorder = followed
+    command = b"echo:" + b"z" * 4000
+    with grpc.insecure_channel(env.relay_target, compression=grpc.Compression.Gzip) as channel:
+        # Two calls: the first block may predate our zero-size table, the second cannot.
+        for _ in range(2):
+            # The fake runtime (grpclib) cannot decompress; the follower must.
+            with pytest.raises(grpc.RpcError):
+                unary(channel, FOLLOWED, command, timeout=10)
+    assert [command_of(request or b"") for _, request, _ in recorder.seen] == [command] * 2
+
+
 def test_a_request_over_many_frames_is_read_whole(followed: tuple[RelayEnv, Recorder]) -> None:
     env, recorder = followed
     command = b"echo:" + b"x" * 200_000  # many DATA frames of the default 16 KiB
