@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -100,6 +101,13 @@ def churn(
     return wall, grown_after
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process (all its threads) has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # utime and stime are fields 14 and 15 of the line, 12 and 13 after the command name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _until(condition: Callable[[], bool], since: float, deadline: float = 10.0) -> float:
     if condition():
         return 0.0
@@ -153,6 +161,13 @@ def main() -> int:
         walls: dict[str, list[float]] = {"direct": [], "cpushim": []}
         grown: dict[str, list[float]] = {"direct": [], "cpushim": []}
         calls: dict[str, CallTimes] = {"direct": {}, "cpushim": {}}
+        # CPU seconds used during each path's rounds, by cpushim and by containerd.
+        used: dict[str, dict[str, float]] = {
+            label: {"cpushim": 0.0, "containerd": 0.0} for label in walls
+        }
+        assert shim.process is not None
+        assert containerd.pid is not None
+        pids = {"cpushim": shim.process.pid, "containerd": containerd.pid}
         try:
             with (
                 KubeletClient(containerd.address, log_root=log_root) as direct,
@@ -164,9 +179,12 @@ def main() -> int:
                 shared = lambda: cgroup_cpus(direct, shared_id)  # noqa: E731
                 for _ in range(args.rounds):
                     for label, client in (("direct", direct), ("cpushim", via)):
+                        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                         wall, after = churn(
                             client, image.ref, args.pods, shared, full, calls[label]
                         )
+                        for name, pid in pids.items():
+                            used[label][name] += cpu_seconds(pid) - before[name]
                         walls[label].append(wall)
                         grown[label] += after
                 via.teardown_pod(background.id)
@@ -190,6 +208,12 @@ def main() -> int:
         d = statistics.median(took) * 1e3
         c = statistics.median(calls["cpushim"][name]) * 1e3
         print(f"#                      {name:<18} {d:8.2f} {c:8.2f} {c - d:+7.2f}")
+    pods_run = args.pods * args.rounds
+    print(f"# CPU ms per pod:      {'process':<18} {'direct':>8} {'cpushim':>8}")
+    for name in ("cpushim", "containerd"):
+        d = used["direct"][name] / pods_run * 1e3
+        c = used["cpushim"][name] / pods_run * 1e3
+        print(f"#                      {name:<18} {d:8.2f} {c:8.2f}")
     misses = [t for t in grown["cpushim"] if t > 0]
     print(
         f"# cpushim: shared container on {full} when StopContainer returned:"
