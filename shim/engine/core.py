@@ -704,13 +704,26 @@ class Engine:
                 moves.append((tracked, cpus, mems, drop_quota))
         if not moves:
             return
+        # Cgroup writes whose lock is free complete without suspending: done first, one after
+        # another, so other work on the loop cannot slip in ahead of the caller's forward.
+        waiting = []
+        for tracked, cpus, mems, drop_quota in moves:
+            if (
+                self.mover.writes_directly(tracked, mems, drop_quota)
+                and not tracked.write_lock.locked()
+            ):
+                await self._write_cpuset(tracked, cpus, mems, drop_quota)
+            else:
+                waiting.append((tracked, cpus, mems, drop_quota))
+        if not waiting:
+            return
         limit = asyncio.Semaphore(self.options.update_concurrency)
 
         async def move(tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> None:
             async with limit:
                 await self._write_cpuset(tracked, cpus, mems, drop_quota)
 
-        await asyncio.gather(*(move(*m) for m in moves))
+        await asyncio.gather(*(move(*m) for m in waiting))
 
     async def _write_cpuset(
         self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool

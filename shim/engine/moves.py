@@ -78,7 +78,7 @@ class Mover:
     # --- moving -----------------------------------------------------------------------------
 
     async def move(self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> MoveResult:
-        if self._direct(tracked, mems, drop_quota):
+        if self.writes_directly(tracked, mems, drop_quota):
             assert tracked.cgroup is not None
             async with tracked.write_lock:
                 try:
@@ -99,7 +99,8 @@ class Mover:
         return await self.update_through_runtime(tracked, cpus, mems, drop_quota)
 
     @staticmethod
-    def _direct(tracked: Tracked, mems: str, drop_quota: bool) -> bool:
+    def writes_directly(tracked: Tracked, mems: str, drop_quota: bool) -> bool:
+        """Whether a move of this container is a write of its cgroup (else a runtime call)."""
         return (
             tracked.cgroup is not None
             and tracked.phase is Phase.RUNNING

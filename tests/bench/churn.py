@@ -108,6 +108,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_cpu_seconds() -> float:
+    """CPU time every CPU of the machine has spent busy so far (all processes, the kernel)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def _until(condition: Callable[[], bool], since: float, deadline: float = 10.0) -> float:
     if condition():
         return 0.0
@@ -163,7 +170,7 @@ def main() -> int:
         calls: dict[str, CallTimes] = {"direct": {}, "cpushim": {}}
         # CPU seconds used during each path's rounds, by cpushim and by containerd.
         used: dict[str, dict[str, float]] = {
-            label: {"cpushim": 0.0, "containerd": 0.0} for label in walls
+            label: {"cpushim": 0.0, "containerd": 0.0, "machine": 0.0} for label in walls
         }
         assert shim.process is not None
         assert containerd.pid is not None
@@ -180,11 +187,13 @@ def main() -> int:
                 for _ in range(args.rounds):
                     for label, client in (("direct", direct), ("cpushim", via)):
                         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                        before["machine"] = machine_cpu_seconds()
                         wall, after = churn(
                             client, image.ref, args.pods, shared, full, calls[label]
                         )
                         for name, pid in pids.items():
                             used[label][name] += cpu_seconds(pid) - before[name]
+                        used[label]["machine"] += machine_cpu_seconds() - before["machine"]
                         walls[label].append(wall)
                         grown[label] += after
                 via.teardown_pod(background.id)
@@ -210,7 +219,7 @@ def main() -> int:
         print(f"#                      {name:<18} {d:8.2f} {c:8.2f} {c - d:+7.2f}")
     pods_run = args.pods * args.rounds
     print(f"# CPU ms per pod:      {'process':<18} {'direct':>8} {'cpushim':>8}")
-    for name in ("cpushim", "containerd"):
+    for name in ("cpushim", "containerd", "machine"):  # machine: every process and the kernel
         d = used["direct"][name] / pods_run * 1e3
         c = used["cpushim"][name] / pods_run * 1e3
         print(f"#                      {name:<18} {d:8.2f} {c:8.2f}")
