@@ -43,7 +43,10 @@ class Follower(Protocol):
 
     def follows(self, path: str) -> bool: ...
 
-    async def followed(self, path: str, request: bytes | None, status: int | None) -> None: ...
+    async def followed(
+        self, path: str, request: bytes | None, status: int | None, response: bytes | None
+    ) -> None:
+        """``request`` and ``response`` are the call's messages, None when unreadable."""
 
 
 class AlreadyServingError(RuntimeError):
@@ -314,7 +317,7 @@ class ClientConnection(asyncio.Protocol):
         follower = self.server.follower
         try:
             if follower is not None:
-                await follower.followed(event.path, event.request, event.status)
+                await follower.followed(event.path, event.request, event.status, event.response)
         except Exception:
             log.exception("following a call failed", extra={"fields": {"path": event.path}})
         finally:

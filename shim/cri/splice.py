@@ -87,14 +87,15 @@ class CallCancelled:
 @dataclass(frozen=True)
 class CallCompleted:
     """A followed call's response has ended upstream; its trailers wait here until the adapter
-    calls :meth:`Splice.release`. ``request`` is the request message (None when it could not
-    be read: compressed, too large or not one message); ``status`` the gRPC status of the
-    trailers (None when they carried none)."""
+    calls :meth:`Splice.release`. ``request`` and ``response`` are the call's messages (None
+    when one could not be read: an unknown encoding, too large, or not one message);
+    ``status`` the gRPC status of the trailers (None when they carried none)."""
 
     stream_id: int
     path: str
     request: bytes | None
     status: int | None
+    response: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,25 @@ class CallObserver(Protocol):
     calls refused by a GOAWAY, are not reported."""
 
     def call_finished(self, path: str, status: int | None, seconds: float) -> None: ...
+
+
+def _one_message(body: bytearray, encoding: bytes | None) -> bytes | None:
+    """The single gRPC message in ``body``; None when it does not hold exactly one."""
+    try:
+        messages = unframe_messages(bytes(body), encoding)
+    except MessageError:
+        return None
+    return messages[0] if len(messages) == 1 else None
+
+
+def _response_encoding(flags: int, raws: list[bytes]) -> bytes | None:
+    """The ``grpc-encoding`` of a response header block (None: identity, or unreadable, in
+    which case the message will not unframe and the follower gets None)."""
+    block = fr.header_block_fragment(flags, raws[0][9:]) + b"".join(r[9:] for r in raws[1:])
+    try:
+        return block_value(block, b"grpc-encoding")
+    except HeaderBlockError:
+        return None
 
 
 def _reset_status(payload: bytes | bytearray) -> Status:
@@ -168,6 +188,9 @@ class _Followed:
     encoding: bytes | None
     body: bytearray = field(default_factory=bytearray)
     too_large: bool = False
+    response_encoding: bytes | None = None
+    response: bytearray = field(default_factory=bytearray)
+    response_too_large: bool = False
 
 
 @dataclass
@@ -463,6 +486,16 @@ class Splice:
         else:
             followed.body += data
 
+    def _copy_response(self, followed: _Followed, flags: int, payload: bytes | bytearray) -> None:
+        if followed.response_too_large:
+            return
+        data = fr.data_payload(flags, payload)
+        if len(followed.response) + len(data) > self._max_request + 5:
+            followed.response_too_large = True
+            followed.response.clear()
+        else:
+            followed.response += data
+
     def _client_data_local(
         self, sid: int, flags: int, payload: bytes | bytearray, length: int
     ) -> None:
@@ -540,6 +573,10 @@ class Splice:
                 if end > end_buf:
                     break
                 if ftype == fr.DATA:
+                    if self._following:
+                        followed = self._following.get(sid)
+                        if followed is not None:
+                            self._copy_response(followed, flags, buf[pos + 9 : end])
                     if sid in self._relayed_by_upstream:
                         _forward(self._out_client, buf, span, pos)
                         span = end
@@ -636,6 +673,9 @@ class Splice:
                 self._finished_by_trailers(sid, first_flags, raws)
         elif sid in self.open_streams:
             self.open_streams[sid] = True
+            followed = self._following.get(sid)
+            if followed is not None:
+                followed.response_encoding = _response_encoding(first_flags, raws)
         for chunk in raws:
             self._to_client(chunk, 0)
 
@@ -643,15 +683,15 @@ class Splice:
 
     def _hold_trailers(self, sid: int, followed: _Followed, flags: int, raws: list[bytes]) -> None:
         self._held_trailers[sid] = (flags, raws)
-        request: bytes | None = None
-        if not followed.too_large:
-            try:
-                messages = unframe_messages(bytes(followed.body), followed.encoding)
-            except MessageError:
-                messages = []
-            if len(messages) == 1:
-                request = messages[0]
-        self.events.append(CallCompleted(sid, followed.path, request, _trailer_status(flags, raws)))
+        request = None if followed.too_large else _one_message(followed.body, followed.encoding)
+        response = (
+            None
+            if followed.response_too_large
+            else _one_message(followed.response, followed.response_encoding)
+        )
+        self.events.append(
+            CallCompleted(sid, followed.path, request, _trailer_status(flags, raws), response)
+        )
 
     def release(self, sid: int) -> None:
         """Send a followed call's held trailers: the client learns the call is done."""

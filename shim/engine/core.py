@@ -130,7 +130,8 @@ class Engine:
         # What follows a call the runtime has answered OK, for the calls whose request the
         # engine does not change: the relay passes them through and holds the reply's end
         # until this is done (follows/followed).
-        self._after: dict[str, Callable[[bytes], Awaitable[None]]] = {
+        self._after: dict[str, Callable[[bytes, bytes | None], Awaitable[None]]] = {
+            rq.RUN_POD_SANDBOX: self._pod_sandbox_run,
             rq.START_CONTAINER: self._container_started,
             rq.STOP_CONTAINER: self._container_stopped,
             rq.REMOVE_CONTAINER: self._container_removed,
@@ -138,7 +139,6 @@ class Engine:
             rq.REMOVE_POD_SANDBOX: self._pod_sandbox_removed,
         }
         self._handlers: dict[str, Handler] = {
-            rq.RUN_POD_SANDBOX: self._run_pod_sandbox,
             rq.CREATE_CONTAINER: self._create_container,
             rq.UPDATE_CONTAINER_RESOURCES: self._update_container_resources,
             **{path: self._forward_then_follow for path in self._after},
@@ -156,7 +156,9 @@ class Engine:
     def follows(self, path: str) -> bool:
         return path in self._after
 
-    async def followed(self, path: str, request: bytes | None, status: int | None) -> None:
+    async def followed(
+        self, path: str, request: bytes | None, status: int | None, response: bytes | None
+    ) -> None:
         """The runtime has answered a followed call; its reply reaches kubelet after this."""
         if status != Status.OK:
             return
@@ -167,11 +169,11 @@ class Engine:
                 extra={"fields": {"path": path}},
             )
             return
-        await asyncio.shield(self._spawn(self._follow(path, request)))
+        await asyncio.shield(self._spawn(self._follow(path, request, response)))
 
-    async def _follow(self, path: str, request: bytes) -> None:
+    async def _follow(self, path: str, request: bytes, response: bytes | None) -> None:
         try:
-            await self._after[path](request)
+            await self._after[path](request, response)
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("work after a call failed", extra={"fields": {"path": path}})
@@ -180,7 +182,8 @@ class Engine:
         """A followed call that reached the engine whole (``handle``): the same work."""
         reply = await self.runtime.unary(call)
         if reply.status is Status.OK:
-            await self._after[call.path](call.request)
+            response = reply.messages[0] if len(reply.messages) == 1 else None
+            await self._after[call.path](call.request, response)
         return reply
 
     async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply:
@@ -226,16 +229,16 @@ class Engine:
 
     # --- pods -------------------------------------------------------------------------------
 
-    async def _run_pod_sandbox(self, call: UnaryCall) -> Reply:
-        request = pb.RunPodSandboxRequest.FromString(call.request)
-        reply = await self.runtime.unary(call)
-        response = _response(reply, pb.RunPodSandboxResponse)
-        if response is not None:
-            pod = Pod.from_config(response.pod_sandbox_id, request.config)
-            self.pods[pod.sandbox_id] = pod
-        return reply
+    async def _pod_sandbox_run(self, request: bytes, response: bytes | None) -> None:
+        """Remember the pod by its sandbox id. Without a readable reply it is learnt from its
+        first CreateContainer, which carries the same sandbox config."""
+        if response is None:
+            return
+        sandbox_id = pb.RunPodSandboxResponse.FromString(response).pod_sandbox_id
+        config = pb.RunPodSandboxRequest.FromString(request).config
+        self.pods[sandbox_id] = Pod.from_config(sandbox_id, config)
 
-    async def _pod_sandbox_stopped(self, request: bytes) -> None:
+    async def _pod_sandbox_stopped(self, request: bytes, response: bytes | None) -> None:
         sandbox_id = pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id
         async with self.lock:
             for tracked in self.containers.values():
@@ -247,7 +250,7 @@ class Engine:
                 if a.sandbox_id == sandbox_id and a.container_id
             )
 
-    async def _pod_sandbox_removed(self, request: bytes) -> None:
+    async def _pod_sandbox_removed(self, request: bytes, response: bytes | None) -> None:
         sandbox_id = pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id
         async with self.lock:
             for container_id in [
@@ -466,7 +469,7 @@ class Engine:
                 return pod.sandbox_id
         return ""
 
-    async def _container_started(self, request: bytes) -> None:
+    async def _container_started(self, request: bytes, response: bytes | None) -> None:
         container_id = pb.StartContainerRequest.FromString(request).container_id
         tracked = self.containers.get(container_id)
         if tracked is not None:
@@ -507,7 +510,7 @@ class Engine:
             if key is not None:
                 await self._release([key])
 
-    async def _container_stopped(self, request: bytes) -> None:
+    async def _container_stopped(self, request: bytes, response: bytes | None) -> None:
         container_id = pb.StopContainerRequest.FromString(request).container_id
         async with self.lock:
             tracked = self.containers.get(container_id)
@@ -517,7 +520,7 @@ class Engine:
             if key is not None:
                 await self._release([key])
 
-    async def _container_removed(self, request: bytes) -> None:
+    async def _container_removed(self, request: bytes, response: bytes | None) -> None:
         container_id = pb.RemoveContainerRequest.FromString(request).container_id
         async with self.lock:
             self._untrack(container_id)

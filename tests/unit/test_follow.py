@@ -1,5 +1,6 @@
 """Followed calls: spliced through unchanged, but their reply's end waits for the follower,
-which gets the request and the runtime's status (shim/cri/splice.py, shim/cri/server.py)."""
+which gets the request, the reply and the runtime's status (shim/cri/splice.py,
+shim/cri/server.py)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,17 @@ class Recorder:
     loop: asyncio.AbstractEventLoop | None = None
     gate: asyncio.Event | None = None
     seen: list[tuple[str, bytes | None, int | None]] = field(default_factory=list)
+    responses: list[bytes | None] = field(default_factory=list)
     entered: threading.Event = field(default_factory=threading.Event)
 
     def follows(self, path: str) -> bool:
         return path == FOLLOWED
 
-    async def followed(self, path: str, request: bytes | None, status: int | None) -> None:
+    async def followed(
+        self, path: str, request: bytes | None, status: int | None, response: bytes | None
+    ) -> None:
         self.seen.append((path, request, status))
+        self.responses.append(response)
         self.entered.set()
         if self.gate is not None:
             await self.gate.wait()
@@ -73,11 +78,13 @@ def test_the_follower_gets_the_request_and_status_before_the_client_gets_the_rep
         assert unary(channel, OTHER, b"echo:meanwhile", timeout=10).endswith(b"meanwhile")
         assert not call.done()
         recorder.open_gate()
-        assert call.result(timeout=10).endswith(b"stopped")
+        reply = call.result(timeout=10)
+        assert reply.endswith(b"stopped")
     ((path, request, status),) = recorder.seen
     assert path == FOLLOWED
     assert request is not None
     assert command_of(request) == b"echo:stopped"
+    assert recorder.responses == [reply]
     assert status == Status.OK
 
 
@@ -90,6 +97,7 @@ def test_a_failed_call_reaches_the_follower_with_its_status(
     assert caught.value.code() is grpc.StatusCode.NOT_FOUND
     ((_, _, status),) = recorder.seen
     assert status == Status.NOT_FOUND
+    assert recorder.responses == [None]
 
 
 def test_a_compressed_request_is_read_decompressed(followed: tuple[RelayEnv, Recorder]) -> None:
@@ -108,10 +116,13 @@ def test_a_request_over_many_frames_is_read_whole(followed: tuple[RelayEnv, Reco
     env, recorder = followed
     command = b"echo:" + b"x" * 200_000  # many DATA frames of the default 16 KiB
     with env.channel() as channel:
-        assert unary(channel, FOLLOWED, command, timeout=10).endswith(b"x" * 1000)
+        reply = unary(channel, FOLLOWED, command, timeout=10)
+        assert reply.endswith(b"x" * 1000)
     ((_, request, _),) = recorder.seen
     assert request is not None
     assert command_of(request) == command
+    # The reply came back over many frames too, and the follower has it whole.
+    assert recorder.responses == [reply]
 
 
 def test_a_call_the_client_gives_up_on_while_held_leaves_the_connection_usable(
