@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import stat
+from collections.abc import Callable
 from typing import Protocol, cast
 
 from shim.cri.calls import Reply, Status, UnaryCall
@@ -45,8 +46,10 @@ class Follower(Protocol):
 
     async def followed(
         self, path: str, request: bytes | None, status: int | None, response: bytes | None
-    ) -> None:
-        """``request`` and ``response`` are the call's messages, None when unreadable."""
+    ) -> Callable[[], object] | None:
+        """``request`` and ``response`` are the call's messages, None when unreadable. What
+        it returns is called once the reply's end has been handed to the client: work that
+        must not hold the reply up, nor compete with it."""
 
 
 class AlreadyServingError(RuntimeError):
@@ -315,14 +318,22 @@ class ClientConnection(asyncio.Protocol):
 
     async def _follow(self, event: CallCompleted) -> None:
         follower = self.server.follower
+        afterwards = None
         try:
             if follower is not None:
-                await follower.followed(event.path, event.request, event.status, event.response)
+                afterwards = await follower.followed(
+                    event.path, event.request, event.status, event.response
+                )
         except Exception:
             log.exception("following a call failed", extra={"fields": {"path": event.path}})
         finally:
             self.splice.release(event.stream_id)
             self._flush()
+        if afterwards is not None:
+            try:
+                afterwards()
+            except Exception:
+                log.exception("work after a reply failed", extra={"fields": {"path": event.path}})
 
     def begin_shutdown(self) -> None:
         self._shutting_down = True

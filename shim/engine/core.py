@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=Message)
 _T = TypeVar("_T")
+# Work a followed call leaves for after its reply has gone to the client.
+Afterwards = Callable[[], object] | None
 
 FailurePolicy = Literal["fail-closed", "fail-open"]
 
@@ -130,7 +132,7 @@ class Engine:
         # What follows a call the runtime has answered OK, for the calls whose request the
         # engine does not change: the relay passes them through and holds the reply's end
         # until this is done (follows/followed).
-        self._after: dict[str, Callable[[bytes, bytes | None], Awaitable[None]]] = {
+        self._after: dict[str, Callable[[bytes, bytes | None], Awaitable[Afterwards]]] = {
             rq.RUN_POD_SANDBOX: self._pod_sandbox_run,
             rq.START_CONTAINER: self._container_started,
             rq.STOP_CONTAINER: self._container_stopped,
@@ -158,32 +160,36 @@ class Engine:
 
     async def followed(
         self, path: str, request: bytes | None, status: int | None, response: bytes | None
-    ) -> None:
-        """The runtime has answered a followed call; its reply reaches kubelet after this."""
+    ) -> Afterwards:
+        """The runtime has answered a followed call; its reply reaches kubelet after this,
+        and what this returns runs after that."""
         if status != Status.OK:
-            return
+            return None
         if request is None:
             self.counters["unread_requests"] += 1
             log.warning(
                 "a call the runtime answered OK could not be read; the watchers catch up",
                 extra={"fields": {"path": path}},
             )
-            return
-        await asyncio.shield(self._spawn(self._follow(path, request, response)))
+            return None
+        return await asyncio.shield(self._spawn(self._follow(path, request, response)))
 
-    async def _follow(self, path: str, request: bytes, response: bytes | None) -> None:
+    async def _follow(self, path: str, request: bytes, response: bytes | None) -> Afterwards:
         try:
-            await self._after[path](request, response)
+            return await self._after[path](request, response)
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("work after a call failed", extra={"fields": {"path": path}})
+            return None
 
     async def _forward_then_follow(self, call: UnaryCall) -> Reply:
         """A followed call that reached the engine whole (``handle``): the same work."""
         reply = await self.runtime.unary(call)
         if reply.status is Status.OK:
             response = reply.messages[0] if len(reply.messages) == 1 else None
-            await self._after[call.path](call.request, response)
+            afterwards = await self._after[call.path](call.request, response)
+            if afterwards is not None:
+                afterwards()
         return reply
 
     async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply:
@@ -469,12 +475,15 @@ class Engine:
                 return pod.sandbox_id
         return ""
 
-    async def _container_started(self, request: bytes, response: bytes | None) -> None:
+    async def _container_started(self, request: bytes, response: bytes | None) -> Afterwards:
         container_id = pb.StartContainerRequest.FromString(request).container_id
         tracked = self.containers.get(container_id)
-        if tracked is not None:
-            tracked.phase = Phase.RUNNING
-            self._spawn(self._locate(tracked))
+        if tracked is None:
+            return None
+        tracked.phase = Phase.RUNNING
+        # Once kubelet has its reply: the ContainerStatus this needs would otherwise go out
+        # ahead of the reply and have containerd busy with it when kubelet's next call comes.
+        return lambda: self._spawn(self._locate(tracked))
 
     async def _locate(self, tracked: Tracked) -> None:
         """Learn where a started container's cgroup is, so later moves can write it directly

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +29,9 @@ class Recorder:
     gate: asyncio.Event | None = None
     seen: list[tuple[str, bytes | None, int | None]] = field(default_factory=list)
     responses: list[bytes | None] = field(default_factory=list)
+    # The paths whose afterwards-callback ran.
+    afterwards: list[str] = field(default_factory=list)
+    afterwards_ran: threading.Event = field(default_factory=threading.Event)
     entered: threading.Event = field(default_factory=threading.Event)
 
     def follows(self, path: str) -> bool:
@@ -36,12 +39,18 @@ class Recorder:
 
     async def followed(
         self, path: str, request: bytes | None, status: int | None, response: bytes | None
-    ) -> None:
+    ) -> Callable[[], object] | None:
         self.seen.append((path, request, status))
         self.responses.append(response)
         self.entered.set()
         if self.gate is not None:
             await self.gate.wait()
+
+        def afterwards() -> None:
+            self.afterwards.append(path)
+            self.afterwards_ran.set()
+
+        return afterwards
 
     def hold(self, env: RelayEnv) -> None:
         async def make() -> asyncio.Event:
@@ -85,6 +94,9 @@ def test_the_follower_gets_the_request_and_status_before_the_client_gets_the_rep
     assert request is not None
     assert command_of(request) == b"echo:stopped"
     assert recorder.responses == [reply]
+    # What the follower left for after the reply ran once it was sent.
+    assert recorder.afterwards_ran.wait(10)
+    assert recorder.afterwards == [FOLLOWED]
     assert status == Status.OK
 
 
