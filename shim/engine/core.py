@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, replace
@@ -64,7 +65,9 @@ class EngineOptions:
     update_concurrency: int = 8
     update_timeout: float = 10.0
     # How long a cpuset written straight into a cgroup waits before the runtime is told of it
-    # (shim/engine/moves.py): moves within that time cost one runtime update.
+    # (shim/engine/moves.py): moves within that time cost one runtime update. A new
+    # container's id waits as long before its own checkpoint write, which any other write in
+    # that time makes unneeded (a checkpoint without the id is squared at start-up).
     record_delay: float = 1.0
 
 
@@ -108,6 +111,10 @@ class Engine:
         # A checkpoint write scheduled by _record_soon and not yet under way.
         self._persisting: asyncio.Task[None] | None = None
         self._persist_tasks: set[asyncio.Task[None]] = set()
+        # Set: checkpoint writes waiting for the record delay go now (and, while draining,
+        # every later one too).
+        self._persist_now = asyncio.Event()
+        self._draining = False
         # Set by the watcher when it starts (shim/engine/watching.py); None without one.
         self.watcher: Watcher | None = None
         self.mover = Mover(
@@ -201,7 +208,10 @@ class Engine:
 
     async def drain(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for calls in flight to finish their work, and for the
-        runtime to be told of every cpuset written straight into a cgroup."""
+        runtime to be told of every cpuset written straight into a cgroup, and the checkpoint
+        of every change."""
+        self._draining = True
+        self._persist_now.set()
         self.mover.flush()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace)
@@ -617,7 +627,9 @@ class Engine:
 
     def _record_soon(self, state: CPUState) -> None:
         """Make ``state`` the engine's now and persist it in the background, under the lock,
-        so it is written in order with every other checkpoint write; a burst costs one."""
+        so it is written in order with every other checkpoint write. The write waits up to
+        the record delay: any checkpoint write meanwhile (the next decision, the release of a
+        short-lived container) carries the change, and a burst costs one write."""
         self.state = state
         if self._persisting is None:
             task = self._persisting = self._spawn(self._persist_latest())
@@ -625,11 +637,18 @@ class Engine:
             task.add_done_callback(self._persist_tasks.discard)
 
     async def checkpoint_written(self) -> None:
-        """Wait until the checkpoint writes scheduled so far are done."""
-        while self._persist_tasks:
-            await asyncio.wait(set(self._persist_tasks))
+        """Write the changes waiting for the record delay now, and wait until they are."""
+        self._persist_now.set()
+        try:
+            while self._persist_tasks:
+                await asyncio.wait(set(self._persist_tasks))
+        finally:
+            if not self._draining:
+                self._persist_now.clear()
 
     async def _persist_latest(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._persist_now.wait(), self.options.record_delay)
         async with self.lock:
             # From here on a new change schedules a write of its own.
             self._persisting = None

@@ -17,6 +17,7 @@ from grpclib.const import Status as GrpcStatus
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
+from shim.engine import EngineOptions
 from shim.engine.resync import StartupError
 from shim.policy.none import NonePolicy
 from shim.policy.static import StaticPolicy
@@ -463,6 +464,43 @@ async def test_restart_adopts_containers_created_while_down(env: Env) -> None:
     assert env.fake.containers[adopted_id].resources.cpu_quota == -1
     assert env.cpus(other_id) == env.cpus(shared_id) == "0,2-4,6-7"
     assert_consistent(env)
+
+
+async def test_a_short_lived_containers_id_costs_no_checkpoint_write_of_its_own(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    before = env.engine.checkpoint.writes
+    reply = await env.kubelet.create(pod, "main", 1000)
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    # The decision is on disk before the reply; the id waits for the record delay.
+    assert env.engine.checkpoint.writes == before + 1
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.checkpoint.saved is not None
+    assert env.engine.checkpoint.saved.assignments[key].container_id == ""
+    # Stopped within the delay: the release's write is the only other one.
+    await env.kubelet.stop(container_id)
+    await env.engine.checkpoint_written()
+    assert env.engine.checkpoint.writes == before + 2
+    assert env.saved() == {}
+
+
+async def test_a_new_containers_id_reaches_the_checkpoint_after_the_record_delay(
+    tmp_path: Path,
+) -> None:
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, options=EngineOptions(record_delay=0.05))
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        reply = await env.kubelet.create(pod, "main", 1000)
+        container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+        key = ContainerKey(pod.uid, "main")
+
+        def recorded() -> bool:
+            saved = env.engine.checkpoint.saved
+            return saved is not None and saved.assignments[key].container_id == container_id
+
+        await wait_until(recorded)
+        env.channel.close()
 
 
 async def test_restart_after_a_crash_mid_create_finds_the_container(env: Env) -> None:
