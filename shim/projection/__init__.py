@@ -22,7 +22,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal, TypeAlias
@@ -370,7 +370,7 @@ def _read_if_whole(directory: str) -> Projection | None:
         return None
 
 
-async def watch(path: str | os.PathLike[str] = DEFAULT_PATH) -> AsyncIterator[Projection]:
+async def watch(path: str | os.PathLike[str] = DEFAULT_PATH) -> AsyncGenerator[Projection, None]:
     """Yield the state in the projection directory ``path`` now, then each new state once.
 
     A state is new when its generation differs from the last one yielded; several changes in

@@ -101,7 +101,7 @@ def populate(target: str, image: str, containers: int) -> None:
         def rpc(name: str, request: object, reply: Callable[[bytes], object]) -> object:
             return channel.unary_unary(
                 RUNTIME + name,
-                request_serializer=lambda m: m.SerializeToString(),  # type: ignore[attr-defined]
+                request_serializer=lambda m: m.SerializeToString(),
                 response_deserializer=reply,
             )(request, timeout=60)
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from shim import checkpoint
 from shim.checkpoint import STATE_FILE, CheckpointFile, write_atomically
 from shim.cpuset import CPUSet
 from shim.policy.static import StaticPolicy
@@ -201,7 +200,7 @@ def test_failed_write_keeps_the_old_file(
     file = CheckpointFile(tmp_path)
     file.save_sync(ONE)
     before = file.path.read_bytes()
-    monkeypatch.setattr(checkpoint.os, function, raise_on_call(getattr(os, function), 1, error))
+    monkeypatch.setattr(os, function, raise_on_call(getattr(os, function), 1, error))
     with pytest.raises(OSError, match=re.escape(os.strerror(error))):
         file.save_sync(TWO)
     monkeypatch.undo()
@@ -217,7 +216,7 @@ def test_short_writes_are_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     def short_write(fd: int, data: bytes) -> int:
         return real_write(fd, bytes(data[:7]))
 
-    monkeypatch.setattr(checkpoint.os, "write", short_write)
+    monkeypatch.setattr(os, "write", short_write)
     file = CheckpointFile(tmp_path)
     file.save_sync(TWO)
     monkeypatch.undo()
@@ -247,7 +246,7 @@ def test_overlapping_writes_do_not_corrupt_the_checkpoint(
             assert go_on.wait(10)
         return real_write(fd, data)
 
-    monkeypatch.setattr(checkpoint.os, "write", write)
+    monkeypatch.setattr(os, "write", write)
     errors: list[BaseException] = []
 
     def first() -> None:
@@ -288,7 +287,7 @@ async def test_async_save(tmp_path: Path) -> None:
 async def test_async_save_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     file = CheckpointFile(tmp_path)
     await file.save(ONE)
-    monkeypatch.setattr(checkpoint.os, "fsync", raise_on_call(os.fsync, 1, errno.EIO))
+    monkeypatch.setattr(os, "fsync", raise_on_call(os.fsync, 1, errno.EIO))
     with pytest.raises(OSError, match=re.escape(os.strerror(errno.EIO))):
         await file.save(TWO)
     monkeypatch.undo()

@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
-from anyio.abc import ObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from shim.cpuset import CPUSet
 from shim.projection import (
@@ -32,7 +32,6 @@ from shim.projection import (
     read,
     watch,
 )
-from shim.projection import writer as writer_module
 from shim.projection.content import core_name, describe, render, rfc3339
 from shim.projection.writer import (
     ProjectionPathError,
@@ -352,8 +351,8 @@ async def test_cpus_is_renamed_before_the_state_then_the_directory_synced(
         steps.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
         fsync(fd)
 
-    monkeypatch.setattr(writer_module.os, "rename", recording_rename)
-    monkeypatch.setattr(writer_module.os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "rename", recording_rename)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
     await project(writer, "2")
     assert steps == [
         "fsync file",
@@ -380,7 +379,7 @@ async def test_a_failed_write_leaves_the_last_state(
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         fsync(fd)
 
-    monkeypatch.setattr(writer_module.os, "fsync", failing_second)
+    monkeypatch.setattr(os, "fsync", failing_second)
     with pytest.raises(OSError, match=os.strerror(errno.EIO)):
         await project(writer, "2")
     monkeypatch.undo()
@@ -810,7 +809,7 @@ def watching(path: Path) -> Callable[[], bool]:
     return lambda: inode in watched_inodes()
 
 
-States = ObjectReceiveStream[Projection]
+States = MemoryObjectReceiveStream[Projection]
 
 
 @asynccontextmanager

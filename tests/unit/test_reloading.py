@@ -104,8 +104,9 @@ async def test_new_reserved_cpus_re_plan_and_move_the_containers(r: Reloading) -
     assert env.kernel_cpus(shared_id) == str(ALL - moved)
     (held,) = env.saved().values()
     assert held == {"main": str(moved)}
-    saved_reserved = env.engine.checkpoint.load().reserved
-    assert saved_reserved == CPUSet.parse("0,4")
+    saved = env.engine.checkpoint.load()
+    assert saved is not None
+    assert saved.reserved == CPUSet.parse("0,4")
 
 
 async def test_a_file_that_does_not_parse_is_refused_and_nothing_changes(

@@ -45,7 +45,8 @@ def test_topology_survives_the_trip_to_the_guest() -> None:
 
 
 def parse_newc(archive: bytes) -> list[tuple[str, int, bytes]]:
-    entries, offset = [], 0
+    entries: list[tuple[str, int, bytes]] = []
+    offset = 0
     while True:
         header = archive[offset : offset + 110]
         assert header[:6] == b"070701"
