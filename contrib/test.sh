@@ -18,7 +18,12 @@ stage() {
     local name=$1 started=$SECONDS
     shift
     echo "== $name" >&2
-    "$@"
+    local status=0
+    "$@" || status=$?
+    if [ "$status" -ne 0 ]; then
+        echo "== $name: failed (exit $status) after $((SECONDS - started)) s" >&2
+        exit "$status"
+    fi
     echo "== $name: $((SECONDS - started)) s" >&2
 }
 
