@@ -9,6 +9,7 @@ import lzma
 import pytest
 
 from shim.cpuset import CPUSet
+from tests.vm import machine
 from tests.vm.assets import AssetError, cpio_newc, extract_vmlinux
 from tests.vm.topologies import TOPOLOGIES, Topology
 
@@ -75,3 +76,13 @@ def test_vmlinux_comes_out_of_the_xz_payload() -> None:
     assert extract_vmlinux(bzimage) == elf
     with pytest.raises(AssetError, match="no xz payload"):
         extract_vmlinux(b"not a kernel")
+
+
+def test_a_churn_seed_is_asked_for_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(machine.CHURN_SEED_VARIABLE, raising=False)
+    assert machine.churn_seed_asked() is None
+    monkeypatch.setenv(machine.CHURN_SEED_VARIABLE, " 1234 ")
+    assert machine.churn_seed_asked() == 1234
+    monkeypatch.setenv(machine.CHURN_SEED_VARIABLE, "abc")
+    with pytest.raises(ValueError, match="CPUSHIM_VM_CHURN_SEED='abc'"):
+        machine.churn_seed_asked()

@@ -412,7 +412,9 @@ def test_churn_keeps_every_invariant(node: Node, topology: Topology) -> None:
     """Random creates and stops of containers in two long-lived pods (a Guaranteed one for
     the pinned containers, a BestEffort one for the shared), as kubelet restarts containers
     in place; after every step, every invariant holds."""
-    seed = random.randrange(1 << 32)
+    given = Path(os.environ["CPUSHIM_VM_RESULTS"]) / "churn-seed"
+    seed = int(given.read_text()) if given.exists() else random.randrange(1 << 32)
+    # Replayed with CPUSHIM_VM_CHURN_SEED=<seed> on the host (docs/testing.md).
     print(f"churn seed {seed}")
     chance = random.Random(seed)
     node.start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -92,6 +93,24 @@ def qemu_command(
         f"file:{results / 'console.log'}",
         "-no-reboot",
     ]
+
+
+# The churn scenario's seed, when a run asks for one (to replay a failure it printed).
+CHURN_SEED_VARIABLE = "CPUSHIM_VM_CHURN_SEED"
+CHURN_SEED_FILE = "churn-seed"
+
+
+def churn_seed_asked() -> int | None:
+    """The seed ``CPUSHIM_VM_CHURN_SEED`` asks the guests' churn scenario to use, if any."""
+    value = os.environ.get(CHURN_SEED_VARIABLE, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"{CHURN_SEED_VARIABLE}={value!r}: the seed a churn run printed, an integer"
+        ) from None
 
 
 @dataclass
@@ -180,6 +199,9 @@ class Guest:
         self.results.mkdir(parents=True, exist_ok=True)
         (self.results / "topology.json").write_text(json.dumps(self.topology.to_json()))
         (self.results / "qemu-command").write_text(shlex.join(self.command) + "\n")
+        seed = churn_seed_asked()
+        if seed is not None:
+            (self.results / CHURN_SEED_FILE).write_text(f"{seed}\n")
         self._started = time.monotonic()
         self._started_wall = time.time()
         with (self.results / "qemu.log").open("wb") as log:
