@@ -16,12 +16,17 @@ from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.cri.calls import Status
+from shim.cri.calls import Status, UnaryCall
+from shim.cri.server import RelayServer
+from shim.cri.upstream import RuntimeChannel
 from shim.engine import EngineOptions
+from shim.engine import requests as rq
 from shim.engine.resync import StartupError
+from shim.kube import QOSClass
 from shim.policy.none import NonePolicy
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
+from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import (
     QoSClass,
@@ -378,6 +383,36 @@ async def wait_until(condition: Callable[[], bool], within: float = 5.0) -> None
     async with asyncio.timeout(within):
         while not condition():  # noqa: ASYNC110
             await asyncio.sleep(0.001)
+
+
+async def test_a_pod_is_remembered_from_its_run_pod_sandbox_through_the_relay(env: Env) -> None:
+    # RunPodSandbox is spliced and followed: the engine reads the sandbox id from the reply
+    # the relay copied on its way to kubelet.
+    with short_tmpdir() as workdir:
+        relay = RelayServer(
+            listen=f"unix://{workdir}/cri.sock",
+            runtime_endpoint=env.fake.endpoint,
+            interceptor=env.engine,
+            runtime=env.channel,
+            follower=env.engine,
+        )
+        await relay.start()
+        kubelet = RuntimeChannel(f"unix://{workdir}/cri.sock")
+        try:
+            config = pb.PodSandboxConfig(
+                metadata=pb.PodSandboxMetadata(name="web", uid="uid-1", namespace="shop"),
+                linux=pb.LinuxPodSandboxConfig(cgroup_parent="/kubepods/poduid-1"),
+            )
+            request = pb.RunPodSandboxRequest(config=config).SerializeToString()
+            reply = await kubelet.unary(UnaryCall(rq.RUN_POD_SANDBOX, (), request, 10.0))
+        finally:
+            kubelet.close()
+            await relay.shutdown(1.0)
+    assert reply.status is Status.OK
+    sandbox_id = pb.RunPodSandboxResponse.FromString(reply.messages[0]).pod_sandbox_id
+    pod = env.engine.pods[sandbox_id]
+    assert (pod.uid, pod.label, pod.qos) == ("uid-1", "shop/web", QOSClass.GUARANTEED)
+    assert env.engine.counters["internal_errors"] == 0
 
 
 # --- failures inside cpushim -----------------------------------------------------------------
