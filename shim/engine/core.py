@@ -193,10 +193,16 @@ class Engine:
         """A followed call that reached the engine whole (``handle``): the same work."""
         reply = await self.runtime.unary(call)
         if reply.status is Status.OK:
+            # The runtime has acted: whatever happens here, kubelet gets its reply (the
+            # failure policy must not forward it a second time).
             response = reply.messages[0] if len(reply.messages) == 1 else None
-            afterwards = await self._after[call.path](call.request, response)
+            afterwards = await self._follow(call.path, call.request, response)
             if afterwards is not None:
-                afterwards()
+                try:
+                    afterwards()
+                except Exception:
+                    self.counters["internal_errors"] += 1
+                    log.exception("work after a call failed", extra={"fields": {"path": call.path}})
         return reply
 
     async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply:
@@ -209,12 +215,16 @@ class Engine:
     async def drain(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for calls in flight to finish their work, and for the
         runtime to be told of every cpuset written straight into a cgroup, and the checkpoint
-        of every change."""
+        of every change (including work those calls start meanwhile)."""
         self._draining = True
         self._persist_now.set()
         self.mover.flush()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=grace)
+        deadline = asyncio.get_running_loop().time() + grace
+        while self._tasks:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            await asyncio.wait(set(self._tasks), timeout=left)
 
     def _spawn(self, work: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         task = asyncio.get_running_loop().create_task(work)
@@ -250,7 +260,10 @@ class Engine:
         first CreateContainer, which carries the same sandbox config."""
         if response is None:
             return
-        sandbox_id = pb.RunPodSandboxResponse.FromString(response).pod_sandbox_id
+        try:
+            sandbox_id = pb.RunPodSandboxResponse.FromString(response).pod_sandbox_id
+        except DecodeError:
+            return
         config = pb.RunPodSandboxRequest.FromString(request).config
         self.pods[sandbox_id] = Pod.from_config(sandbox_id, config)
 
@@ -735,15 +748,13 @@ class Engine:
                 moves.append((tracked, cpus, mems, drop_quota))
         if not moves:
             return
-        # Cgroup writes whose lock is free complete without suspending: done first, one after
-        # another, so other work on the loop cannot slip in ahead of the caller's forward.
+        # Cgroup writes complete without suspending: done first, so other work on the loop
+        # cannot slip in ahead of the caller's forward. The rest (runtime updates, writes
+        # that failed or must wait for the container's lock) run concurrently after.
         waiting = []
         for tracked, cpus, mems, drop_quota in moves:
-            if (
-                self.mover.writes_directly(tracked, mems, drop_quota)
-                and not tracked.write_lock.locked()
-            ):
-                await self._write_cpuset(tracked, cpus, mems, drop_quota)
+            if self.mover.write_now(tracked, cpus, mems, drop_quota):
+                self.project(tracked)
             else:
                 waiting.append((tracked, cpus, mems, drop_quota))
         if not waiting:

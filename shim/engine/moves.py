@@ -79,24 +79,37 @@ class Mover:
 
     async def move(self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> MoveResult:
         if self.writes_directly(tracked, mems, drop_quota):
-            assert tracked.cgroup is not None
             async with tracked.write_lock:
-                try:
-                    # Inline, not in a worker thread: the write takes tens of microseconds,
-                    # the hop to a thread and back costs more on a busy node.
-                    cgroups.write_cpus(tracked.cgroup, cpus)
-                except OSError as exc:
-                    # Gone, or a parent that does not allow these CPUs: the runtime decides.
-                    log.info(
-                        "direct cgroup write failed; moving through the runtime",
-                        extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
-                    )
-                else:
-                    self.counters["cgroup_writes"] += 1
-                    tracked.applied = cpus
-                    self.record_later(tracked)
+                if self._write_cgroup(tracked, cpus):
                     return MoveResult(ok=True)
         return await self.update_through_runtime(tracked, cpus, mems, drop_quota)
+
+    def write_now(self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> bool:
+        """Move the container by a write of its cgroup without suspending, when it moves that
+        way and no write of its cpuset is under way; False when it must be moved with
+        :meth:`move` instead. Not taking the lock is safe: nothing runs between the check
+        and the write, and whoever takes the lock next reads ``tracked.applied`` afresh."""
+        if tracked.write_lock.locked() or not self.writes_directly(tracked, mems, drop_quota):
+            return False
+        return self._write_cgroup(tracked, cpus)
+
+    def _write_cgroup(self, tracked: Tracked, cpus: CPUSet) -> bool:
+        assert tracked.cgroup is not None
+        try:
+            # Inline, not in a worker thread: the write takes tens of microseconds, the hop
+            # to a thread and back costs more on a busy node.
+            cgroups.write_cpus(tracked.cgroup, cpus)
+        except OSError as exc:
+            # Gone, or a parent that does not allow these CPUs: the runtime decides.
+            log.info(
+                "direct cgroup write failed; moving through the runtime",
+                extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
+            )
+            return False
+        self.counters["cgroup_writes"] += 1
+        tracked.applied = cpus
+        self.record_later(tracked)
+        return True
 
     @staticmethod
     def writes_directly(tracked: Tracked, mems: str, drop_quota: bool) -> bool:

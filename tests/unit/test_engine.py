@@ -362,6 +362,23 @@ async def test_a_shared_create_racing_an_exclusive_one_ends_on_the_new_pool(env:
     assert_consistent(env)
 
 
+async def test_drain_waits_for_the_checkpoint_of_a_create_it_found_in_flight(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    gate = env.fake.gate("CreateContainer")
+    call = asyncio.create_task(env.kubelet.create(pod, "main", 1000))
+    await wait_until(lambda: len(env.fake.calls_of("CreateContainer")) == 1)
+    # Shutdown begins while the runtime creates; the id's checkpoint write does not exist yet.
+    draining = asyncio.create_task(env.engine.drain(5.0))
+    await asyncio.sleep(0)
+    gate.set()
+    await draining
+    [container_id] = env.fake.containers
+    saved = env.engine.checkpoint.load()
+    assert saved is not None
+    assert saved.assignments[ContainerKey(pod.uid, "main")].container_id == container_id
+    assert (await call).status is Status.OK
+
+
 async def test_work_survives_kubelet_giving_up_on_the_call(env: Env) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     gate = env.fake.gate("CreateContainer")
@@ -448,6 +465,29 @@ async def test_internal_error_fail_open_forwards_unchanged(
         container_id = await env.kubelet.start_new(pod, "main", 1000)
         assert env.cpus(container_id) == ""  # as kubelet asked: no cpuset
         assert env.engine.counters["fail_open_forwards"] == 1
+        env.channel.close()
+
+
+async def test_work_after_a_call_the_runtime_did_never_repeats_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, failure_policy="fail-open")
+        pod = await env.kubelet.run_pod("web", "besteffort")
+        reply = await env.kubelet.create(pod, "main")
+        container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+
+        async def broken(request: bytes, response: bytes | None) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setitem(env.engine._after, rq.START_CONTAINER, broken)
+        request = pb.StartContainerRequest(container_id=container_id).SerializeToString()
+        started = await env.kubelet.call("StartContainer", request)
+        # The runtime started it once; kubelet hears so; the failure is counted.
+        assert started.status is Status.OK
+        assert len(fake.calls_of("StartContainer")) == 1
+        assert env.engine.counters["internal_errors"] == 1
+        assert env.engine.counters["fail_open_forwards"] == 0
         env.channel.close()
 
 
