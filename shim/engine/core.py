@@ -69,6 +69,8 @@ class EngineOptions:
     # container's id waits as long before its own checkpoint write, which any other write in
     # that time makes unneeded (a checkpoint without the id is squared at start-up).
     record_delay: float = 1.0
+    # A container whose cpuset keeps moving is recorded with the runtime at least this often.
+    record_max_delay: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class Engine:
             self.counters,
             timeout=self.options.update_timeout,
             record_delay=self.options.record_delay,
+            record_max_delay=self.options.record_max_delay,
             spawn=self._spawn,
         )
         self.projection = projection

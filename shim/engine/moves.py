@@ -5,9 +5,10 @@ A direct write takes tens of microseconds where the runtime's ``runc update`` fo
 and takes milliseconds; it is what makes a pod's create and stop cost about what they cost
 without cpushim (docs/performance.md). The runtime is told afterwards, so its own record (the
 spec, what ContainerStatus reports, what systemd holds for the scope) stays true: one update
-per container at most every ``record_delay`` seconds, carrying the latest cpuset, so a burst of
-moves costs one ``runc update``. An update in flight is waited for before the next direct
-write, so an older cpuset can never overwrite a newer one.
+carrying the latest cpuset once the container's cpuset has stayed put for ``record_delay``
+seconds, so a burst of moves costs one ``runc update``; a container that keeps moving (a node
+churning pods) is still recorded every ``record_max_delay`` seconds. An update in flight is
+waited for before the next direct write, so an older cpuset can never overwrite a newer one.
 
 Exclusive containers (whose mems and CFS quota move too) and containers that have not started
 (no cgroup yet) always go through the runtime.
@@ -64,6 +65,7 @@ class Mover:
         *,
         timeout: float,
         record_delay: float,
+        record_max_delay: float,
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
     ) -> None:
         self.runtime = runtime
@@ -71,6 +73,7 @@ class Mover:
         self.counters = counters
         self.timeout = timeout
         self.record_delay = record_delay
+        self.record_max_delay = record_max_delay
         self._spawn = spawn
         self._recorders: dict[str, asyncio.Task[None]] = {}
         self._flush = asyncio.Event()
@@ -108,6 +111,7 @@ class Mover:
             return False
         self.counters["cgroup_writes"] += 1
         tracked.applied = cpus
+        tracked.moved_at = asyncio.get_running_loop().time()
         self.record_later(tracked)
         return True
 
@@ -164,10 +168,12 @@ class Mover:
             self._recorders[tracked.id] = self._spawn(self._record(tracked))
 
     async def _record(self, tracked: Tracked) -> None:
+        loop = asyncio.get_running_loop()
+        # Since when the runtime's record has been behind the cgroup.
+        behind_since = loop.time()
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._flush.wait(), self.record_delay)
             while tracked.phase is not Phase.EXITED:
+                await self._until_due(tracked, behind_since)
                 async with tracked.write_lock:
                     cpus = tracked.applied
                     if cpus is None or cpus == tracked.recorded:
@@ -181,8 +187,22 @@ class Mover:
                         return
                     tracked.recorded = cpus
                     self.counters["runtime_records"] += 1
+                behind_since = loop.time()
         finally:
             self._recorders.pop(tracked.id, None)
+
+    async def _until_due(self, tracked: Tracked, behind_since: float) -> None:
+        """Until the cpuset has stayed put for the record delay, or the record has been behind
+        for the longest delay (a container that keeps moving is still recorded now and then),
+        or a flush."""
+        loop = asyncio.get_running_loop()
+        while not self._flush.is_set():
+            due = min(tracked.moved_at + self.record_delay, behind_since + self.record_max_delay)
+            wait = due - loop.time()
+            if wait <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flush.wait(), wait)
 
     def flush(self) -> None:
         """Tell the runtime every cpuset written directly now, not after the delay (at

@@ -36,6 +36,9 @@ class Tracked:
     recorded: CPUSet | None = None
     # The container's first process on this host, as the runtime reports it; 0 when unknown.
     pid: int = 0
+    # When cpushim last wrote the cgroup directly (the loop's clock); the runtime is told once
+    # the cpuset has stayed put for a while (shim/engine/moves.py).
+    moved_at: float = 0.0
     # Held by every write of this container's cpuset (direct or through the runtime), so an
     # older cpuset can never land after a newer one.
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)

@@ -221,6 +221,9 @@ def main() -> int:
     print(f"{'path':<8} {'ms/pod':>8} {'ratio':>7}")
     print(f"{'direct':<8} {direct_pod * 1e3:8.1f} {1.0:7.3f}")
     print(f"{'cpushim':<8} {shim_pod * 1e3:8.1f} {shim_pod / direct_pod:7.3f}")
+    # How far one round is from another says how much to trust the ratio above.
+    per_round = [c / d for c, d in zip(walls["cpushim"], walls["direct"], strict=True)]
+    print("# ratio of each round: " + " ".join(f"{r:.3f}" for r in per_round))
     print(f"# per call, median ms: {'call':<18} {'direct':>8} {'cpushim':>8} {'+ms':>7}")
     for name, took in calls["direct"].items():
         d = statistics.median(took) * 1e3

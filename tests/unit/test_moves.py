@@ -30,10 +30,11 @@ pytestmark = pytest.mark.anyio
 NEVER = 3600.0
 
 
-async def cgroup_env(tmp_path: Path, fake: FakeRuntime, record_delay: float) -> Env:
-    return await make_env(
-        fake, tmp_path / "state", options=EngineOptions(record_delay=record_delay)
-    )
+async def cgroup_env(
+    tmp_path: Path, fake: FakeRuntime, record_delay: float, record_max_delay: float = NEVER
+) -> Env:
+    options = EngineOptions(record_delay=record_delay, record_max_delay=record_max_delay)
+    return await make_env(fake, tmp_path / "state", options=options)
 
 
 @pytest.fixture
@@ -94,6 +95,37 @@ async def test_a_move_and_its_return_before_the_delay_cost_no_runtime_update(env
 
     await env.engine.drain(5.0)
     assert updates_to(env.fake, shared_id) == []
+
+
+async def test_a_container_that_keeps_moving_is_recorded_once_it_stays_put(
+    tmp_path: Path,
+) -> None:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await cgroup_env(tmp_path, fake, record_delay=1.0)
+        shared_id = await start_located(env, "web")
+        # Three moves 0.6 s apart, each within the delay of the one before: a record one delay
+        # after the first move would carry the second cpuset and need another for the third.
+        for index in range(3):
+            pod = await env.kubelet.run_pod(f"db-{index}", "guaranteed")
+            await env.kubelet.start_new(pod, "main", 1000)
+            await asyncio.sleep(0.6)  # time passing between pods, not a synchronisation
+        last = env.kernel_cpus(shared_id)
+        assert last is not None
+        await until(lambda: updates_to(fake, shared_id) != [], "the record sent", deadline=5.0)
+        assert updates_to(fake, shared_id) == [last]
+        env.channel.close()
+
+
+async def test_a_container_that_never_stays_put_is_still_recorded(tmp_path: Path) -> None:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        # The cpuset never stays put long enough; the longest delay still brings a record.
+        env = await cgroup_env(tmp_path, fake, record_delay=NEVER, record_max_delay=0.05)
+        shared_id = await start_located(env, "web")
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(pod, "main", 1000)
+        moved = env.kernel_cpus(shared_id)
+        await until(lambda: updates_to(fake, shared_id) == [moved], "the record sent")
+        env.channel.close()
 
 
 async def test_an_update_in_flight_is_never_overtaken_by_an_older_cpuset(tmp_path: Path) -> None:
