@@ -42,14 +42,13 @@ from tests.harness.containerd import (  # noqa: E402
 )
 from tests.harness.images import TEST_IMAGE, ImageBuildError, build_image  # noqa: E402
 from tests.harness.kubelet import (  # noqa: E402
+    MIB,
+    WORKLOAD,
     ContainerResources,
     KubeletClient,
     QoSClass,
     new_pod_uid,
 )
-
-MIB = 1024 * 1024
-WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -30,17 +29,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from shim.cpuset import CPUSet
+from tests.bench.procfs import cpu_seconds, machine_cpu_seconds
 from tests.harness.containerd import (
     PrivateContainerd,
     ServingProcess,
     cpushim_command,
 )
 from tests.harness.images import build_image
-from tests.harness.kubelet import ContainerResources, KubeletClient, new_pod_uid
+from tests.harness.kubelet import ONE_CPU, WORKLOAD, KubeletClient, new_pod_uid
 
 REPO = Path(__file__).resolve().parents[2]
-MIB = 1024 * 1024
-WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
 
 
 def cgroup_cpus(client: KubeletClient, container_id: str) -> CPUSet:
@@ -82,7 +80,7 @@ def one_pod(
             "main",
             image,
             WORKLOAD,
-            resources=ContainerResources(1000, 1000, 32 * MIB, 32 * MIB),
+            resources=ONE_CPU,
         )
     with timed("StartContainer"):
         client.start_container(container_id)
@@ -98,20 +96,6 @@ def one_pod(
         client.remove_pod_sandbox(sandbox.id)
     # The wall time is the calls' own: the cgroup reads between them are the benchmark's.
     return wall, grown_after
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process (all its threads) has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    # utime and stime are fields 14 and 15 of the line, 12 and 13 after the command name.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_cpu_seconds() -> float:
-    """CPU time every CPU of the machine has spent busy so far (all processes, the kernel)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle and iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _until(condition: Callable[[], bool], since: float, deadline: float = 10.0) -> float:

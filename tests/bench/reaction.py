@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from shim.cpuset import CPUSet
-from tests.bench.churn import WORKLOAD, machine
+from tests.bench.churn import machine
 from tests.harness.containerd import (
     PrivateContainerd,
     ServingProcess,
@@ -36,10 +36,15 @@ from tests.harness.containerd import (
     wait_for,
 )
 from tests.harness.images import build_image
-from tests.harness.kubelet import ContainerResources, KubeletClient, Sandbox, new_pod_uid
+from tests.harness.kubelet import (
+    ONE_CPU,
+    WORKLOAD,
+    KubeletClient,
+    Sandbox,
+    new_pod_uid,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-MIB = 1024 * 1024
 POLL = 0.0002
 
 
@@ -71,7 +76,7 @@ def pinned(client: KubeletClient, image: str, index: int) -> tuple[Sandbox, str]
         "main",
         image,
         WORKLOAD,
-        resources=ContainerResources(1000, 1000, 32 * MIB, 32 * MIB),
+        resources=ONE_CPU,
     )
     client.start_container(container_id)
     return sandbox, container_id

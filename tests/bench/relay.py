@@ -28,6 +28,7 @@ import grpc
 import grpc.aio
 
 from shim.cri import runtime_v1_pb2 as pb
+from tests.bench.procfs import cpu_seconds
 from tests.harness.containerd import (
     PrivateContainerd,
     cpushim_command,
@@ -48,11 +49,6 @@ class Figures:
     p99_us: float
     calls_per_s: float
     relay_cpu_us: float | None = None
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def measure(

@@ -25,6 +25,8 @@ from tests.harness.containerd import (
 )
 from tests.harness.images import TEST_IMAGE
 from tests.harness.kubelet import (
+    ONE_CPU,
+    WORKLOAD,
     ContainerResources,
     KernelCpus,
     KubeletClient,
@@ -36,9 +38,6 @@ from tests.harness.kubelet import (
 
 pytestmark = pytest.mark.e2e
 
-MIB = 1024 * 1024
-WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
-ONE_CPU = ContainerResources(1000, 1000, 32 * MIB, 32 * MIB)
 NO_RESOURCES = ContainerResources()
 
 

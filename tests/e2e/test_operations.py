@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import CPUSHIM_START_TIMEOUT, REPO_ROOT
 from tests.e2e.test_inline_allocation import (  # the fixtures are shared with those tests
-    ONE_CPU,
     Shim,
     direct,
     rpc_error,
@@ -36,7 +35,7 @@ from tests.harness.containerd import (
     socket_accepts,
     wait_for,
 )
-from tests.harness.kubelet import KubeletClient
+from tests.harness.kubelet import ONE_CPU, KubeletClient
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,6 @@ import pytest
 
 from shim.projection import Projection, read, watch
 from tests.e2e.test_inline_allocation import (  # the fixtures are shared with those tests
-    ONE_CPU,
     Shim,
     assert_kernel,
     direct,
@@ -26,7 +25,7 @@ from tests.e2e.test_inline_allocation import (  # the fixtures are shared with t
     via,
 )
 from tests.harness.containerd import projection_dir_for, wait_for
-from tests.harness.kubelet import KubeletClient
+from tests.harness.kubelet import ONE_CPU, KubeletClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 

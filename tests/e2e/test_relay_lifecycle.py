@@ -24,6 +24,8 @@ from tests.e2e.conftest import ENDPOINT_NAMES, Endpoint, endpoint_for
 from tests.harness.containerd import wait_for
 from tests.harness.images import TEST_IMAGE
 from tests.harness.kubelet import (
+    MIB,
+    WORKLOAD,
     ContainerResources,
     KubeletClient,
     cgroup_file,
@@ -32,10 +34,6 @@ from tests.harness.kubelet import (
 
 pytestmark = pytest.mark.e2e
 
-MIB = 1024 * 1024
-# PID 1 of the container traps SIGTERM and exits 0, so StopContainer returns without waiting
-# out the grace period and the exit code is deterministic.
-WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
 GUARANTEED_ONE_CPU = ContainerResources(
     cpu_milli_request=1000, cpu_milli_limit=1000, memory_request=64 * MIB, memory_limit=64 * MIB
 )

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_inline_allocation import (  # the fixtures are shared with those tests
-    ONE_CPU,
     Shim,
     assert_kernel,
     direct,
@@ -24,7 +23,7 @@ from tests.e2e.test_inline_allocation import (  # the fixtures are shared with t
     via,
 )
 from tests.harness.containerd import wait_for
-from tests.harness.kubelet import KubeletClient
+from tests.harness.kubelet import ONE_CPU, KubeletClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 

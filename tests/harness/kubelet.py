@@ -112,6 +112,14 @@ class ContainerResources:
     memory_limit: int = 0
 
 
+MIB = 1024 * 1024
+# A Guaranteed container asking for one whole CPU: exclusive under the static policy.
+ONE_CPU = ContainerResources(1000, 1000, 32 * MIB, 32 * MIB)
+# PID 1 of a test container traps SIGTERM and exits 0, so StopContainer returns without
+# waiting out the grace period and the exit code is deterministic.
+WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
+
+
 @dataclass(frozen=True, slots=True)
 class KernelCpus:
     """What the kernel says a container's main process may run on."""

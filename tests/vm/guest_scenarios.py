@@ -33,6 +33,8 @@ from tests.harness.containerd import (
 )
 from tests.harness.images import TEST_IMAGE, build_image
 from tests.harness.kubelet import (
+    MIB,
+    WORKLOAD,
     ContainerResources,
     KubeletClient,
     QoSClass,
@@ -43,8 +45,6 @@ from tests.harness.kubelet import (
 )
 from tests.vm.topologies import Topology
 
-MIB = 1024 * 1024
-WORKLOAD = ["sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"]
 CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
 # Under TCG everything is slower than on the host; cpushim's start-up imports dominate.
 CPUSHIM_START_TIMEOUT = 90.0
