@@ -117,15 +117,6 @@ class CallObserver(Protocol):
     def call_finished(self, path: str, status: int | None, seconds: float) -> None: ...
 
 
-def _one_message(body: bytearray, encoding: bytes | None) -> bytes | None:
-    """The single gRPC message in ``body``; None when it does not hold exactly one."""
-    try:
-        messages = unframe_messages(bytes(body), encoding)
-    except MessageError:
-        return None
-    return messages[0] if len(messages) == 1 else None
-
-
 def _response_encoding(flags: int, raws: list[bytes]) -> bytes | None:
     """The ``grpc-encoding`` of a response header block (None: identity, or unreadable, in
     which case the message will not unframe and the follower gets None)."""
@@ -181,16 +172,44 @@ class _RecentIds:
 
 
 @dataclass
+class _Copy:
+    """The DATA one side of a followed call sent, copied as it passes; dropped once it runs
+    past the limit."""
+
+    limit: int
+    encoding: bytes | None = None
+    data: bytearray = field(default_factory=bytearray)
+    too_large: bool = False
+
+    def add(self, flags: int, payload: bytes | bytearray) -> None:
+        if self.too_large:
+            return
+        data = fr.data_payload(flags, payload)
+        if len(self.data) + len(data) > self.limit:
+            self.too_large = True
+            self.data.clear()
+        else:
+            self.data += data
+
+    def message(self) -> bytes | None:
+        """The single gRPC message copied; None when it is not exactly one readable one."""
+        if self.too_large:
+            return None
+        try:
+            messages = unframe_messages(bytes(self.data), self.encoding)
+        except MessageError:
+            return None
+        return messages[0] if len(messages) == 1 else None
+
+
+@dataclass
 class _Followed:
-    """A spliced call whose request is copied and whose trailers are held for the adapter."""
+    """A spliced call whose request and reply are copied and whose trailers are held for the
+    adapter."""
 
     path: str
-    encoding: bytes | None
-    body: bytearray = field(default_factory=bytearray)
-    too_large: bool = False
-    response_encoding: bytes | None = None
-    response: bytearray = field(default_factory=bytearray)
-    response_too_large: bool = False
+    request: _Copy
+    response: _Copy
 
 
 @dataclass
@@ -315,7 +334,7 @@ class Splice:
                         span = end
                     elif self._following and sid in self._following:
                         # Passes on unchanged; a copy is kept for the adapter.
-                        self._copy_followed(self._following[sid], flags, buf[pos + 9 : end])
+                        self._following[sid].request.add(flags, buf[pos + 9 : end])
                 elif ftype == fr.HEADERS or ftype == fr.CONTINUATION:
                     _forward(self._out_upstream, buf, span, pos)
                     self._client_header_frame(ftype, flags, sid, bytes(memoryview(buf)[pos:end]))
@@ -473,28 +492,10 @@ class Splice:
                 encoding = block_value(block, b"grpc-encoding")
             else:
                 encoding = header_value(headers, b"grpc-encoding")
-            self._following[sid] = _Followed(path, encoding)
+            # A gRPC message frame: 5 bytes of prefix, then at most the largest request.
+            limit = self._max_request + 5
+            self._following[sid] = _Followed(path, _Copy(limit, encoding), _Copy(limit))
         self._out_upstream.extend(raws)
-
-    def _copy_followed(self, followed: _Followed, flags: int, payload: bytes | bytearray) -> None:
-        if followed.too_large:
-            return
-        data = fr.data_payload(flags, payload)
-        if len(followed.body) + len(data) > self._max_request + 5:
-            followed.too_large = True
-            followed.body.clear()
-        else:
-            followed.body += data
-
-    def _copy_response(self, followed: _Followed, flags: int, payload: bytes | bytearray) -> None:
-        if followed.response_too_large:
-            return
-        data = fr.data_payload(flags, payload)
-        if len(followed.response) + len(data) > self._max_request + 5:
-            followed.response_too_large = True
-            followed.response.clear()
-        else:
-            followed.response += data
 
     def _client_data_local(
         self, sid: int, flags: int, payload: bytes | bytearray, length: int
@@ -576,7 +577,7 @@ class Splice:
                     if self._following:
                         followed = self._following.get(sid)
                         if followed is not None:
-                            self._copy_response(followed, flags, buf[pos + 9 : end])
+                            followed.response.add(flags, buf[pos + 9 : end])
                     if sid in self._relayed_by_upstream:
                         _forward(self._out_client, buf, span, pos)
                         span = end
@@ -675,7 +676,7 @@ class Splice:
             self.open_streams[sid] = True
             followed = self._following.get(sid)
             if followed is not None:
-                followed.response_encoding = _response_encoding(first_flags, raws)
+                followed.response.encoding = _response_encoding(first_flags, raws)
         for chunk in raws:
             self._to_client(chunk, 0)
 
@@ -683,14 +684,14 @@ class Splice:
 
     def _hold_trailers(self, sid: int, followed: _Followed, flags: int, raws: list[bytes]) -> None:
         self._held_trailers[sid] = (flags, raws)
-        request = None if followed.too_large else _one_message(followed.body, followed.encoding)
-        response = (
-            None
-            if followed.response_too_large
-            else _one_message(followed.response, followed.response_encoding)
-        )
         self.events.append(
-            CallCompleted(sid, followed.path, request, _trailer_status(flags, raws), response)
+            CallCompleted(
+                sid,
+                followed.path,
+                followed.request.message(),
+                _trailer_status(flags, raws),
+                followed.response.message(),
+            )
         )
 
     def release(self, sid: int) -> None:
