@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import struct
 from collections.abc import AsyncIterator
@@ -12,6 +11,7 @@ import pytest
 
 from shim import inotify
 from shim.inotify import Event, Inotify, parse_events
+from tests.unit.engine_env import until
 
 pytestmark = pytest.mark.anyio
 
@@ -25,13 +25,6 @@ async def watcher() -> AsyncIterator[Inotify]:
     watching.close()
 
 
-async def until(condition: object, within: float = 5.0) -> None:
-    assert callable(condition)
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
-
-
 async def test_two_subscribers_share_one_kernel_watch(watcher: Inotify, tmp_path: Path) -> None:
     writes: list[Event] = []
     removals: list[Event] = []
@@ -42,7 +35,7 @@ async def test_two_subscribers_share_one_kernel_watch(watcher: Inotify, tmp_path
 
     (tmp_path / "a").write_text("x")
     (tmp_path / "a").unlink()
-    await until(lambda: writes and removals)
+    await until(lambda: bool(writes and removals), "a write and a removal seen")
     assert [e.name for e in writes] == ["a"]
     assert [e.name for e in removals] == ["a"]
 
@@ -50,7 +43,7 @@ async def test_two_subscribers_share_one_kernel_watch(watcher: Inotify, tmp_path
     assert watcher.watch_count == 1
     (tmp_path / "b").write_text("x")
     (tmp_path / "b").unlink()
-    await until(lambda: len(removals) == 2)
+    await until(lambda: len(removals) == 2, "the second removal seen")
     assert [e.name for e in writes] == ["a"]
 
 
@@ -69,7 +62,7 @@ async def test_every_rename_is_delivered(watcher: Inotify, tmp_path: Path) -> No
         temporary = tmp_path / f".state.json.{index}.tmp"
         temporary.write_text(str(index))
         os.replace(temporary, tmp_path / "state.json")
-    await until(lambda: len(arrived) == 300)
+    await until(lambda: len(arrived) == 300, "every rename seen")
     assert set(arrived) == {"state.json"}
 
 
@@ -94,13 +87,13 @@ async def test_a_removed_directory_drops_its_watch(watcher: Inotify, tmp_path: P
     seen: list[Event] = []
     watcher.subscribe(str(directory), inotify.IN_CREATE, seen.append)
     directory.rmdir()
-    await until(lambda: any(e.mask & inotify.IN_IGNORED for e in seen))
+    await until(lambda: any(e.mask & inotify.IN_IGNORED for e in seen), "the watch dropped")
     assert watcher.watch_count == 0
     # Watched again once it is back, under a new kernel watch.
     directory.mkdir()
     watcher.subscribe(str(directory), inotify.IN_CREATE, seen.append)
     (directory / "cpuset.cpus").write_text("0")
-    await until(lambda: any(e.name == "cpuset.cpus" for e in seen))
+    await until(lambda: any(e.name == "cpuset.cpus" for e in seen), "the new watch works")
 
 
 def test_events_are_parsed_with_their_padded_names() -> None:
