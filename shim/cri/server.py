@@ -35,6 +35,10 @@ class Interceptor(Protocol):
     async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply: ...
 
 
+# Work a follower leaves for after the call's reply has gone to the client.
+Afterwards = Callable[[], object] | None
+
+
 class Follower(Protocol):
     """Learns the outcome of spliced calls before the client does: the call passes through
     untouched, but its trailers wait until :meth:`followed` returns. For calls where cpushim
@@ -46,7 +50,7 @@ class Follower(Protocol):
 
     async def followed(
         self, path: str, request: bytes | None, status: int | None, response: bytes | None
-    ) -> Callable[[], object] | None:
+    ) -> Afterwards:
         """``request`` and ``response`` are the call's messages, None when unreadable. What
         it returns is called once the reply's end has been handed to the client: work that
         must not hold the reply up, nor compete with it."""

@@ -34,6 +34,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.passthrough import LIFECYCLE_PATHS, check_request
+from shim.cri.server import Afterwards
 from shim.cri.upstream import RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.moves import Mover
@@ -52,8 +53,6 @@ log = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=Message)
 _T = TypeVar("_T")
-# Work a followed call leaves for after its reply has gone to the client.
-Afterwards = Callable[[], object] | None
 
 FailurePolicy = Literal["fail-closed", "fail-open"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -14,6 +14,7 @@ import pytest
 
 from shim.cri.calls import Status
 from shim.cri.passthrough import PassthroughInterceptor
+from shim.cri.server import Afterwards
 from tests.fake_cri import command_of, script
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
 
@@ -39,7 +40,7 @@ class Recorder:
 
     async def followed(
         self, path: str, request: bytes | None, status: int | None, response: bytes | None
-    ) -> Callable[[], object] | None:
+    ) -> Afterwards:
         self.seen.append((path, request, status))
         self.responses.append(response)
         self.entered.set()
