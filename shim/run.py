@@ -17,7 +17,7 @@ from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.server import Interceptor, RelayServer
-from shim.cri.upstream import RuntimeChannel, unix_path
+from shim.cri.upstream import Forward, RuntimeChannel, unix_path
 from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
 from shim.engine.reloading import ConfigReloader
 from shim.engine.resync import StartupError
@@ -109,10 +109,13 @@ class SeparateImageService:
     def intercepts(self, path: str) -> bool:
         return path.startswith(IMAGE_SERVICE_PREFIX) or self._inner.intercepts(path)
 
-    async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply:
+    def amends(self, path: str) -> bool:
+        return not path.startswith(IMAGE_SERVICE_PREFIX) and self._inner.amends(path)
+
+    async def handle(self, call: UnaryCall, forward: Forward) -> Reply:
         if call.path.startswith(IMAGE_SERVICE_PREFIX):
             return await self._images.unary(call)
-        return await self._inner.handle(call, runtime)
+        return await self._inner.handle(call, forward)
 
 
 async def wait_for_runtime(channel: RuntimeChannel, budget: float) -> Reply:

@@ -1,8 +1,8 @@
-"""Unary gRPC calls that the relay answers itself: the call, the reply and their wire framing.
+"""Unary gRPC calls that the relay intercepts: the call, the reply and their wire framing.
 
-A call that cpushim intercepts is terminated at the relay (its frames never reach the upstream
-connection it arrived on); a handler decides, usually forwards it upstream over the relay's own
-channel, and returns a :class:`Reply` that is written back to the client.
+A handler gets an intercepted call as a :class:`UnaryCall` and either forwards it (amended on
+its own stream, or over the relay's own channel) or answers it with a :class:`Reply` that the
+relay writes back to the client.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import logging
 from google.protobuf.message import DecodeError
 
 from shim.cri.calls import Reply, Status, UnaryCall
-from shim.cri.upstream import RuntimeChannel
+from shim.cri.upstream import Forward
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +48,18 @@ def check_request(call: UnaryCall) -> Reply | None:
 
 
 class PassthroughInterceptor:
-    def __init__(self, paths: frozenset[str] = LIFECYCLE_PATHS) -> None:
+    def __init__(self, paths: frozenset[str] = LIFECYCLE_PATHS, *, amend: bool = False) -> None:
         self.paths = paths
+        self.amend = amend
 
     def intercepts(self, path: str) -> bool:
         return path in self.paths
 
-    async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply:
+    def amends(self, path: str) -> bool:
+        return self.amend
+
+    async def handle(self, call: UnaryCall, forward: Forward) -> Reply:
         rejected = check_request(call)
         if rejected is not None:
             return rejected
-        return await runtime.unary(call)
+        return await forward()

@@ -13,8 +13,9 @@ import stat
 from collections.abc import Callable
 from typing import Protocol, cast
 
-from shim.cri.calls import Reply, Status, UnaryCall
+from shim.cri.calls import Reply, Status, UnaryCall, frame_message
 from shim.cri.splice import (
+    CallAborted,
     CallCancelled,
     CallCompleted,
     CallObserver,
@@ -22,7 +23,13 @@ from shim.cri.splice import (
     ConnectionFailed,
     Splice,
 )
-from shim.cri.upstream import RuntimeChannel, unix_path
+from shim.cri.upstream import (
+    ChannelForward,
+    Forward,
+    ForwardedTwiceError,
+    RuntimeChannel,
+    unix_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +39,14 @@ class Interceptor(Protocol):
 
     def intercepts(self, path: str) -> bool: ...
 
-    async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply: ...
+    def amends(self, path: str) -> bool:
+        """Of the intercepted calls, those that go on to the runtime on the client's own
+        stream (their request held until :meth:`handle` forwards it) rather than on the
+        relay's own channel: a decision that changes a request costs no second HTTP/2 call."""
+
+    async def handle(self, call: UnaryCall, forward: Forward) -> Reply:
+        """Answer ``call``, calling ``forward`` (at most once) to pass it on. Once it is
+        forwarded, the runtime's reply is what the client gets."""
 
 
 # Work a follower leaves for after the call's reply has gone to the client.
@@ -43,8 +57,8 @@ class Follower(Protocol):
     """Learns the outcome of spliced calls before the client does: the call passes through
     untouched, but its trailers wait until :meth:`followed` returns. For calls where cpushim
     has work to do once the runtime has answered (a stopped container's CPUs go back before
-    StopContainer returns) without changing the request, at the splice's cost rather than a
-    terminated call's."""
+    StopContainer returns) without changing the request, at the splice's cost rather than
+    that of a second HTTP/2 call."""
 
     def follows(self, path: str) -> bool: ...
 
@@ -183,8 +197,10 @@ class ClientConnection(asyncio.Protocol):
             server.interceptor.intercepts,
             observer=server.observer,
             followed=follower.follows if follower is not None else None,
+            amended=server.interceptor.amends,
         )
         self._following: set[asyncio.Task[None]] = set()
+        self._forwards: dict[int, StreamForward] = {}
         self.client: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
         self._early: list[bytes] = []
@@ -240,6 +256,8 @@ class ClientConnection(asyncio.Protocol):
         self._closed = True
         for task in self._calls.values():
             task.cancel()
+        for forward in list(self._forwards.values()):
+            forward.ended(Reply.error(Status.UNAVAILABLE, "cpushim: the client went away"))
         if self.upstream is not None:
             self.upstream.close()
         self.server._connection_closed(self)
@@ -277,18 +295,37 @@ class ClientConnection(asyncio.Protocol):
             self.client.writelines(to_client)
         for event in self.splice.take_events():
             if isinstance(event, CallReceived):
+                forward: Forward
+                if event.amended:
+                    forward = self._forwards[event.stream_id] = StreamForward(
+                        self, event.stream_id, event.call
+                    )
+                else:
+                    forward = ChannelForward(self.server.runtime, event.call)
                 task = asyncio.get_running_loop().create_task(
-                    self._answer(event.stream_id, event.call)
+                    self._answer(event.stream_id, event.call, forward)
                 )
                 self._calls[event.stream_id] = task
             elif isinstance(event, CallCompleted):
+                amended = self._forwards.get(event.stream_id)
+                if amended is not None:
+                    amended.ended(_outcome(event))
+                    continue
                 task = asyncio.get_running_loop().create_task(self._follow(event))
                 self._following.add(task)
                 task.add_done_callback(self._following.discard)
+            elif isinstance(event, CallAborted):
+                amended = self._forwards.get(event.stream_id)
+                if amended is not None:
+                    amended.ended(
+                        Reply.error(event.status, "cpushim: the call ended without a reply")
+                    )
             elif isinstance(event, CallCancelled):
                 task_to_cancel = self._calls.pop(event.stream_id, None)
                 if task_to_cancel is not None:
                     task_to_cancel.cancel()
+                # Not yet sent, so it never will be: its forward finds the stream gone.
+                self._forwards.pop(event.stream_id, None)
             elif isinstance(event, ConnectionFailed):
                 log.warning("closing client connection", extra={"fields": {"reason": event.reason}})
                 self.abort()
@@ -296,7 +333,7 @@ class ClientConnection(asyncio.Protocol):
         if self._shutting_down and self.splice.idle:
             self.abort()
 
-    async def _answer(self, sid: int, call: UnaryCall) -> None:
+    async def _answer(self, sid: int, call: UnaryCall, forward: Forward) -> None:
         try:
             if self.splice.upstream_absent:
                 reply = Reply.error(
@@ -304,15 +341,24 @@ class ClientConnection(asyncio.Protocol):
                     f"cpushim: runtime {self.unavailable_reason} is unavailable",
                 )
             else:
-                reply = await self.server.interceptor.handle(call, self.server.runtime)
+                reply = await self.server.interceptor.handle(call, forward)
         except asyncio.CancelledError:
             self._calls.pop(sid, None)
+            # The interceptor's work may go on (it is shielded): a forward not yet made finds
+            # its stream gone; one under way is still told its outcome (StreamForward.ended).
+            if not forward.sent:
+                self._forwards.pop(sid, None)
             raise
         except Exception as exc:
             log.exception("intercepted call failed", extra={"fields": {"path": call.path}})
             reply = Reply.error(Status.INTERNAL, f"cpushim: {call.path} failed: {exc}")
         self._calls.pop(sid, None)
-        self.splice.reply(sid, reply)
+        self._forwards.pop(sid, None)
+        if isinstance(forward, StreamForward) and forward.sent:
+            # The runtime's reply is on its way to the client already; its trailers waited.
+            self.splice.release(sid)
+        else:
+            self.splice.reply(sid, reply)
         if self.splice.upstream_absent:
             # Send the client to a new connection for its next call, where the runtime
             # is tried again.
@@ -350,6 +396,63 @@ class ClientConnection(asyncio.Protocol):
             self.client.close()
         if self.upstream is not None:
             self.upstream.close()
+
+
+# How long past a forwarded call's deadline its reply is still waited for.
+_DEADLINE_GRACE = 5.0
+
+
+class StreamForward:
+    """Forwards an amended call on its own stream: the request goes where the call's HEADERS
+    already went, and the runtime's reply passes to the client as it comes, all but its
+    trailers, which wait for the handler to return."""
+
+    def __init__(self, connection: ClientConnection, stream_id: int, call: UnaryCall) -> None:
+        self._connection = connection
+        self._stream_id = stream_id
+        self._call = call
+        self._outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self.sent = False
+        self.reply: Reply | None = None
+
+    async def __call__(self, request: bytes | None = None) -> Reply:
+        if self.sent:
+            raise ForwardedTwiceError(f"{self._call.path} was already forwarded")
+        body = frame_message(self._call.request if request is None else request)
+        connection = self._connection
+        if connection._closed or not connection.splice.forward_request(self._stream_id, body):
+            return Reply.error(
+                Status.CANCELLED, f"cpushim: {self._call.path} ended before it was forwarded"
+            )
+        self.sent = True
+        connection._flush()
+        if self._call.timeout is None:
+            self.reply = await self._outcome
+            return self.reply
+        # The runtime ends the call at its deadline; this bounds the wait should the reply
+        # be stuck behind a client that stopped reading (the engine holds its lock here).
+        try:
+            async with asyncio.timeout(self._call.timeout + _DEADLINE_GRACE):
+                self.reply = await asyncio.shield(self._outcome)
+        except TimeoutError:
+            self.reply = Reply.error(
+                Status.DEADLINE_EXCEEDED, f"cpushim: no reply to {self._call.path} in time"
+            )
+        return self.reply
+
+    def ended(self, reply: Reply) -> None:
+        """The runtime's answer, or what stands for it when there will be none."""
+        self._connection._forwards.pop(self._stream_id, None)
+        if not self._outcome.done():
+            self._outcome.set_result(reply)
+
+
+def _outcome(event: CallCompleted) -> Reply:
+    """An amended call's reply, as the handler sees it (the client gets the runtime's)."""
+    status = event.status if event.status is not None else Status.UNKNOWN
+    trailers = event.trailers or ((b"grpc-status", str(int(status)).encode()),)
+    messages = (event.response,) if event.response is not None else ()
+    return Reply(trailers=trailers, headers=(), messages=messages)
 
 
 class UpstreamConnection(asyncio.Protocol):

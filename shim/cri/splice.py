@@ -5,15 +5,22 @@ write come out of :meth:`Splice.take_output`, and calls the relay answers itself
 :class:`CallReceived` events. The asyncio adapter in :mod:`shim.cri.server` does the I/O.
 
 Frames pass verbatim, so stream ids, HPACK state, settings and flow control are the two peers'
-own, with three exceptions, each accounted for:
+own, with these exceptions, each accounted for:
 
 * SETTINGS frames in both directions are rewritten to ``HEADER_TABLE_SIZE = 0``, so header
   blocks become self-contained and the relay may drop or write whole blocks.
 * Intercepted calls are terminated here: their frames are not forwarded, the relay returns
   the client's flow-control credit for the request bytes it consumed, and writes the reply.
+* Amended calls are intercepted calls whose HEADERS go on to the upstream at once while their
+  request is held here (with credit returned as for a terminated call); the adapter then
+  either answers them here (the upstream stream is reset) or hands back a request, maybe
+  changed, which the relay writes on the same stream. From there on the call is followed:
+  its reply passes, but for its trailers, held until the adapter releases them.
 * Reply bytes the relay writes use up the client's connection window behind the upstream's
   back; that much of the client's later WINDOW_UPDATE credit is kept from the upstream, and
   upstream DATA that would overrun the client's real window waits here until credit arrives.
+  Request bytes the relay writes for an amended call are accounted the same way in the other
+  direction.
 """
 
 from __future__ import annotations
@@ -75,8 +82,12 @@ def _forward(out: list[bytes], buf: bytes | bytearray, start: int, stop: int) ->
 
 @dataclass(frozen=True)
 class CallReceived:
+    """A call to answer here; an ``amended`` one may instead go on with
+    :meth:`Splice.forward_request`."""
+
     stream_id: int
     call: UnaryCall
+    amended: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,13 +100,24 @@ class CallCompleted:
     """A followed call's response has ended upstream; its trailers wait here until the adapter
     calls :meth:`Splice.release`. ``request`` and ``response`` are the call's messages (None
     when one could not be read: an unknown encoding, too large, or not one message);
-    ``status`` the gRPC status of the trailers (None when they carried none)."""
+    ``status`` the gRPC status of the trailers (None when they carried none). An amended
+    call's event carries its decoded trailers when its status is not OK."""
 
     stream_id: int
     path: str
     request: bytes | None
     status: int | None
     response: bytes | None = None
+    trailers: tuple[Header, ...] = ()
+
+
+@dataclass(frozen=True)
+class CallAborted:
+    """A followed call ended without trailers: reset by either side, or the runtime's
+    connection was lost. ``status`` is what its client is told."""
+
+    stream_id: int
+    status: Status
 
 
 @dataclass(frozen=True)
@@ -105,7 +127,7 @@ class ConnectionFailed:
     reason: str
 
 
-Event = CallReceived | CallCancelled | CallCompleted | ConnectionFailed
+Event = CallReceived | CallCancelled | CallCompleted | CallAborted | ConnectionFailed
 
 
 class CallObserver(Protocol):
@@ -205,11 +227,25 @@ class _Copy:
 @dataclass
 class _Followed:
     """A spliced call whose request and reply are copied and whose trailers are held for the
-    adapter."""
+    adapter. An amended call's request is not copied: the adapter wrote it."""
 
     path: str
-    request: _Copy
+    request: _Copy | None
     response: _Copy
+
+    @property
+    def amended(self) -> bool:
+        return self.request is None
+
+
+@dataclass
+class _Outgoing:
+    """An amended request the relay writes upstream as the stream's and the connection's
+    windows allow."""
+
+    data: bytes
+    send_window: int
+    sent: int = 0
 
 
 @dataclass
@@ -224,6 +260,10 @@ class _LocalStream:
     pending: deque[tuple[bytes, int]] = field(default_factory=deque)  # (frame, data length)
     discarding: bool = False  # request too large: drain the rest, answer once it ends
     replied: bool = False
+    # An amended call: its HEADERS went upstream, where its stream waits for the request.
+    upstream_open: bool = False
+    # Stream credit the upstream granted meanwhile: the relay's, for the request it writes.
+    upstream_credit: int = 0
 
 
 class Splice:
@@ -234,13 +274,18 @@ class Splice:
         max_request_bytes: int = DEFAULT_MAX_REQUEST,
         observer: CallObserver | None = None,
         followed: Callable[[str], bool] | None = None,
+        amended: Callable[[str], bool] | None = None,
     ) -> None:
         self._intercepted = intercepted
+        # Intercepted calls whose request is held and written on their own upstream stream.
+        self._amended_paths = amended
         # Spliced calls whose outcome the adapter must learn before the client does.
         self._followed_paths = followed
         self._following: dict[int, _Followed] = {}
         # Stream -> (first frame's flags, trailer frames) held until release().
         self._held_trailers: dict[int, tuple[int, list[bytes]]] = {}
+        # An upstream RST_STREAM that came after held trailers, sent after them.
+        self._held_resets: dict[int, bytes] = {}
         self._observer = observer
         # With an observer: stream -> (path, start time) for each call in flight.
         self._timing: dict[int, tuple[str, float]] = {}
@@ -264,6 +309,12 @@ class Splice:
         self._client_max_frame = fr.DEFAULT_MAX_FRAME
         self._credit_to_keep = 0  # client credit owed for bytes the relay itself wrote
         self._held_for_client: deque[tuple[bytes, int]] = deque()
+        # Flow control towards the upstream, for the amended requests the relay writes.
+        self._upstream_window = fr.DEFAULT_WINDOW
+        self._upstream_initial_window = fr.DEFAULT_WINDOW
+        self._upstream_credit_to_keep = 0  # upstream credit owed for bytes the relay wrote
+        self._held_for_upstream: deque[tuple[bytes, int]] = deque()
+        self._amending: dict[int, _Outgoing] = {}
 
         self.open_streams: dict[int, bool] = {}  # spliced stream -> response started
         self._local: dict[int, _LocalStream] = {}
@@ -332,9 +383,23 @@ class Splice:
                         _forward(self._out_upstream, buf, span, pos)
                         self._client_data_local(sid, flags, buf[pos + 9 : end], length)
                         span = end
-                    elif self._following and sid in self._following:
-                        # Passes on unchanged; a copy is kept for the adapter.
-                        self._following[sid].request.add(flags, buf[pos + 9 : end])
+                    else:
+                        if self._following:
+                            followed = self._following.get(sid)
+                            if followed is not None and followed.request is not None:
+                                # Passes on unchanged; a copy is kept for the adapter.
+                                followed.request.add(flags, buf[pos + 9 : end])
+                        if self._held_for_upstream or length > self._upstream_window:
+                            # Only after the relay wrote requests of its own: the client's
+                            # view of the upstream's window exceeds the real one until the
+                            # upstream returns credit for them.
+                            _forward(self._out_upstream, buf, span, pos)
+                            self._held_for_upstream.append(
+                                (bytes(memoryview(buf)[pos:end]), length)
+                            )
+                            span = end
+                        else:
+                            self._upstream_window -= length
                 elif ftype == fr.HEADERS or ftype == fr.CONTINUATION:
                     _forward(self._out_upstream, buf, span, pos)
                     self._client_header_frame(ftype, flags, sid, bytes(memoryview(buf)[pos:end]))
@@ -358,13 +423,23 @@ class Splice:
                         _forward(self._out_upstream, buf, span, pos)
                         self._client_reset_local(sid)
                         span = end
+                    elif self._following and self._is_amended(sid):
+                        _forward(self._out_upstream, buf, span, pos)
+                        span = end
+                        self._client_left_amended(sid)
                     else:
                         self.open_streams.pop(sid, None)
                         # Nothing more may be sent on a stream the client reset.
-                        self._following.pop(sid, None)
+                        self._end_followed(sid, Status.CANCELLED)
                         self._held_trailers.pop(sid, None)
+                        self._held_resets.pop(sid, None)
                         if self._timing:
                             self._finished(sid, Status.CANCELLED)
+                        if self._held_for_upstream:
+                            # Behind the stream's DATA still waiting for upstream credit.
+                            _forward(self._out_upstream, buf, span, pos)
+                            span = end
+                            self._held_for_upstream.append((bytes(memoryview(buf)[pos:end]), 0))
                 elif ftype == fr.PRIORITY and (sid in self._local or sid in self._local_closed):
                     _forward(self._out_upstream, buf, span, pos)
                     span = end
@@ -412,6 +487,9 @@ class Splice:
             return
         stream = self._local.get(sid)
         if stream is not None:
+            if stream.upstream_open:
+                # The upstream may still be the one to answer on this stream.
+                self._out_upstream.append(raw)
             stream.send_window += increment
             self._pump_local(sid, stream)
         elif sid not in self._local_closed:
@@ -470,6 +548,22 @@ class Splice:
             headers = self._reader.last_headers
             if headers is None:
                 headers = decode_block(block)
+            if (
+                not end_stream
+                and not self.upstream_absent
+                and self._amended_paths is not None
+                and self._amended_paths(path)
+            ):
+                # The upstream opens the stream now; the request follows once decided.
+                self._out_upstream.extend(raws)
+                self.open_streams[sid] = False
+                self._local[sid] = _LocalStream(
+                    headers=tuple(headers),
+                    path=path,
+                    send_window=self._client_initial_window,
+                    upstream_open=True,
+                )
+                return
             if not self._reader.stateless:
                 # The upstream decoder must see this block to stay in step; cancel the stream
                 # there before any request byte reaches it, and answer the call here.
@@ -550,14 +644,104 @@ class Splice:
             request=messages[0],
             timeout=parse_timeout(header_value(stream.headers, b"grpc-timeout")),
         )
-        self.events.append(CallReceived(sid, call))
+        self.events.append(CallReceived(sid, call, stream.upstream_open))
 
     def _client_reset_local(self, sid: int) -> None:
-        if self._local.pop(sid, None) is not None:
+        stream = self._local.pop(sid, None)
+        if stream is not None:
+            if stream.upstream_open:
+                self.open_streams.pop(sid, None)
+                self._out_upstream.append(fr.rst_stream(sid, fr.CANCEL))
             if self._timing:
                 self._finished(sid, Status.CANCELLED)
             self._remember_closed(sid)
             self.events.append(CallCancelled(sid))
+
+    # ------------------------------------------------------------------ amended requests
+
+    def forward_request(self, sid: int, body: bytes) -> bool:
+        """Send an amended call's request (``body``: its gRPC message frame) on the stream
+        its HEADERS opened upstream; from here on the call is followed. False when the call
+        can no longer be forwarded: reset, ended by the upstream, or answered here."""
+        stream = self._local.get(sid)
+        if stream is None or not stream.upstream_open or stream.replied or not stream.request_done:
+            return False
+        del self._local[sid]
+        self._following[sid] = _Followed(stream.path, None, _Copy(self._max_request + 5))
+        window = self._upstream_initial_window + stream.upstream_credit
+        outgoing = self._amending[sid] = _Outgoing(body, window)
+        self._pump_upstream(sid, outgoing)
+        return True
+
+    def _pump_upstream(self, sid: int, outgoing: _Outgoing) -> None:
+        data = outgoing.data
+        while True:
+            left = len(data) - outgoing.sent
+            # Never above the smallest frame every peer accepts: the upstream's own limit
+            # may change under a SETTINGS frame still on its way to the client.
+            size = min(left, outgoing.send_window, self._upstream_window, fr.DEFAULT_MAX_FRAME)
+            if size <= 0 < left:
+                return
+            start = outgoing.sent
+            outgoing.sent += size
+            done = outgoing.sent == len(data)
+            flags = fr.FLAG_END_STREAM if done else 0
+            self._out_upstream.append(fr.frame(fr.DATA, flags, sid, data[start : start + size]))
+            outgoing.send_window -= size
+            self._upstream_window -= size
+            self._upstream_credit_to_keep += size
+            if done:
+                del self._amending[sid]
+                return
+
+    def _upstream_credit(self, increment: int) -> int:
+        """Take a connection WINDOW_UPDATE from the upstream into account; returns how much
+        of it is the client's (the rest paid for bytes the relay wrote itself)."""
+        self._upstream_window += increment
+        keep = min(increment, self._upstream_credit_to_keep)
+        self._upstream_credit_to_keep -= keep
+        held = self._held_for_upstream
+        while held and held[0][1] <= self._upstream_window:
+            chunk, length = held.popleft()
+            self._upstream_window -= length
+            self._out_upstream.append(chunk)
+        for sid, outgoing in list(self._amending.items()):
+            self._pump_upstream(sid, outgoing)
+        return increment - keep
+
+    def _is_amended(self, sid: int) -> bool:
+        followed = self._following.get(sid)
+        return followed is not None and followed.amended
+
+    def _client_left_amended(self, sid: int) -> None:
+        """The client reset an amended call after its request went upstream. The runtime may
+        be acting on it already, so it is not told: it finishes the call, and the adapter
+        learns the outcome (as the engine must: a container may exist); the client hears
+        nothing more of it."""
+        self.open_streams.pop(sid, None)
+        self._held_trailers.pop(sid, None)
+        self._held_resets.pop(sid, None)
+        self._relayed_by_upstream.add(sid)
+        if self._timing:
+            self._finished(sid, Status.CANCELLED)
+
+    def _end_followed(self, sid: int, status: Status) -> None:
+        """A followed call ended without trailers; an amended one's adapter must learn it."""
+        followed = self._following.pop(sid, None)
+        self._amending.pop(sid, None)
+        if followed is not None and followed.amended:
+            self.events.append(CallAborted(sid, status))
+
+    def _upstream_ended_held(self, sid: int) -> None:
+        """The upstream ended an amended call before its request was sent (a deadline): the
+        client has the upstream's answer, so the call can no longer be forwarded."""
+        stream = self._local.get(sid)
+        if stream is None or not stream.upstream_open:
+            return  # answered here; the upstream's end is its own business
+        del self._local[sid]
+        stream.upstream_open = False
+        self._remember_closed(sid)  # the rest of its request is consumed here
+        self.events.append(CallCancelled(sid))
 
     # ------------------------------------------------------------------ upstream -> client
 
@@ -591,7 +775,10 @@ class Splice:
                         self._client_window -= length
                     if flags & fr.FLAG_END_STREAM:
                         spliced = self.open_streams.pop(sid, None) is not None
-                        self._following.pop(sid, None)
+                        # A gRPC reply ends with trailers; its client fails it without them.
+                        self._end_followed(sid, Status.INTERNAL)
+                        if self._local and sid in self._local:
+                            self._upstream_ended_held(sid)
                         if self._timing and spliced:
                             self._finished(sid, None)
                 elif ftype == fr.HEADERS or ftype == fr.CONTINUATION:
@@ -601,21 +788,60 @@ class Splice:
                 elif ftype == fr.SETTINGS and not flags & fr.FLAG_ACK:
                     _forward(self._out_client, buf, span, pos)
                     settings = fr.parse_settings(memoryview(buf)[pos + 9 : end])
+                    self._upstream_settings(settings)
                     rewritten = fr.with_setting(settings, fr.SETTINGS_HEADER_TABLE_SIZE, 0)
                     self._to_client(fr.settings_frame(rewritten), 0)
                     span = end
+                elif ftype == fr.RST_STREAM and sid in self._held_trailers:
+                    # After the trailers (grpc-go resets a stream it answered before the
+                    # request ended): it must not overtake them.
+                    _forward(self._out_client, buf, span, pos)
+                    span = end
+                    self._held_resets[sid] = bytes(memoryview(buf)[pos:end])
                 elif ftype == fr.RST_STREAM:
                     spliced = self.open_streams.pop(sid, None) is not None
-                    self._following.pop(sid, None)
+                    status = _reset_status(buf[pos + 9 : end])
+                    self._end_followed(sid, status)
+                    if self._local and sid in self._local:
+                        self._upstream_ended_held(sid)
                     if self._timing and spliced:
-                        self._finished(sid, _reset_status(buf[pos + 9 : end]))
+                        self._finished(sid, status)
                     if sid in self._relayed_by_upstream:
                         _forward(self._out_client, buf, span, pos)
                         self._relayed_by_upstream.discard(sid)
                         span = end
-                elif ftype == fr.WINDOW_UPDATE and sid in self._relayed_by_upstream:
+                elif ftype == fr.WINDOW_UPDATE and sid == 0:
+                    increment = fr.window_increment(buf[pos + 9 : end])
+                    if (
+                        self._upstream_credit_to_keep
+                        or self._held_for_upstream
+                        or self._amending
+                        or held
+                    ):
+                        _forward(self._out_client, buf, span, pos)
+                        span = end
+                        clients = self._upstream_credit(increment)
+                        if clients:
+                            self._to_client(fr.window_update(0, clients), 0)
+                    else:
+                        # The common case: the whole credit is the client's; it passes verbatim.
+                        self._upstream_window += increment
+                elif ftype == fr.WINDOW_UPDATE and (
+                    sid in self._relayed_by_upstream
+                    or sid in self._amending
+                    or (self._local and sid in self._local)
+                ):
+                    # Credit for a request the relay writes is the relay's, not the client's.
                     _forward(self._out_client, buf, span, pos)
                     span = end
+                    increment = fr.window_increment(buf[pos + 9 : end])
+                    outgoing = self._amending.get(sid)
+                    held_stream = self._local.get(sid)
+                    if outgoing is not None:
+                        outgoing.send_window += increment
+                        self._pump_upstream(sid, outgoing)
+                    elif held_stream is not None and held_stream.upstream_open:
+                        held_stream.upstream_credit += increment
                 elif held:
                     _forward(self._out_client, buf, span, pos)
                     held.append((bytes(memoryview(buf)[pos:end]), 0))
@@ -626,6 +852,15 @@ class Splice:
             return
         _forward(self._out_client, buf, span, pos)
         self._upstream_buf = _pending_after(buf, pos)
+
+    def _upstream_settings(self, settings: list[tuple[int, int]]) -> None:
+        for key, value in settings:
+            if key == fr.SETTINGS_INITIAL_WINDOW_SIZE:
+                delta = value - self._upstream_initial_window
+                self._upstream_initial_window = value
+                for sid, outgoing in list(self._amending.items()):
+                    outgoing.send_window += delta
+                    self._pump_upstream(sid, outgoing)
 
     def _to_client(self, chunk: bytes, data_length: int) -> None:
         """Write in order behind anything held for lack of client window."""
@@ -663,13 +898,23 @@ class Splice:
         if sid in self._relayed_by_upstream:
             if first_flags & fr.FLAG_END_STREAM:
                 self._relayed_by_upstream.discard(sid)
+                self._amending.pop(sid, None)
+                followed = self._following.pop(sid, None)
+                if followed is not None:
+                    # An amended call its client left: only the adapter is told.
+                    self.events.append(self._completed(sid, followed, first_flags, raws))
             return  # answered here; blocks are self-contained, so dropping one is safe
         if first_flags & fr.FLAG_END_STREAM:
             self.open_streams.pop(sid, None)
+            if self._amending and self._amending.pop(sid, None) is not None:
+                # Answered before the relay finished writing the request: end our side.
+                self._out_upstream.append(fr.rst_stream(sid, fr.CANCEL))
             followed = self._following.pop(sid, None)
             if followed is not None:
                 self._hold_trailers(sid, followed, first_flags, raws)
                 return
+            if self._local and sid in self._local:
+                self._upstream_ended_held(sid)
             if self._timing:
                 self._finished_by_trailers(sid, first_flags, raws)
         elif sid in self.open_streams:
@@ -684,14 +929,21 @@ class Splice:
 
     def _hold_trailers(self, sid: int, followed: _Followed, flags: int, raws: list[bytes]) -> None:
         self._held_trailers[sid] = (flags, raws)
-        self.events.append(
-            CallCompleted(
-                sid,
-                followed.path,
-                followed.request.message(),
-                _trailer_status(flags, raws),
-                followed.response.message(),
-            )
+        self.events.append(self._completed(sid, followed, flags, raws))
+
+    @staticmethod
+    def _completed(sid: int, followed: _Followed, flags: int, raws: list[bytes]) -> CallCompleted:
+        status = _trailer_status(flags, raws)
+        trailers: tuple[Header, ...] = ()
+        if followed.amended and status != Status.OK:
+            trailers = _trailer_headers(flags, raws)
+        return CallCompleted(
+            sid,
+            followed.path,
+            followed.request.message() if followed.request is not None else None,
+            status,
+            followed.response.message(),
+            trailers,
         )
 
     def release(self, sid: int) -> None:
@@ -704,6 +956,9 @@ class Splice:
             self._finished_by_trailers(sid, flags, raws)
         for chunk in raws:
             self._to_client(chunk, 0)
+        reset = self._held_resets.pop(sid, None)
+        if reset is not None:
+            self._to_client(reset, 0)
 
     # ------------------------------------------------------------------ replies written here
 
@@ -713,6 +968,13 @@ class Splice:
         if stream is None or stream.replied:
             return
         stream.replied = True
+        if stream.upstream_open:
+            # An amended call answered here: the stream its HEADERS opened upstream is
+            # cancelled before any request byte reached it, and what comes back is dropped.
+            stream.upstream_open = False
+            self.open_streams.pop(sid, None)
+            self._out_upstream.append(fr.rst_stream(sid, fr.CANCEL))
+            self._relayed_by_upstream.add(sid)
         if self._timing:
             self._finished(sid, reply.status)
         max_frame = self._client_max_frame
@@ -791,7 +1053,15 @@ class Splice:
         """The runtime connection is gone: end every spliced call with UNAVAILABLE (trailers
         already held for a followed call are still released by the adapter)."""
         self._upstream_block = None
+        for sid, followed in self._following.items():
+            if followed.amended:
+                self.events.append(CallAborted(sid, Status.UNAVAILABLE))
         self._following.clear()
+        self._amending.clear()
+        self._held_for_upstream.clear()
+        for sid in [sid for sid, stream in self._local.items() if stream.upstream_open]:
+            # Answered UNAVAILABLE below with the other calls open upstream.
+            self._upstream_ended_held(sid)
         self._held_for_client.clear()
         message = f"cpushim: lost the connection to the runtime: {reason}"
         for sid, started in sorted(self.open_streams.items()):
@@ -813,6 +1083,15 @@ class Splice:
         self.failed = True
         self._out_client.append(fr.goaway(self.highest_stream, fr.PROTOCOL_ERROR, reason.encode()))
         self.events.append(ConnectionFailed(reason))
+
+
+def _trailer_headers(flags: int, raws: list[bytes]) -> tuple[Header, ...]:
+    """A trailer block's headers; none when it cannot be read."""
+    try:
+        block = fr.header_block_fragment(flags, memoryview(raws[0])[9:])
+        return tuple(decode_block(block + b"".join(raw[9:] for raw in raws[1:])))
+    except (fr.FrameError, HeaderBlockError):
+        return ()
 
 
 def _trailer_status(flags: int, raws: list[bytes]) -> int | None:

@@ -1,4 +1,4 @@
-"""The relay's own channel to the runtime, for calls it terminated and calls it makes itself.
+"""The relay's own channel to the runtime, for calls it answers itself and calls it makes itself.
 
 Built on grpclib's connection and stream layer rather than its message API: a reply must reach
 kubelet with the runtime's headers and trailers as they were (``grpc-status-details-bin``
@@ -11,6 +11,7 @@ import asyncio
 import logging
 import struct
 from collections.abc import Sequence
+from typing import Protocol
 
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, StreamTerminatedError
@@ -46,6 +47,38 @@ def unix_path(endpoint: str) -> str:
     if not path.startswith("/"):
         raise ValueError(f"endpoint {endpoint!r} must name an absolute socket path")
     return path
+
+
+class Forward(Protocol):
+    """How an intercepted call goes on to the runtime, at most once; the handler may hand it
+    a changed request. ``sent`` once it has gone (from then on the runtime may have acted on
+    it), ``reply`` the runtime's answer once it is known."""
+
+    sent: bool
+    reply: Reply | None
+
+    async def __call__(self, request: bytes | None = None) -> Reply: ...
+
+
+class ForwardedTwiceError(RuntimeError):
+    pass
+
+
+class ChannelForward:
+    """A call answered here, forwarded on the relay's own channel to the runtime."""
+
+    def __init__(self, runtime: RuntimeChannel, call: UnaryCall) -> None:
+        self.runtime = runtime
+        self.call = call
+        self.sent = False
+        self.reply: Reply | None = None
+
+    async def __call__(self, request: bytes | None = None) -> Reply:
+        if self.sent:
+            raise ForwardedTwiceError(f"{self.call.path} was already forwarded")
+        self.sent = True
+        self.reply = await self.runtime.unary(self.call, request)
+        return self.reply
 
 
 class RuntimeChannel:

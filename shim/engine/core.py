@@ -35,7 +35,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.passthrough import LIFECYCLE_PATHS, check_request
 from shim.cri.server import Afterwards
-from shim.cri.upstream import RuntimeChannel
+from shim.cri.upstream import Forward, RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.moves import Mover
 from shim.engine.projecting import Cpuset, Projector
@@ -80,7 +80,7 @@ class ProjectionSettings:
     mount_path: Path
 
 
-Handler = Callable[[UnaryCall], Awaitable[Reply]]
+Handler = Callable[[UnaryCall, Forward], Awaitable[Reply]]
 
 
 class Engine:
@@ -162,6 +162,10 @@ class Engine:
         the other lifecycle calls are followed (below)."""
         return path in LIFECYCLE_PATHS and path not in self._after
 
+    def amends(self, path: str) -> bool:
+        """All of them go on on the client's own stream."""
+        return True
+
     # --- the Follower protocol: calls the relay passes through --------------------------------
 
     def follows(self, path: str) -> bool:
@@ -191,9 +195,9 @@ class Engine:
             log.exception("work after a call failed", extra={"fields": {"path": path}})
             return None
 
-    async def _forward_then_follow(self, call: UnaryCall) -> Reply:
+    async def _forward_then_follow(self, call: UnaryCall, forward: Forward) -> Reply:
         """A followed call that reached the engine whole (``handle``): the same work."""
-        reply = await self.runtime.unary(call)
+        reply = await forward()
         if reply.status is Status.OK:
             # The runtime has acted: whatever happens here, kubelet gets its reply (the
             # failure policy must not forward it a second time).
@@ -207,11 +211,11 @@ class Engine:
                     log.exception("work after a call failed", extra={"fields": {"path": call.path}})
         return reply
 
-    async def handle(self, call: UnaryCall, runtime: RuntimeChannel) -> Reply:
+    async def handle(self, call: UnaryCall, forward: Forward) -> Reply:
         rejected = check_request(call)
         if rejected is not None:
             return rejected
-        task = self._spawn(self._dispatch(call))
+        task = self._spawn(self._dispatch(call, forward))
         return await asyncio.shield(task)
 
     async def drain(self, grace: float) -> None:
@@ -234,21 +238,29 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _dispatch(self, call: UnaryCall) -> Reply:
+    async def _dispatch(self, call: UnaryCall, forward: Forward) -> Reply:
         handler = self._handlers.get(call.path)
         if handler is None:
-            return await self.runtime.unary(call)
+            return await forward()
         try:
-            return await handler(call)
+            return await handler(call, forward)
         except Exception as exc:
             self.counters["internal_errors"] += 1
+            if forward.sent:
+                # The runtime has the call: its reply stands (a second forward would act twice).
+                log.exception(
+                    "work after forwarding a call failed", extra={"fields": {"path": call.path}}
+                )
+                if forward.reply is not None:
+                    return forward.reply
+                return Reply.error(Status.INTERNAL, f"cpushim: {call.path} failed: {exc}")
             if self.options.failure_policy == "fail-open":
                 self.counters["fail_open_forwards"] += 1
                 log.exception(
                     "decision failed; forwarding the call unchanged (fail-open)",
                     extra={"fields": {"path": call.path}},
                 )
-                return await self.runtime.unary(call)
+                return await forward()
             log.exception(
                 "decision failed; refusing the call (fail-closed)",
                 extra={"fields": {"path": call.path}},
@@ -314,7 +326,7 @@ class Engine:
 
     # --- containers -------------------------------------------------------------------------
 
-    async def _create_container(self, call: UnaryCall) -> Reply:
+    async def _create_container(self, call: UnaryCall, forward: Forward) -> Reply:
         request = pb.CreateContainerRequest.FromString(call.request)
         pod = self._pod_of(request.pod_sandbox_id, request.sandbox_config)
         meta = request.config.metadata
@@ -334,12 +346,12 @@ class Engine:
                 # kubelet makes the next attempt only once the previous one has exited.
                 self._mark_exited(tracked)
         if plan.exclusive is None or self.policy.name == "none":
-            return await self._create_shared(call, request, key, plan)
-        return await self._create_exclusive(call, request, pod, key, plan, plan.exclusive)
+            return await self._create_shared(forward, request, key, plan)
+        return await self._create_exclusive(forward, request, pod, key, plan, plan.exclusive)
 
     async def _create_shared(
         self,
-        call: UnaryCall,
+        forward: Forward,
         request: pb.CreateContainerRequest,
         key: ContainerKey,
         plan: ContainerPlan,
@@ -347,7 +359,7 @@ class Engine:
         pool = self.state.shared
         rq.pin(request.config.linux.resources, pool, drop_quota=False)
         await self._project_new(request, key, Cpuset(pool, "", exclusive=False))
-        reply = await self.runtime.unary(call, request=request.SerializeToString())
+        reply = await forward(request.SerializeToString())
         response = _response(reply, pb.CreateContainerResponse)
         if response is None:
             return reply
@@ -368,7 +380,7 @@ class Engine:
 
     async def _create_exclusive(
         self,
-        call: UnaryCall,
+        forward: Forward,
         request: pb.CreateContainerRequest,
         pod: Pod,
         key: ContainerKey,
@@ -403,7 +415,7 @@ class Engine:
             finally:
                 await projecting
             rq.pin(request.config.linux.resources, cpus, mems, drop_quota=not plan.keep_quota)
-            reply = await self.runtime.unary(call, request=request.SerializeToString())
+            reply = await forward(request.SerializeToString())
             response = _response(reply, pb.CreateContainerResponse)
             if response is None:
                 self.counters["pinning_errors"] += 1
@@ -562,15 +574,15 @@ class Engine:
             if key is not None:
                 await self._release([key])
 
-    async def _update_container_resources(self, call: UnaryCall) -> Reply:
+    async def _update_container_resources(self, call: UnaryCall, forward: Forward) -> Reply:
         request = pb.UpdateContainerResourcesRequest.FromString(call.request)
         tracked = self.containers.get(request.container_id)
         if tracked is None:
-            return await self.runtime.unary(call)
+            return await forward()
         async with self.lock, tracked.write_lock:
             cpus, mems, drop_quota = self._desired(tracked)
             rq.pin(request.linux, cpus, mems, drop_quota=drop_quota)
-            reply = await self.runtime.unary(call, request=request.SerializeToString())
+            reply = await forward(request.SerializeToString())
             if reply.status is Status.OK:
                 tracked.applied = tracked.recorded = cpus
                 self.project(tracked)

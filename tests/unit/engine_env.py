@@ -17,7 +17,7 @@ from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
-from shim.cri.upstream import RuntimeChannel
+from shim.cri.upstream import ChannelForward, RuntimeChannel
 from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
 from shim.engine import requests as rq
 from shim.engine.resync import start as resync
@@ -67,7 +67,7 @@ class Kubelet:
 
     async def call(self, method: str, request: bytes, deadline: float = 10.0) -> Reply:
         call = UnaryCall(rq.RUNTIME + method, (), request, deadline)
-        return await self.engine.handle(call, self.runtime)
+        return await self.engine.handle(call, ChannelForward(self.runtime, call))
 
     async def ok(self, method: str, request: bytes) -> bytes:
         reply = await self.call(method, request)

@@ -491,6 +491,26 @@ async def test_work_after_a_call_the_runtime_did_never_repeats_the_call(
         env.channel.close()
 
 
+async def test_a_create_the_runtime_did_is_never_forwarded_again_after_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, failure_policy="fail-open")
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+
+        def broken(state: object) -> None:
+            raise RuntimeError("a bug after the forward")
+
+        monkeypatch.setattr(env.engine, "_record_soon", broken)
+        reply = await env.kubelet.create(pod, "main", 1000)
+        # The runtime created it once, and kubelet hears what the runtime said.
+        assert reply.status is Status.OK
+        assert len(fake.calls_of("CreateContainer")) == 1
+        assert env.engine.counters["internal_errors"] == 1
+        assert env.engine.counters["fail_open_forwards"] == 0
+        env.channel.close()
+
+
 async def test_a_container_removed_behind_our_back_is_forgotten(env: Env) -> None:
     kubelet = env.kubelet
     gone_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")

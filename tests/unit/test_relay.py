@@ -1,6 +1,7 @@
 """The relay against a fake runtime, driven by grpcio (an independent gRPC implementation, as
 kubelet's grpc-go client is). Each behaviour is checked both on the splice's fast path and on
-the path of calls the relay terminates (the container lifecycle methods)."""
+the path of calls the relay intercepts (the container lifecycle methods), both when it
+terminates them and when it amends them."""
 
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ TERMINATED = RUNTIME + "StartContainer"
 BOTH_PATHS = pytest.mark.parametrize("path", [SPLICED, TERMINATED], ids=["spliced", "terminated"])
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[RelayEnv]:
-    with relay_env() as environment:
+@pytest.fixture(scope="module", params=["terminated", "amended"])
+def env(request: pytest.FixtureRequest) -> Iterator[RelayEnv]:
+    """The lifecycle methods either answered on the relay's own channel, or held and sent on
+    on the client's own stream (as the engine does)."""
+    amend = request.param == "amended"
+    with relay_env(PassthroughInterceptor(amend=amend)) as environment:
         yield environment
 
 

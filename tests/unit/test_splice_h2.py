@@ -72,7 +72,7 @@ class Pair:
         )
 
 
-def make_pair(*, client_window: int | None = None) -> Pair:
+def make_pair(*, client_window: int | None = None, amended: bool = False) -> Pair:
     client = h2.connection.H2Connection(
         h2.config.H2Configuration(client_side=True, header_encoding=None)
     )
@@ -83,7 +83,8 @@ def make_pair(*, client_window: int | None = None) -> Pair:
     if client_window is not None:
         client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: client_window})
     server.initiate_connection()
-    pair = Pair(Splice(lambda path: path == INTERCEPTED), client, server)
+    splice = Splice(lambda path: path == INTERCEPTED, amended=(lambda path: amended))
+    pair = Pair(splice, client, server)
     pair.pump()
     return pair
 
