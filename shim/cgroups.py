@@ -118,6 +118,51 @@ def populated(events_text: str) -> bool | None:
     return None
 
 
+def containerd_cgroups_path(cgroup_parent: str, container_id: str) -> str:
+    """The OCI ``cgroupsPath`` containerd's CRI plugin gives a container of a pod whose
+    sandbox has ``cgroup_parent``: a systemd slice names a scope, anything else a directory."""
+    base = PurePosixPath(cgroup_parent).name
+    if base.endswith(".slice"):
+        return f"{base}:cri-containerd:{container_id}"
+    return f"{cgroup_parent.rstrip('/')}/{container_id}"
+
+
+def first_process(directory: Path, proc: Path = Path("/proc")) -> int:
+    """The process a runtime started in this container cgroup: the one process there whose
+    parent is not. 0 when the cgroup is gone or empty, or when more than one process has its
+    parent outside (an exec beside the container's own process), which only the runtime can
+    tell apart."""
+    try:
+        pids = [int(word) for word in (directory / "cgroup.procs").read_bytes().split()]
+    except (OSError, ValueError):
+        return 0
+    if len(pids) == 1:
+        return pids[0]
+    members = set(pids)
+    outside = []
+    for pid in pids:
+        parent = _parent_of(pid, proc)
+        if parent is None:
+            continue  # gone meanwhile
+        if parent not in members:
+            outside.append(pid)
+    return outside[0] if len(outside) == 1 else 0
+
+
+def _parent_of(pid: int, proc: Path) -> int | None:
+    """The parent's pid from ``/proc/<pid>/stat``; None when the process is gone."""
+    try:
+        stat = (proc / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so from the last ")".
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def read_cpus(directory: Path) -> CPUSet | None:
     """The cgroup's ``cpuset.cpus``; None when the cgroup is gone."""
     try:

@@ -56,6 +56,10 @@ ENGINE_COUNTERS: dict[str, str] = {
     "bad_annotations": "CreateContainer calls refused for invalid cpushim pod annotations",
     "bad_names": "CreateContainer calls refused because the projection directory was unusable",
     "cgroup_writes": "Cpusets written straight into a container's cgroup",
+    "cgroups_derived": (
+        "Started containers whose cgroup and process were found from containerd's layout"
+        " (without a ContainerStatus call)"
+    ),
     "checkpoint_errors": "Failures to write the state checkpoint",
     "config_errors": "Configuration reloads refused because the new configuration was invalid",
     "config_reloads": "Configuration reloads applied",

@@ -368,6 +368,7 @@ class Engine:
                 id=response.container_id,
                 key=key,
                 sandbox_id=request.pod_sandbox_id,
+                cgroup_parent=self._cgroup_parent(request),
                 exclusive=False,
                 keep_quota=True,
                 phase=Phase.CREATED,
@@ -432,6 +433,7 @@ class Engine:
                 id=response.container_id,
                 key=key,
                 sandbox_id=request.pod_sandbox_id,
+                cgroup_parent=self._cgroup_parent(request),
                 exclusive=True,
                 keep_quota=plan.keep_quota,
                 phase=Phase.CREATED,
@@ -505,6 +507,13 @@ class Engine:
             return  # not moved yet; the move projects it
         pinned = self._assignment_of(tracked) is not None
         self.projector.update(tracked.key, Cpuset(cpus, mems, exclusive=pinned))
+
+    def _cgroup_parent(self, request: pb.CreateContainerRequest) -> str:
+        parent = request.sandbox_config.linux.cgroup_parent
+        if parent:
+            return parent
+        pod = self.pods.get(request.pod_sandbox_id)
+        return pod.cgroup_parent if pod is not None else ""
 
     def _sandbox_of(self, key: ContainerKey) -> str:
         for pod in self.pods.values():

@@ -212,10 +212,13 @@ class Mover:
     # --- where the cgroup is -------------------------------------------------------------------
 
     async def locate(self, tracked: Tracked) -> Path | None:
-        """Ask the runtime where the container's cgroup is; set and return it (None when the
-        runtime does not say, or the cgroup does not exist)."""
+        """Find the container's cgroup and first process; set and return the cgroup (None
+        when neither containerd's layout nor the runtime says, or the cgroup does not
+        exist)."""
         if self.layout is None:
             return None
+        if self._derive(tracked):
+            return tracked.cgroup
         request = pb.ContainerStatusRequest(container_id=tracked.id, verbose=True)
         reply = await self.runtime.unary(
             UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), self.timeout)
@@ -233,6 +236,28 @@ class Mover:
         tracked.cgroup = directory
         tracked.pid = pid_of(info)
         return directory
+
+    def _derive(self, tracked: Tracked) -> bool:
+        """Locate the container without asking the runtime: containerd names the cgroup from
+        the pod's cgroup parent and the container id, and a just-started container has one
+        process whose parent is outside it. A verbose ContainerStatus costs containerd a
+        JSON rendering of the whole OCI spec, and cpushim its parsing, at every start; this
+        costs two small reads. False (the runtime is asked) when either is not found for
+        sure: another runtime's layout, an exec beside the process, a container gone."""
+        assert self.layout is not None
+        if not tracked.cgroup_parent:
+            return False
+        try:
+            path = cgroups.containerd_cgroups_path(tracked.cgroup_parent, tracked.id)
+            directory = self.layout.container_dir(path)
+        except CgroupError:
+            return False
+        pid = cgroups.first_process(directory)
+        if pid == 0:
+            return False
+        tracked.cgroup, tracked.pid = directory, pid
+        self.counters["cgroups_derived"] += 1
+        return True
 
     def cgroup_of(self, verbose_info: str) -> Path | None:
         """The cgroup directory named in a ContainerStatus verbose ``info`` document."""

@@ -394,6 +394,7 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
         phase=Phase.RUNNING if running else Phase.CREATED,
         applied=applied,
         cgroup=cgroup,
+        cgroup_parent=pod.cgroup_parent if pod is not None else "",
         recorded=recorded,
         pid=pid_of(container.info) if cgroup is not None else 0,
     )

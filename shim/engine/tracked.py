@@ -29,8 +29,10 @@ class Tracked:
     phase: Phase
     # The cpuset last written, to the cgroup or through the runtime; None when unknown.
     applied: CPUSet | None
-    # The container's cgroup directory, once the runtime has reported it (after start).
+    # The container's cgroup directory, once located (after start).
     cgroup: Path | None = None
+    # Its pod's cgroup parent (from the sandbox config), where the runtime puts its cgroup.
+    cgroup_parent: str = ""
     # The cpuset the runtime's own record holds (its spec), when known: a cgroup written
     # directly is told to the runtime afterwards.
     recorded: CPUSet | None = None

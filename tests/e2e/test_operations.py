@@ -178,6 +178,8 @@ def test_metrics_follow_a_real_lifecycle_and_healthz_follows_the_runtime(
         "the state file rewritten",
     )
     after = scrape()
+    # Both started containers were found where containerd puts them, without asking it.
+    assert after.value("cpushim_cgroups_derived_total") == 2
     assert after.value("cpushim_exits_seen_total") == 1
     assert after.value("cpushim_process_exits_seen_total") == 1
     assert after.value("cpu_manager_exclusive_cpu_allocation_count") == 0

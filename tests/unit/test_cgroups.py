@@ -10,7 +10,9 @@ from shim.cgroups import (
     CgroupError,
     CgroupLayout,
     CgroupVersion,
+    containerd_cgroups_path,
     expand_slice,
+    first_process,
     populated,
     read_cpus,
     relative_cgroup_path,
@@ -148,3 +150,66 @@ def test_cpus_are_read_and_written_in_the_kernel_list_format(tmp_path: Path) -> 
     assert read_cpus(tmp_path / "gone") is None
     with pytest.raises(FileNotFoundError):
         write_cpus(tmp_path / "gone", CPUSet({1}))
+
+
+@pytest.mark.parametrize(
+    ("parent", "expected"),
+    [
+        # kubelet's cgroupfs driver: a path; containerd puts the container below it.
+        ("/kubepods/burstable/pod-1", "/kubepods/burstable/pod-1/c1"),
+        ("/kubepods/pod-2/", "/kubepods/pod-2/c1"),
+        # kubelet's systemd driver: a slice name; containerd names a scope in it.
+        ("kubepods-burstable-pod_1.slice", "kubepods-burstable-pod_1.slice:cri-containerd:c1"),
+    ],
+)
+def test_containerds_cgroups_path_follows_the_driver(parent: str, expected: str) -> None:
+    assert containerd_cgroups_path(parent, "c1") == expected
+    # And it lands where the layout says such a path lands.
+    relative_cgroup_path(expected)
+
+
+def fake_proc(root: Path, processes: dict[int, tuple[str, int]]) -> Path:
+    """A /proc with a ``stat`` per process: pid -> (comm, parent pid)."""
+    for pid, (comm, parent) in processes.items():
+        (root / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "stat").write_text(f"{pid} ({comm}) S {parent} {pid} {pid} 0 -1\n")
+    return root
+
+
+def cgroup_with(tmp_path: Path, pids: list[int]) -> Path:
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "cgroup.procs").write_text("".join(f"{pid}\n" for pid in pids))
+    return cgroup
+
+
+def test_the_only_process_is_the_first(tmp_path: Path) -> None:
+    assert first_process(cgroup_with(tmp_path, [4242]), fake_proc(tmp_path / "proc", {})) == 4242
+
+
+def test_the_first_process_is_the_one_whose_parent_is_outside(tmp_path: Path) -> None:
+    proc = fake_proc(
+        tmp_path / "proc",
+        {
+            300: ("sh -c (x) y", 200),  # comm with spaces and parentheses; parent: the shim
+            301: ("worker", 300),
+            302: ("worker", 301),
+        },
+    )
+    assert first_process(cgroup_with(tmp_path, [301, 300, 302]), proc) == 300
+
+
+def test_two_processes_from_outside_are_not_guessed_between(tmp_path: Path) -> None:
+    # The container's process and an exec beside it: both children of the shim.
+    proc = fake_proc(tmp_path / "proc", {300: ("app", 200), 400: ("sh", 200)})
+    assert first_process(cgroup_with(tmp_path, [300, 400]), proc) == 0
+
+
+def test_a_process_gone_meanwhile_is_left_out(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path / "proc", {300: ("app", 200)})  # 999 has exited
+    assert first_process(cgroup_with(tmp_path, [300, 999]), proc) == 300
+
+
+def test_no_first_process_without_the_cgroup_or_in_an_empty_one(tmp_path: Path) -> None:
+    assert first_process(tmp_path / "gone") == 0
+    assert first_process(cgroup_with(tmp_path, [])) == 0

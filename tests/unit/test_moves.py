@@ -209,3 +209,13 @@ async def test_a_restart_repairs_a_cgroup_changed_while_cpushim_was_down(env: En
 
     await env.restart()
     assert env.kernel_cpus(shared_id) == "0-7"
+
+
+async def test_without_its_process_in_the_cgroup_a_container_is_located_by_the_runtime(
+    env: Env,
+) -> None:
+    # This fake writes no cgroup.procs unless it runs real processes: nothing to derive from.
+    shared_id = await start_located(env, "web")
+    assert env.engine.containers[shared_id].cgroup == env.fake.cgroup_dir(shared_id)
+    assert env.engine.counters["cgroups_derived"] == 0
+    assert len(env.fake.calls_of("ContainerStatus")) == 1

@@ -344,6 +344,37 @@ async def test_a_process_exit_releases_cpus_before_the_cgroup_goes(
     assert w.watcher.pidfd_count == 1
 
 
+async def test_a_started_container_is_found_from_containerds_layout(
+    p: tuple[Watched, Processes],
+) -> None:
+    w, _ = p
+    container_id = await w.started("web")
+    tracked = w.env.engine.containers[container_id]
+    assert tracked.cgroup == w.env.fake.cgroup_dir(container_id)
+    assert tracked.pid == w.env.fake.containers[container_id].pid
+    assert w.counters["cgroups_derived"] == 1
+    assert w.env.fake.calls_of("ContainerStatus") == []
+
+
+async def test_with_an_exec_beside_the_process_the_runtime_is_asked(
+    p: tuple[Watched, Processes],
+) -> None:
+    w, processes = p
+    container_id = await w.started("web")
+    tracked = w.env.engine.containers[container_id]
+    cgroup = tracked.cgroup
+    assert cgroup is not None
+    # A second process whose parent is outside too: which one is the container's own is
+    # only the runtime's to say.
+    own = w.env.fake.containers[container_id].pid
+    (cgroup / "cgroup.procs").write_text(f"{processes.spawn()}\n{own}\n")
+    tracked.cgroup, tracked.pid = None, 0
+    assert await w.env.engine.mover.locate(tracked) == cgroup
+    assert tracked.pid == own
+    assert len(w.env.fake.calls_of("ContainerStatus")) == 1
+    assert w.counters["cgroups_derived"] == 1
+
+
 async def test_a_reused_pid_is_not_watched(p: tuple[Watched, Processes]) -> None:
     """A pid that is not in the container's cgroup (the process exited and the number was
     given to another) must not stand for the container."""
