@@ -4,19 +4,34 @@ A write is: write a temporary file beside it, fsync it, rename it over ``state.j
 the directory. A crash at any point leaves either the old checkpoint or the new one, never a
 mix, and once ``save`` returns the new one survives a power cut. The whole sequence runs in one
 worker thread so the event loop keeps relaying calls meanwhile.
+
+The temporary file is a spare kept beside ``state.json`` (``.state.json.spare``): the inode the
+previous write replaced. Its contents are overwritten in place, and the file is padded with
+spaces (which JSON ignores) to whole blocks, so the overwrite changes no file metadata. The
+names then move in one go: ``state.json`` is linked as ``.state.json.previous``, the spare is
+renamed over ``state.json`` and the previous file becomes the spare. On ext4 that is one
+journal commit per write where a new temporary file costs two: the checkpoint is written on
+the CreateContainer and StopContainer paths, on the disk containerd fsyncs its own database to.
+A spare that is missing, or anything but a plain file with one name, is made afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import os
+import stat
 import tempfile
+import threading
 from pathlib import Path
 from typing import Final
 
 from shim.state import CheckpointError, CPUState, decode_checkpoint, encode_checkpoint
 
 STATE_FILE: Final = "state.json"
+# What the file's size is kept a multiple of (the usual file system block).
+BLOCK: Final = 4096
 
 
 class CheckpointFile:
@@ -28,6 +43,8 @@ class CheckpointFile:
         self.last_written: bytes | None = None
         # The state those bytes hold.
         self.saved: CPUState | None = None
+        # One write at a time: they share the spare.
+        self._writing = threading.Lock()
 
     def load(self) -> CPUState | None:
         """The saved state, None when there is none; CheckpointError when it is unreadable."""
@@ -43,18 +60,18 @@ class CheckpointFile:
             raise CheckpointError(f"{self.path}: {exc}") from exc
 
     def save_sync(self, state: CPUState) -> None:
-        data = encode_checkpoint(state)
-        write_atomically(self.path, data)
+        self.last_written = self._write(encode_checkpoint(state))
         self.writes += 1
-        self.last_written = data
         self.saved = state
 
     async def save(self, state: CPUState) -> None:
-        data = encode_checkpoint(state)
-        await asyncio.to_thread(write_atomically, self.path, data)
+        self.last_written = await asyncio.to_thread(self._write, encode_checkpoint(state))
         self.writes += 1
-        self.last_written = data
         self.saved = state
+
+    def _write(self, data: bytes) -> bytes:
+        with self._writing:
+            return replace_through_spare(self.path, data)
 
     def on_disk(self) -> bytes | None:
         """The file's bytes now; None when it is missing or unreadable."""
@@ -83,6 +100,105 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+    _fsync_directory(directory)
+
+
+def padded(data: bytes) -> bytes:
+    """``data`` with spaces up to a whole number of blocks."""
+    return data + b" " * (-len(data) % BLOCK)
+
+
+def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
+    """Replace ``path`` with ``data`` padded to whole blocks, through the spare beside it (see
+    the module's notes); returns the bytes the file now holds. OSError when it cannot be
+    written, and ``path`` is left as it was."""
+    content = padded(data)
+    directory = path.parent
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    spare = directory / f".{path.name}.spare"
+    previous = directory / f".{path.name}.previous"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(previous)  # left by a crash between the link and the renames
+    fd = _open_spare(spare)
+    if fd is None:
+        write_atomically(path, content, mode)
+        _make_spare(spare, content, mode)
+        return content
+    try:
+        if os.fstat(fd).st_size != len(content):
+            os.ftruncate(fd, len(content))  # grown past a block: a metadata change, rarely
+        view, offset = memoryview(content), 0
+        while offset < len(content):
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(path, previous)
+    except FileNotFoundError:
+        linked = False  # no checkpoint yet (or removed): the next write makes a new spare
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        # A file system without hard links: a fresh temporary file each time.
+        write_atomically(path, content, mode)
+        return content
+    else:
+        linked = True
+    os.replace(spare, path)
+    if linked:
+        os.replace(previous, spare)
+    _fsync_directory(directory)
+    return content
+
+
+def _open_spare(spare: Path) -> int | None:
+    """The spare opened for writing; None (and the name cleared) when there is none fit to
+    be overwritten in place: a second name would mean overwriting another file's contents."""
+    try:
+        fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EISDIR):
+            raise
+        _clear(spare)
+        return None
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        return fd
+    os.close(fd)
+    _clear(spare)
+    return None
+
+
+def _clear(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        raise IsADirectoryError(errno.EISDIR, "a directory stands where the spare goes", str(path))
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _make_spare(spare: Path, content: bytes, mode: int) -> None:
+    """A file of its own for the next write to overwrite. The directory is not fsync'd: a
+    spare lost to a crash is made again."""
+    fd, name = tempfile.mkstemp(prefix=f"{spare.name}.", suffix=".tmp", dir=spare.parent)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(content)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(name, spare)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_directory(directory: Path) -> None:
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from shim.checkpoint import STATE_FILE, CheckpointFile, write_atomically
+from shim.checkpoint import BLOCK, STATE_FILE, CheckpointFile, padded, write_atomically
 from shim.cpuset import CPUSet
 from shim.policy.static import StaticPolicy
 from shim.state import Assignment, CheckpointError, ContainerKey, CPUState, encode_checkpoint
@@ -33,6 +33,13 @@ TWO = ONE.assign(
     POLICY,
 )
 
+# Past one block: writing it makes the spare grow.
+BIG = TWO.assign(
+    ContainerKey("uid-3", "big"),
+    Assignment(CPUSet.parse("4"), "c" * 5000, "sb-3", 0, "default/big"),
+    POLICY,
+)
+
 
 @pytest.fixture
 def no_umask() -> Iterator[None]:
@@ -42,6 +49,9 @@ def no_umask() -> Iterator[None]:
         yield
     finally:
         os.umask(old)
+
+
+SPARE = f".{STATE_FILE}.spare"
 
 
 def names(directory: Path) -> list[str]:
@@ -56,7 +66,9 @@ def test_save_then_load(tmp_path: Path) -> None:
     assert file.path == tmp_path / STATE_FILE
     file.save_sync(TWO)
     assert file.load() == TWO
-    assert file.path.read_bytes() == encode_checkpoint(TWO)
+    # Padded with spaces to whole blocks (see shim/checkpoint.py): still the same JSON.
+    assert file.path.read_bytes() == padded(encode_checkpoint(TWO))
+    assert file.path.stat().st_size % BLOCK == 0
     assert CheckpointFile(tmp_path).load() == TWO  # another reader
 
 
@@ -65,7 +77,7 @@ def test_save_replaces_the_previous_state(tmp_path: Path) -> None:
     file.save_sync(TWO)
     file.save_sync(EMPTY)
     assert file.load() == EMPTY
-    assert names(tmp_path) == [STATE_FILE]
+    assert names(tmp_path) == [SPARE, STATE_FILE]
 
 
 def test_load_of_a_missing_file(tmp_path: Path) -> None:
@@ -103,7 +115,7 @@ def test_save_leaves_no_temporary_files(tmp_path: Path) -> None:
     file = CheckpointFile(tmp_path)
     for state in (ONE, TWO, EMPTY, TWO):
         file.save_sync(state)
-        assert names(tmp_path) == [STATE_FILE]
+        assert names(tmp_path) == [SPARE, STATE_FILE]
 
 
 @pytest.mark.usefixtures("no_umask")
@@ -190,24 +202,44 @@ def raise_on_call(real: Callable[..., Any], which: int, error: int) -> Callable[
 
 
 @pytest.mark.parametrize(
-    ("function", "error"),
-    [("fsync", errno.EIO), ("write", errno.ENOSPC)],
-    ids=["fsync fails", "disk full"],
+    ("function", "error", "first"),
+    [
+        ("fsync", errno.EIO, True),
+        ("write", errno.ENOSPC, True),
+        ("fsync", errno.EIO, False),
+        ("pwrite", errno.ENOSPC, False),
+        ("ftruncate", errno.ENOSPC, False),
+        ("link", errno.EIO, False),
+    ],
+    ids=[
+        "first write, fsync fails",
+        "first write, disk full",
+        "fsync of the spare fails",
+        "disk full in the spare",
+        "no room to grow the spare",
+        "link fails",
+    ],
 )
 def test_failed_write_keeps_the_old_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, function: str, error: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, function: str, error: int, first: bool
 ) -> None:
     file = CheckpointFile(tmp_path)
     file.save_sync(ONE)
     before = file.path.read_bytes()
+    # TWO fits in ONE's block; a state past it makes the spare grow.
+    new = BIG if function == "ftruncate" else TWO
+    if first:
+        (tmp_path / SPARE).unlink()  # the spare is made afresh: a new temporary file
     monkeypatch.setattr(os, function, raise_on_call(getattr(os, function), 1, error))
     with pytest.raises(OSError, match=re.escape(os.strerror(error))):
-        file.save_sync(TWO)
+        file.save_sync(new)
     monkeypatch.undo()
     assert file.path.read_bytes() == before
     assert file.load() == ONE
-    assert names(tmp_path) == [STATE_FILE]
+    assert set(names(tmp_path)) <= {SPARE, STATE_FILE}
     assert file.writes == 1
+    file.save_sync(new)  # and the next write goes through
+    assert file.load() == new
 
 
 def test_short_writes_are_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,7 +312,7 @@ async def test_async_save(tmp_path: Path) -> None:
     await file.save(TWO)
     assert file.writes == 2
     assert file.load() == TWO
-    assert names(tmp_path / "state") == [STATE_FILE]
+    assert names(tmp_path / "state") == [SPARE, STATE_FILE]
 
 
 @pytest.mark.anyio
@@ -293,4 +325,101 @@ async def test_async_save_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.undo()
     assert file.writes == 1
     assert file.load() == ONE
-    assert names(tmp_path) == [STATE_FILE]
+    assert names(tmp_path) == [SPARE, STATE_FILE]
+
+
+# --- the spare --------------------------------------------------------------------------------
+
+
+def inode(path: Path) -> tuple[int, int]:
+    info = path.stat()
+    return info.st_ino, info.st_nlink
+
+
+def test_writes_take_turns_between_two_files_overwritten_in_place(tmp_path: Path) -> None:
+    file = CheckpointFile(tmp_path)
+    spare = tmp_path / SPARE
+    file.save_sync(ONE)
+    first, second = inode(file.path), inode(spare)
+    assert first != second
+    assert first[1] == second[1] == 1  # one name each
+    file.save_sync(TWO)
+    assert (inode(file.path), inode(spare)) == (second, first)
+    file.save_sync(EMPTY)
+    assert (inode(file.path), inode(spare)) == (first, second)
+    assert file.load() == EMPTY
+    assert names(tmp_path) == [SPARE, STATE_FILE]
+
+
+def test_a_state_past_a_block_grows_the_file(tmp_path: Path) -> None:
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    file.save_sync(BIG)
+    assert file.load() == BIG
+    assert file.path.stat().st_size == len(padded(encode_checkpoint(BIG))) > BLOCK
+    file.save_sync(ONE)  # and shrinks again
+    assert file.load() == ONE
+    assert file.path.read_bytes() == padded(encode_checkpoint(ONE))
+
+
+def test_a_link_left_by_a_crash_mid_write_is_cleared(tmp_path: Path) -> None:
+    # Crashed after linking state.json as .previous, before the renames.
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    os.link(file.path, tmp_path / f".{STATE_FILE}.previous")
+    file.save_sync(TWO)
+    assert file.load() == TWO
+    assert names(tmp_path) == [SPARE, STATE_FILE]
+    assert inode(file.path)[1] == inode(tmp_path / SPARE)[1] == 1
+
+
+def test_a_crash_between_the_renames_leaves_a_spare_to_make_again(tmp_path: Path) -> None:
+    # Crashed after the spare became state.json, before .previous became the spare.
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    os.link(file.path, tmp_path / f".{STATE_FILE}.previous")
+    os.replace(tmp_path / SPARE, file.path)
+    file.save_sync(TWO)
+    assert file.load() == TWO
+    assert names(tmp_path) == [SPARE, STATE_FILE]
+
+
+@pytest.mark.parametrize("kind", ["second name", "symlink", "directory"])
+def test_a_spare_that_is_not_cpushims_own_plain_file_is_never_written_through(
+    tmp_path: Path, kind: str
+) -> None:
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    spare = tmp_path / SPARE
+    spare.unlink()
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"someone else's")
+    if kind == "second name":
+        os.link(file.path, spare)  # writing it in place would change state.json in place
+        before = file.path.read_bytes()
+    elif kind == "symlink":
+        spare.symlink_to(outside)
+    else:
+        spare.mkdir()
+        with pytest.raises(IsADirectoryError):
+            file.save_sync(TWO)
+        assert file.load() == ONE
+        return
+    file.save_sync(TWO)
+    assert file.load() == TWO
+    assert outside.read_bytes() == b"someone else's"
+    if kind == "second name":
+        assert before == padded(encode_checkpoint(ONE))
+    assert inode(file.path)[1] == inode(spare)[1] == 1
+    assert not spare.is_symlink()
+
+
+def test_without_hard_links_every_write_takes_a_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    monkeypatch.setattr(os, "link", raise_on_call(os.link, 1, errno.EPERM))
+    file.save_sync(TWO)
+    assert file.load() == TWO
+    assert set(names(tmp_path)) == {SPARE, STATE_FILE}
