@@ -34,7 +34,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.passthrough import LIFECYCLE_PATHS, check_request
-from shim.cri.server import Afterwards
+from shim.cri.server import Afterwards, Pending
 from shim.cri.upstream import Forward, RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.moves import Mover
@@ -149,6 +149,16 @@ class Engine:
             rq.STOP_POD_SANDBOX: self._pod_sandbox_stopped,
             rq.REMOVE_POD_SANDBOX: self._pod_sandbox_removed,
         }
+        # The same, done at once when there is nothing to wait for (``followed_now``); each
+        # returns Pending.LATER, having done nothing, when there is.
+        self._now: dict[str, Callable[[bytes, bytes | None], Afterwards | Pending]] = {
+            rq.RUN_POD_SANDBOX: self._pod_sandbox_run_now,
+            rq.START_CONTAINER: self._container_started_now,
+            rq.STOP_CONTAINER: self._container_stopped_now,
+            rq.REMOVE_CONTAINER: self._container_removed_now,
+            rq.STOP_POD_SANDBOX: self._pod_sandbox_stopped_now,
+            rq.REMOVE_POD_SANDBOX: self._pod_sandbox_removed_now,
+        }
         self._handlers: dict[str, Handler] = {
             rq.CREATE_CONTAINER: self._create_container,
             rq.UPDATE_CONTAINER_RESOURCES: self._update_container_resources,
@@ -170,6 +180,25 @@ class Engine:
 
     def follows(self, path: str) -> bool:
         return path in self._after
+
+    def followed_now(
+        self, path: str, request: bytes | None, status: int | None, response: bytes | None
+    ) -> Afterwards | Pending:
+        """:meth:`followed`, done at once when the call needs nothing waited for: no decision
+        under way (the lock is free, so this runs as if it held it) and nothing to release,
+        which is how kubelet's calls mostly find it (a stopped container's CPUs went back
+        when its process ended)."""
+        if status != Status.OK:
+            return None
+        handler = self._now.get(path)
+        if request is None or handler is None or self.lock.locked():
+            return Pending.LATER
+        try:
+            return handler(request, response)
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("work after a call failed", extra={"fields": {"path": path}})
+            return None
 
     async def followed(
         self, path: str, request: bytes | None, status: int | None, response: bytes | None
@@ -202,7 +231,9 @@ class Engine:
             # The runtime has acted: whatever happens here, kubelet gets its reply (the
             # failure policy must not forward it a second time).
             response = reply.messages[0] if len(reply.messages) == 1 else None
-            afterwards = await self._follow(call.path, call.request, response)
+            afterwards = self.followed_now(call.path, call.request, Status.OK, response)
+            if afterwards is Pending.LATER:
+                afterwards = await self._follow(call.path, call.request, response)
             if afterwards is not None:
                 try:
                     afterwards()
@@ -270,6 +301,9 @@ class Engine:
     # --- pods -------------------------------------------------------------------------------
 
     async def _pod_sandbox_run(self, request: bytes, response: bytes | None) -> None:
+        self._pod_sandbox_run_now(request, response)
+
+    def _pod_sandbox_run_now(self, request: bytes, response: bytes | None) -> None:
         """Remember the pod by its sandbox id. Without a readable reply it is learnt from its
         first CreateContainer, which carries the same sandbox config."""
         if response is None:
@@ -281,37 +315,70 @@ class Engine:
         config = pb.RunPodSandboxRequest.FromString(request).config
         self.pods[sandbox_id] = Pod.from_config(sandbox_id, config)
 
+    def _held_in_sandbox(self, sandbox_id: str) -> list[ContainerKey]:
+        """The assignments of the sandbox's containers."""
+        return [
+            key
+            for key, a in self.state.assignments.items()
+            if a.sandbox_id == sandbox_id and a.container_id
+        ]
+
     async def _pod_sandbox_stopped(self, request: bytes, response: bytes | None) -> None:
         sandbox_id = pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id
         async with self.lock:
-            for tracked in self.containers.values():
-                if tracked.sandbox_id == sandbox_id:
-                    self._mark_exited(tracked)
-            await self._release(
-                key
-                for key, a in self.state.assignments.items()
-                if a.sandbox_id == sandbox_id and a.container_id
-            )
+            self._mark_sandbox_exited(sandbox_id)
+            await self._release(self._held_in_sandbox(sandbox_id))
 
-    async def _pod_sandbox_removed(self, request: bytes, response: bytes | None) -> None:
+    def _pod_sandbox_stopped_now(self, request: bytes, response: bytes | None) -> Pending | None:
+        sandbox_id = pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id
+        if self._held_in_sandbox(sandbox_id):
+            return Pending.LATER
+        self._mark_sandbox_exited(sandbox_id)
+        return None
+
+    def _mark_sandbox_exited(self, sandbox_id: str) -> None:
+        for tracked in self.containers.values():
+            if tracked.sandbox_id == sandbox_id:
+                self._mark_exited(tracked)
+
+    async def _pod_sandbox_removed(self, request: bytes, response: bytes | None) -> Afterwards:
         sandbox_id = pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id
         async with self.lock:
-            for container_id in [
-                t.id for t in self.containers.values() if t.sandbox_id == sandbox_id
-            ]:
-                self._untrack(container_id)
-            await self._release(
-                key
-                for key, a in self.state.assignments.items()
-                if a.sandbox_id == sandbox_id and a.container_id
-            )
-            pod = self.pods.pop(sandbox_id, None)
-            gone = pod is not None and not any(p.uid == pod.uid for p in self.pods.values())
-            if pod is not None and gone:
-                for key in [k for k in self.last_cpus if k.pod_uid == pod.uid]:
-                    del self.last_cpus[key]
-        if pod is not None and gone and self.projector is not None:
-            await self.projector.forget_pod(pod.uid)
+            self._untrack_sandbox(sandbox_id)
+            await self._release(self._held_in_sandbox(sandbox_id))
+            return self._forget_sandbox(sandbox_id)
+
+    def _pod_sandbox_removed_now(
+        self, request: bytes, response: bytes | None
+    ) -> Afterwards | Pending:
+        sandbox_id = pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id
+        if self._held_in_sandbox(sandbox_id):
+            return Pending.LATER
+        self._untrack_sandbox(sandbox_id)
+        return self._forget_sandbox(sandbox_id)
+
+    def _untrack_sandbox(self, sandbox_id: str) -> None:
+        for container_id in [t.id for t in self.containers.values() if t.sandbox_id == sandbox_id]:
+            self._untrack(container_id)
+
+    def _forget_sandbox(self, sandbox_id: str) -> Afterwards:
+        """Forget a removed sandbox; when it was its pod's last, what cpushim kept for the pod
+        goes too, its projection directories once kubelet has its reply (unless a sandbox of
+        the same pod, a static pod's next, has come meanwhile)."""
+        pod = self.pods.pop(sandbox_id, None)
+        if pod is None or any(p.uid == pod.uid for p in self.pods.values()):
+            return None
+        uid = pod.uid
+        for key in [k for k in self.last_cpus if k.pod_uid == uid]:
+            del self.last_cpus[key]
+        projector = self.projector
+        if projector is None:
+            return None
+
+        def back() -> bool:
+            return any(p.uid == uid for p in self.pods.values())
+
+        return lambda: self._spawn(projector.forget_pod(uid, unless=back))
 
     def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
         if config.metadata.uid:
@@ -522,6 +589,9 @@ class Engine:
         return ""
 
     async def _container_started(self, request: bytes, response: bytes | None) -> Afterwards:
+        return self._container_started_now(request, response)
+
+    def _container_started_now(self, request: bytes, response: bytes | None) -> Afterwards:
         container_id = pb.StartContainerRequest.FromString(request).container_id
         tracked = self.containers.get(container_id)
         if tracked is None:
@@ -575,6 +645,15 @@ class Engine:
             if key is not None:
                 await self._release([key])
 
+    def _container_stopped_now(self, request: bytes, response: bytes | None) -> Pending | None:
+        container_id = pb.StopContainerRequest.FromString(request).container_id
+        if self.state.holding(container_id) is not None:
+            return Pending.LATER
+        tracked = self.containers.get(container_id)
+        if tracked is not None:
+            self._mark_exited(tracked)
+        return None
+
     async def _container_removed(self, request: bytes, response: bytes | None) -> None:
         container_id = pb.RemoveContainerRequest.FromString(request).container_id
         async with self.lock:
@@ -582,6 +661,13 @@ class Engine:
             key = self.state.holding(container_id)
             if key is not None:
                 await self._release([key])
+
+    def _container_removed_now(self, request: bytes, response: bytes | None) -> Pending | None:
+        container_id = pb.RemoveContainerRequest.FromString(request).container_id
+        if self.state.holding(container_id) is not None:
+            return Pending.LATER
+        self._untrack(container_id)
+        return None
 
     async def _update_container_resources(self, call: UnaryCall, forward: Forward) -> Reply:
         request = pb.UpdateContainerResourcesRequest.FromString(call.request)

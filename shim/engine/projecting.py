@@ -135,8 +135,12 @@ class Projector:
             self.on_written(key, generation)
         return True
 
-    async def forget_pod(self, pod_uid: str) -> None:
-        """The pod is removed: its directories go."""
+    async def forget_pod(self, pod_uid: str, unless: Callable[[], bool] | None = None) -> None:
+        """The pod is removed: its directories go, unless ``unless()`` says the pod is back
+        (a static pod's next sandbox), checked before anything goes and again under the pod's
+        lock just before its directories do."""
+        if unless is not None and unless():
+            return
         for key in [k for k in self._wanted if k.pod_uid == pod_uid]:
             self._wanted.pop(key, None)
             self._written.pop(key, None)
@@ -144,7 +148,7 @@ class Projector:
             if writer is not None:
                 await asyncio.shield(writer)
         try:
-            await self.writer.remove_pod(pod_uid)
+            await self.writer.remove_pod(pod_uid, unless)
         except (OSError, ValueError) as exc:
             self.counters["projection_errors"] += 1
             log.warning(

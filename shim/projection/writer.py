@@ -157,12 +157,18 @@ class ProjectionWriter:
             await asyncio.to_thread(_remove_container, self.root, pod_uid, container_name)
         self._known.get(pod_uid, {}).pop(container_name, None)
 
-    async def remove_pod(self, pod_uid: str) -> None:
-        """Remove a pod's directory with every container's in it."""
+    async def remove_pod(self, pod_uid: str, unless: Callable[[], bool] | None = None) -> None:
+        """Remove a pod's directory with every container's in it; nothing when ``unless()``
+        is true once the pod's lock is held."""
         check_name("pod UID", pod_uid)
         async with self._pod_lock(pod_uid):
-            await asyncio.to_thread(_remove_pod, self.root, pod_uid)
-        self._known.pop(pod_uid, None)
+            if unless is not None and unless():
+                return
+            if self.inline:
+                _remove_pod(self.root, pod_uid)
+            else:
+                await asyncio.to_thread(_remove_pod, self.root, pod_uid)
+            self._known.pop(pod_uid, None)
 
     async def clean_stale(self, keep: Collection[tuple[str, str]]) -> list[Path]:
         """Remove the directories of containers not in ``keep`` (pod UID, container name) and

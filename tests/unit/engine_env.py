@@ -75,9 +75,13 @@ class Kubelet:
         return reply.messages[0] if reply.messages else b""
 
     async def run_pod(
-        self, name: str, qos: QoSClass, annotations: Mapping[str, str] | None = None
+        self,
+        name: str,
+        qos: QoSClass,
+        annotations: Mapping[str, str] | None = None,
+        uid: str | None = None,
     ) -> Pod:
-        uid = str(uuid.uuid4())
+        uid = uid or str(uuid.uuid4())
         config = pb.PodSandboxConfig(
             metadata=pb.PodSandboxMetadata(name=name, uid=uid, namespace="default"),
             annotations=dict(annotations or {}),

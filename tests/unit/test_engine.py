@@ -17,11 +17,12 @@ from grpclib.const import Status as GrpcStatus
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
-from shim.cri.server import RelayServer
+from shim.cri.server import Pending, RelayServer
 from shim.cri.upstream import RuntimeChannel
 from shim.engine import EngineOptions
 from shim.engine import requests as rq
 from shim.engine.resync import StartupError
+from shim.engine.tracked import Phase
 from shim.kube import QOSClass
 from shim.policy.none import NonePolicy
 from shim.policy.static import StaticPolicy
@@ -480,7 +481,11 @@ async def test_work_after_a_call_the_runtime_did_never_repeats_the_call(
         async def broken(request: bytes, response: bytes | None) -> None:
             raise RuntimeError("a bug")
 
+        def broken_now(request: bytes, response: bytes | None) -> None:
+            raise RuntimeError("a bug")
+
         monkeypatch.setitem(env.engine._after, rq.START_CONTAINER, broken)
+        monkeypatch.setitem(env.engine._now, rq.START_CONTAINER, broken_now)
         request = pb.StartContainerRequest(container_id=container_id).SerializeToString()
         started = await env.kubelet.call("StartContainer", request)
         # The runtime started it once; kubelet hears so; the failure is counted.
@@ -509,6 +514,32 @@ async def test_a_create_the_runtime_did_is_never_forwarded_again_after_a_failure
         assert env.engine.counters["internal_errors"] == 1
         assert env.engine.counters["fail_open_forwards"] == 0
         env.channel.close()
+
+
+async def test_calls_with_nothing_to_wait_for_are_followed_at_once(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    stop = pb.StopContainerRequest(container_id=container_id).SerializeToString()
+    remove = pb.RemoveContainerRequest(container_id=container_id).SerializeToString()
+    tracked = env.engine.containers[container_id]
+    # Its CPUs still to release (a checkpoint write): not at once, and nothing done yet.
+    assert env.engine.followed_now(rq.STOP_CONTAINER, stop, Status.OK, b"") is Pending.LATER
+    assert env.engine.state.holding(container_id) is not None
+    assert tracked.phase is Phase.RUNNING
+    assert await env.engine.followed(rq.STOP_CONTAINER, stop, Status.OK, b"") is None
+    assert env.engine.state.holding(container_id) is None
+    # Released already (as when its process was seen ending): at once.
+    assert env.engine.followed_now(rq.STOP_CONTAINER, stop, Status.OK, b"") is None
+    assert env.engine.containers[container_id].phase is Phase.EXITED
+    # While a decision holds the lock, nothing is done at once.
+    async with env.engine.lock:
+        assert env.engine.followed_now(rq.REMOVE_CONTAINER, remove, Status.OK, b"") is Pending.LATER
+    assert container_id in env.engine.containers
+    assert env.engine.followed_now(rq.REMOVE_CONTAINER, remove, Status.OK, b"") is None
+    assert container_id not in env.engine.containers
+    # A call the runtime refused needs nothing; an unreadable one goes the long way (counted).
+    assert env.engine.followed_now(rq.STOP_CONTAINER, stop, Status.NOT_FOUND, None) is None
+    assert env.engine.followed_now(rq.STOP_CONTAINER, None, Status.OK, None) is Pending.LATER
 
 
 async def test_a_container_removed_behind_our_back_is_forgotten(env: Env) -> None:

@@ -12,8 +12,9 @@ import pytest
 from shim import cgroups
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.cri.calls import Status
+from shim.cri.calls import Status, UnaryCall
 from shim.engine import EngineOptions, ProjectionSettings
+from shim.engine import requests as rq
 from shim.projection import Projection, read
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
@@ -171,7 +172,34 @@ async def test_removing_the_pod_removes_its_directory(env: Env) -> None:
         "RemovePodSandbox",
         pb.RemovePodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString(),
     )
-    assert not (root(env) / pod.uid).exists()
+    # Once kubelet has its reply.
+    await until(lambda: not (root(env) / pod.uid).exists(), "the pod's directory removed")
+
+
+@pytest.mark.anyio
+async def test_a_pod_back_before_its_directory_went_keeps_it(env: Env) -> None:
+    # A static pod: its next sandbox has the same UID, and may come at once.
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    await env.kubelet.start_new(pod, "main")
+    await env.kubelet.ok(
+        "StopPodSandbox",
+        pb.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString(),
+    )
+    request = pb.RemovePodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString()
+    # As the relay does: the runtime removes it, then the engine follows.
+    removed = await env.kubelet.runtime.unary(UnaryCall(rq.REMOVE_POD_SANDBOX, (), request, 10))
+    assert removed.status is Status.OK
+    after = env.engine.followed_now(rq.REMOVE_POD_SANDBOX, request, Status.OK, b"")
+    assert callable(after)
+    # The next sandbox of the same pod, and its container, come before the removal's work
+    # after the reply has run.
+    again = await env.kubelet.run_pod("web", "besteffort", uid=pod.uid)
+    container_id = await env.kubelet.start_new(again, "main")
+    after()
+    await env.engine.drain(5)
+    assert (root(env) / pod.uid / "main").is_dir()
+    assert env.engine.projector is not None
+    assert env.engine.projector.written(env.engine.containers[container_id].key) is not None
 
 
 @pytest.mark.anyio

@@ -14,7 +14,7 @@ import pytest
 
 from shim.cri.calls import Status
 from shim.cri.passthrough import PassthroughInterceptor
-from shim.cri.server import Afterwards
+from shim.cri.server import Afterwards, Pending
 from tests.fake_cri import command_of, script
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
 
@@ -34,9 +34,27 @@ class Recorder:
     afterwards: list[str] = field(default_factory=list)
     afterwards_ran: threading.Event = field(default_factory=threading.Event)
     entered: threading.Event = field(default_factory=threading.Event)
+    # Follow at once (followed_now) rather than in a task; and the paths followed at once.
+    at_once: bool = False
+    now: list[str] = field(default_factory=list)
 
     def follows(self, path: str) -> bool:
         return path == FOLLOWED
+
+    def followed_now(
+        self, path: str, request: bytes | None, status: int | None, response: bytes | None
+    ) -> Afterwards | Pending:
+        if not self.at_once:
+            return Pending.LATER
+        self.now.append(path)
+        self.seen.append((path, request, status))
+        self.responses.append(response)
+
+        def afterwards() -> None:
+            self.afterwards.append(path)
+            self.afterwards_ran.set()
+
+        return afterwards
 
     async def followed(
         self, path: str, request: bytes | None, status: int | None, response: bytes | None
@@ -152,3 +170,20 @@ def test_a_call_the_client_gives_up_on_while_held_leaves_the_connection_usable(
         assert unary(channel, FOLLOWED, b"echo:again", timeout=10).endswith(b"again")
         assert unary(channel, OTHER, b"echo:other", timeout=10).endswith(b"other")
     assert [status for _, _, status in recorder.seen] == [Status.OK, Status.OK]
+
+
+def test_a_call_followed_at_once_is_released_without_waiting_for_a_task(
+    followed: tuple[RelayEnv, Recorder],
+) -> None:
+    env, recorder = followed
+    recorder.at_once = True
+    recorder.hold(env)  # would hold the call, were it followed in a task
+    with env.channel() as channel:
+        reply = unary(channel, FOLLOWED, b"echo:stopped", timeout=10)
+        assert reply.endswith(b"stopped")
+        assert unary(channel, FOLLOWED, b"echo:again", timeout=10).endswith(b"again")
+    assert recorder.now == [FOLLOWED, FOLLOWED]
+    assert not recorder.entered.is_set()  # followed() was never called
+    assert recorder.responses[0] == reply
+    assert recorder.afterwards_ran.wait(10)
+    assert recorder.afterwards[:1] == [FOLLOWED]
