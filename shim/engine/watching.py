@@ -29,6 +29,7 @@ from typing import Any
 
 from shim import cgroups
 from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
+from shim.cpuset import CPUSet
 from shim.engine.core import Engine
 from shim.engine.tracked import Phase, Tracked
 from shim.inotify import (
@@ -255,7 +256,10 @@ class Watcher:
             if tracked.phase is not Phase.RUNNING:
                 return
             # cgroupfs answers from memory: a worker thread would cost more than the reads.
-            alive, current = _look(directory)
+            layout = self.engine.mover.layout
+            alive, current = _look(
+                directory, layout is not None and layout.version is CgroupVersion.V2
+            )
             if not alive:
                 gone = True
             else:
@@ -373,21 +377,39 @@ class Watcher:
         await self.check_state()
 
 
-def _look(directory: Path) -> tuple[bool, object]:
-    """Whether the cgroup still holds a process, and its cpuset (None when unreadable)."""
-    if not directory.is_dir():
-        return False, None
-    events = directory / CGROUP_EVENTS
+def _look(directory: Path, v2: bool) -> tuple[bool, object]:
+    """Whether the cgroup still holds a process, and its cpuset (None when unreadable). Run
+    on every change the watches see (each move of a shared container, twice a pod under
+    churn): plain reads, no pathlib."""
+    base = str(directory)
+    if v2:  # cgroup v1 has no cgroup.events
+        try:
+            populated = cgroups.populated(_read_small(f"{base}/{CGROUP_EVENTS}"))
+        except (FileNotFoundError, NotADirectoryError):
+            return False, None
+        except OSError:
+            populated = None
+        if populated is False:
+            return False, None
     try:
-        populated = cgroups.populated(events.read_text())
+        text = _read_small(f"{base}/{CPUSET_CPUS}")
+    except (FileNotFoundError, NotADirectoryError):
+        return False, None  # the cgroup is gone
     except OSError:
-        populated = None
-    if populated is False:
-        return False, None
-    try:
-        return True, cgroups.read_cpus(directory)
-    except (OSError, ValueError):
         return True, None
+    try:
+        return True, CPUSet.parse(text.strip())
+    except ValueError:
+        return True, None
+
+
+def _read_small(path: str) -> str:
+    """A cgroupfs file's text (they are small, and read in one call)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 65536).decode()
+    finally:
+        os.close(fd)
 
 
 def _holds(cgroup: Path, pid: int) -> bool:

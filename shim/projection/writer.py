@@ -53,6 +53,8 @@ _OURS: Final = frozenset({CPUS_FILE, STATE_FILE})
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MODE_DIR: Final = 0o755
 _MODE_FILE: Final = 0o644
+# The stamp of a state not written yet.
+_NO_TIME: Final = rfc3339(0)
 
 
 class ProjectionPathError(ValueError):
@@ -122,7 +124,8 @@ class ProjectionWriter:
         Nothing is written when only the generation and time would change. ValueError for
         an unsafe name (ProjectionPathError) or a state that cannot be described.
         """
-        self.directory(pod_uid, container_name)
+        check_name("pod UID", pod_uid)
+        check_name("container name", container_name)
         # Built (and so checked) before anything touches the disk; the stamps come later.
         wanted = describe(
             cpus=cpus,
@@ -131,7 +134,7 @@ class ProjectionWriter:
             pool=pool,
             topology=topology,
             generation=0,
-            updated_at=rfc3339(0),
+            updated_at=_NO_TIME,
         )
         async with self._pod_lock(pod_uid):
             known = self._known.get(pod_uid, {}).get(container_name)
