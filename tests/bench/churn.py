@@ -13,6 +13,10 @@ median over rounds of the wall time per pod, and the ratio.
 It also reads the shared container's cgroup ``cpuset.cpus`` the moment each StopContainer
 returns: with cpushim the pool has grown before the return, so the time until the grown pool
 is visible is 0; any pod where it is not counts as a miss, with the time it took.
+
+``--static`` adds a third path, straight to containerd as kubelet's own static CPU manager
+policy would call it: the exclusive CPU already in the CreateContainer request. It shows what
+pinning itself costs containerd and the kernel (runc writing a cpuset), apart from cpushim.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def one_pod(
     shared_cpus: Callable[[], CPUSet],
     full: CPUSet,
     calls: CallTimes,
+    cpuset_cpus: str = "",
 ) -> tuple[float, float]:
     """Wall seconds of one pod's lifecycle, and the seconds from StopContainer's return until
     the shared container's cgroup shows every CPU again (0.0 when it already did at the
@@ -81,6 +86,7 @@ def one_pod(
             image,
             WORKLOAD,
             resources=ONE_CPU,
+            cpuset_cpus=cpuset_cpus,
         )
     with timed("StartContainer"):
         client.start_container(container_id)
@@ -117,6 +123,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--static",
+        action="store_true",
+        help="add a path pinned as kubelet's static policy would (no cpushim)",
+    )
     args = parser.parse_args()
 
     image = build_image()
@@ -148,14 +159,17 @@ def main() -> int:
             cwd=REPO,
         )
         shim.start()
-        walls: dict[str, list[float]] = {"direct": [], "cpushim": []}
-        grown: dict[str, list[float]] = {"direct": [], "cpushim": []}
-        calls: dict[str, CallTimes] = {"direct": {}, "cpushim": {}}
+        labels = ["direct", "cpushim"] + (["static"] if args.static else [])
+        walls: dict[str, list[float]] = {label: [] for label in labels}
+        grown: dict[str, list[float]] = {label: [] for label in labels}
+        calls: dict[str, CallTimes] = {label: {} for label in labels}
+        # The CPU kubelet's static policy would give: the lowest one not reserved.
+        static_cpu = str((full - full.take_lowest(1)).take_lowest(1))
         # CPU seconds used during each path's pods: containerd's, and the machine's (every
         # process and the kernel); cpushim's over the whole run. Work a pod leaves behind
         # (cpushim's deferred records) may land in the next pod's window, of either path.
         used: dict[str, dict[str, float]] = {
-            label: {"containerd": 0.0, "machine": 0.0} for label in walls
+            label: {"containerd": 0.0, "machine": 0.0} for label in labels
         }
         assert shim.process is not None
         assert containerd.pid is not None
@@ -170,15 +184,25 @@ def main() -> int:
                 via.start_container(shared_id)
                 shared = lambda: cgroup_cpus(direct, shared_id)  # noqa: E731
                 paths = [("direct", direct), ("cpushim", via)]
+                if args.static:
+                    paths.append(("static", direct))
                 shim_cpu_before = cpu_seconds(shim_pid)
                 for _ in range(args.rounds):
-                    round_wall = {"direct": 0.0, "cpushim": 0.0}
+                    round_wall = dict.fromkeys(labels, 0.0)
                     for index in range(args.pods):
-                        for label, client in paths if index % 2 == 0 else paths[::-1]:
+                        # Which path goes first turns with each pod.
+                        turn = index % len(paths)
+                        for label, client in paths[turn:] + paths[:turn]:
                             containerd_before = cpu_seconds(containerd_pid)
                             machine_before = machine_cpu_seconds()
                             wall, after = one_pod(
-                                client, image.ref, index, shared, full, calls[label]
+                                client,
+                                image.ref,
+                                index,
+                                shared,
+                                full,
+                                calls[label],
+                                static_cpu if label == "static" else "",
                             )
                             used[label]["containerd"] += cpu_seconds(containerd_pid) - (
                                 containerd_before
@@ -205,21 +229,35 @@ def main() -> int:
     print(f"{'path':<8} {'ms/pod':>8} {'ratio':>7}")
     print(f"{'direct':<8} {direct_pod * 1e3:8.1f} {1.0:7.3f}")
     print(f"{'cpushim':<8} {shim_pod * 1e3:8.1f} {shim_pod / direct_pod:7.3f}")
+    if args.static:
+        static_pod = statistics.median(walls["static"]) / args.pods
+        print(f"{'static':<8} {static_pod * 1e3:8.1f} {static_pod / direct_pod:7.3f}")
     # How far one round is from another says how much to trust the ratio above.
     per_round = [c / d for c, d in zip(walls["cpushim"], walls["direct"], strict=True)]
     print("# ratio of each round: " + " ".join(f"{r:.3f}" for r in per_round))
-    print(f"# per call, median ms: {'call':<18} {'direct':>8} {'cpushim':>8} {'+ms':>7}")
+    if args.static:
+        to_static = [c / s for c, s in zip(walls["cpushim"], walls["static"], strict=True)]
+        print("# cpushim / static, each round: " + " ".join(f"{r:.3f}" for r in to_static))
+    others = labels[1:]
+    header = "".join(f" {label:>8}" for label in others)
+    added = "".join(f" {'+' + label:>8}" for label in others)
+    print(f"# per call, median ms: {'call':<18} {'direct':>8}{added}")
     for name, took in calls["direct"].items():
         d = statistics.median(took) * 1e3
-        c = statistics.median(calls["cpushim"][name]) * 1e3
-        print(f"#                      {name:<18} {d:8.2f} {c:8.2f} {c - d:+7.2f}")
+        row = "".join(
+            f" {statistics.median(calls[label][name]) * 1e3 - d:+8.2f}" for label in others
+        )
+        print(f"#                      {name:<18} {d:8.2f}{row}")
     pods_run = args.pods * args.rounds
-    print(f"# CPU ms per pod:      {'process':<18} {'direct':>8} {'cpushim':>8}")
-    print(f"#                      {'cpushim':<18} {'-':>8} {shim_cpu / pods_run * 1e3:8.2f}")
+    print(f"# CPU ms per pod:      {'process':<18} {'direct':>8}{header}")
+    shim_row = "".join(
+        f" {shim_cpu / pods_run * 1e3:8.2f}" if label == "cpushim" else f" {'-':>8}"
+        for label in others
+    )
+    print(f"#                      {'cpushim':<18} {'-':>8}{shim_row}")
     for name in ("containerd", "machine"):  # machine: every process and the kernel
-        d = used["direct"][name] / pods_run * 1e3
-        c = used["cpushim"][name] / pods_run * 1e3
-        print(f"#                      {name:<18} {d:8.2f} {c:8.2f}")
+        row = "".join(f" {used[label][name] / pods_run * 1e3:8.2f}" for label in labels)
+        print(f"#                      {name:<18}{row}")
     misses = [t for t in grown["cpushim"] if t > 0]
     print(
         f"# cpushim: shared container on {full} when StopContainer returned:"

@@ -434,7 +434,10 @@ class KubeletClient:
         attempt: int = 0,
         envs: Mapping[str, str] | None = None,
         image_id: str | None = None,
+        cpuset_cpus: str = "",
     ) -> pb.ContainerConfig:
+        """``cpuset_cpus``: what kubelet's own static CPU manager policy would put in the
+        request for an exclusive container (cpushim's tests leave it to cpushim)."""
         pod = sandbox.config.metadata
         termination_log = (
             Path(sandbox.config.log_directory).parent
@@ -447,6 +450,8 @@ class KubeletClient:
         # kubelet bind-mounts a per-container file as /dev/termination-log; it must exist.
         termination_log.parent.mkdir(parents=True, exist_ok=True)
         termination_log.touch()
+        linux_resources = self.linux_resources(sandbox.qos, resources)
+        linux_resources.cpuset_cpus = cpuset_cpus
         return pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=name, attempt=attempt),
             # kubelet names the image by the id ImageStatus gave and keeps what the user wrote.
@@ -476,7 +481,7 @@ class KubeletClient:
             },
             log_path=f"{name}/{attempt}.log",
             linux=pb.LinuxContainerConfig(
-                resources=self.linux_resources(sandbox.qos, resources),
+                resources=linux_resources,
                 security_context=pb.LinuxContainerSecurityContext(
                     namespace_options=pb.NamespaceOption(
                         network=pb.NODE, pid=pb.CONTAINER, ipc=pb.POD
@@ -497,6 +502,7 @@ class KubeletClient:
         attempt: int = 0,
         envs: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        cpuset_cpus: str = "",
     ) -> str:
         """CreateContainer as kubelet sends it; returns the container id."""
         # kubelet's EnsureImageExists: the image must be present (no pulls here).
@@ -513,6 +519,7 @@ class KubeletClient:
             attempt=attempt,
             envs=envs,
             image_id=status.image.id,
+            cpuset_cpus=cpuset_cpus,
         )
         (Path(sandbox.config.log_directory) / name).mkdir(parents=True, exist_ok=True)
         response = self._runtime(
