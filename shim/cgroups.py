@@ -24,6 +24,7 @@ import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Final
 
 from shim.cpuset import CPUSet
 from shim.mountinfo import parse_mountinfo
@@ -127,40 +128,36 @@ def containerd_cgroups_path(cgroup_parent: str, container_id: str) -> str:
     return f"{cgroup_parent.rstrip('/')}/{container_id}"
 
 
-def first_process(directory: Path, proc: Path = Path("/proc")) -> int:
-    """The process a runtime started in this container cgroup: the one process there whose
-    parent is not. 0 when the cgroup is gone or empty, or when more than one process has its
-    parent outside (an exec beside the container's own process), which only the runtime can
-    tell apart."""
+# What containerd's shims call themselves (``comm``, cut to 15 bytes by the kernel).
+CONTAINERD_SHIMS: Final = ("containerd-shim",)
+
+
+def first_process(
+    directory: Path, shims: tuple[str, ...] = CONTAINERD_SHIMS, proc: Path = Path("/proc")
+) -> int:
+    """The process a runtime's shim started in this container cgroup: the one process there
+    whose parent's name begins with one of ``shims``. 0 when the cgroup is gone or empty,
+    when no process there is a shim's child (a container that moved its process elsewhere,
+    another runtime), or when more than one is (an exec beside the container's process),
+    which only the runtime can tell apart."""
     try:
         pids = [int(word) for word in (directory / "cgroup.procs").read_bytes().split()]
     except (OSError, ValueError):
         return 0
-    if len(pids) == 1:
-        return pids[0]
-    members = set(pids)
-    outside = []
-    for pid in pids:
-        parent = _parent_of(pid, proc)
-        if parent is None:
-            continue  # gone meanwhile
-        if parent not in members:
-            outside.append(pid)
-    return outside[0] if len(outside) == 1 else 0
+    found = [pid for pid in pids if _parent_is_one_of(pid, shims, proc)]
+    return found[0] if len(found) == 1 else 0
 
 
-def _parent_of(pid: int, proc: Path) -> int | None:
-    """The parent's pid from ``/proc/<pid>/stat``; None when the process is gone."""
+def _parent_is_one_of(pid: int, names: tuple[str, ...], proc: Path) -> bool:
+    """Whether the process's parent is called one of ``names`` (False when either is gone)."""
     try:
         stat = (proc / str(pid) / "stat").read_bytes()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so from the last ")".
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[1])
-    except (IndexError, ValueError):
-        return None
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; from the last ")".
+        parent = int(stat[stat.rfind(b")") + 2 :].split()[1])
+        comm = (proc / str(parent) / "comm").read_text().strip()
+    except (OSError, ValueError, IndexError):
+        return False
+    return comm.startswith(names)
 
 
 def read_cpus(directory: Path) -> CPUSet | None:

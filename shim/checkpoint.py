@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import os
 import stat
 import tempfile
@@ -81,6 +82,27 @@ class CheckpointFile:
             return None
 
 
+class StateDirectoryInUseError(RuntimeError):
+    pass
+
+
+def hold_directory(directory: Path) -> int:
+    """Take the state directory for this process (an flock on ``.lock`` in it, released when
+    the process ends, however it ends); returns the descriptor to keep open. Two cpushims on
+    one checkpoint would write over each other (through the same spare), so the second one
+    refuses to start."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StateDirectoryInUseError(
+            f"another cpushim is using the state directory {directory}; refusing to start"
+        ) from None
+    return fd
+
+
 def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
     directory = path.parent
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -111,7 +133,8 @@ def padded(data: bytes) -> bytes:
 def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
     """Replace ``path`` with ``data`` padded to whole blocks, through the spare beside it (see
     the module's notes); returns the bytes the file now holds. OSError when it cannot be
-    written, and ``path`` is left as it was."""
+    written: ``path`` is left as it was, unless only the final fsync of the directory failed
+    (then it holds the new state, not yet sure to survive a power cut)."""
     content = padded(data)
     directory = path.parent
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -119,7 +142,7 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
     previous = directory / f".{path.name}.previous"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(previous)  # left by a crash between the link and the renames
-    fd = _open_spare(spare)
+    fd = _open_spare(spare, mode)
     if fd is None:
         write_atomically(path, content, mode)
         _make_spare(spare, content, mode)
@@ -147,25 +170,31 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
         linked = True
     os.replace(spare, path)
     if linked:
-        os.replace(previous, spare)
+        with contextlib.suppress(OSError):
+            # Without it the next write makes a new spare; state.json is written already.
+            os.replace(previous, spare)
+    # Raised here, the new state may or may not be on disk after a power cut.
     _fsync_directory(directory)
     return content
 
 
-def _open_spare(spare: Path) -> int | None:
+def _open_spare(spare: Path, mode: int) -> int | None:
     """The spare opened for writing; None (and the name cleared) when there is none fit to
-    be overwritten in place: a second name would mean overwriting another file's contents."""
+    be overwritten in place: a second name would mean overwriting another file's contents,
+    and a FIFO would never take the write."""
     try:
-        fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.EISDIR):
+        if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
             raise
         _clear(spare)
         return None
     info = os.fstat(fd)
     if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        if stat.S_IMODE(info.st_mode) != mode:
+            os.fchmod(fd, mode)  # it becomes state.json
         return fd
     os.close(fd)
     _clear(spare)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from shim import notify
 from shim.cgroups import CgroupError, CgroupLayout
-from shim.checkpoint import CheckpointFile
+from shim.checkpoint import CheckpointFile, hold_directory
 from shim.cpuset import CPUSet
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.server import Interceptor, RelayServer
@@ -168,6 +169,14 @@ def cgroup_layout() -> CgroupLayout | None:
 
 async def run(options: RunOptions) -> int:
     policy = build_policy(options)
+    state_lock = hold_directory(options.state_dir)
+    try:
+        return await _run(options, policy)
+    finally:
+        os.close(state_lock)
+
+
+async def _run(options: RunOptions, policy: CPUPolicy) -> int:
     runtime = RuntimeChannel(options.runtime_endpoint)
     engine = Engine(
         policy,

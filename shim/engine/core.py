@@ -185,9 +185,9 @@ class Engine:
         self, path: str, request: bytes | None, status: int | None, response: bytes | None
     ) -> Afterwards | Pending:
         """:meth:`followed`, done at once when the call needs nothing waited for: no decision
-        under way (the lock is free, so this runs as if it held it) and nothing to release,
-        which is how kubelet's calls mostly find it (a stopped container's CPUs went back
-        when its process ended)."""
+        under way (the lock is free; this never suspends, so nothing can come in between)
+        and nothing to release, which is how kubelet's calls mostly find it (a stopped
+        container's CPUs went back when its process ended)."""
         if status != Status.OK:
             return None
         handler = self._now.get(path)
@@ -378,7 +378,14 @@ class Engine:
         def back() -> bool:
             return any(p.uid == uid for p in self.pods.values())
 
-        return lambda: self._spawn(projector.forget_pod(uid, unless=back))
+        async def forget() -> None:
+            try:
+                await projector.forget_pod(uid, unless=back)
+            except Exception:
+                self.counters["internal_errors"] += 1
+                log.exception("forgetting a pod failed", extra={"fields": {"pod_uid": uid}})
+
+        return lambda: self._spawn(forget())
 
     def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
         if config.metadata.uid:
@@ -604,7 +611,7 @@ class Engine:
     async def _locate(self, tracked: Tracked) -> None:
         """Learn where a started container's cgroup is, so later moves can write it directly
         and the watcher can watch it."""
-        await self.mover.locate(tracked)
+        await self.mover.locate(tracked, just_started=True)
         if tracked.cgroup is not None and self.watcher is not None:
             self.watcher.watch(tracked)
 

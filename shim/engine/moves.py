@@ -77,6 +77,8 @@ class Mover:
         self._spawn = spawn
         self._recorders: dict[str, asyncio.Task[None]] = {}
         self._flush = asyncio.Event()
+        # The names a container's first process's parent may have (tests run their own).
+        self.shims = cgroups.CONTAINERD_SHIMS
 
     # --- moving -----------------------------------------------------------------------------
 
@@ -211,13 +213,14 @@ class Mover:
 
     # --- where the cgroup is -------------------------------------------------------------------
 
-    async def locate(self, tracked: Tracked) -> Path | None:
+    async def locate(self, tracked: Tracked, *, just_started: bool = False) -> Path | None:
         """Find the container's cgroup and first process; set and return the cgroup (None
         when neither containerd's layout nor the runtime says, or the cgroup does not
-        exist)."""
+        exist). Only ``just_started`` containers are found from the layout: later, the
+        container's own process may have moved, or handed its place on."""
         if self.layout is None:
             return None
-        if self._derive(tracked):
+        if just_started and self._derive(tracked):
             return tracked.cgroup
         request = pb.ContainerStatusRequest(container_id=tracked.id, verbose=True)
         reply = await self.runtime.unary(
@@ -242,8 +245,10 @@ class Mover:
         the pod's cgroup parent and the container id, and a just-started container has one
         process whose parent is outside it. A verbose ContainerStatus costs containerd a
         JSON rendering of the whole OCI spec, and cpushim its parsing, at every start; this
-        costs two small reads. False (the runtime is asked) when either is not found for
-        sure: another runtime's layout, an exec beside the process, a container gone."""
+        costs a few small reads. The process must be a child of containerd's shim: a wrong
+        process, watched on a pidfd, would have a running container's CPUs released when it
+        ends. False (the runtime is asked) when either is not found for sure: another
+        runtime's layout, an exec beside the process, a container gone."""
         assert self.layout is not None
         if not tracked.cgroup_parent:
             return False
@@ -252,7 +257,7 @@ class Mover:
             directory = self.layout.container_dir(path)
         except CgroupError:
             return False
-        pid = cgroups.first_process(directory)
+        pid = cgroups.first_process(directory, self.shims)
         if pid == 0:
             return False
         tracked.cgroup, tracked.pid = directory, pid

@@ -139,9 +139,10 @@ class Projector:
         """The pod is removed: its directories go, unless ``unless()`` says the pod is back
         (a static pod's next sandbox), checked before anything goes and again under the pod's
         lock just before its directories do."""
-        if unless is not None and unless():
-            return
         for key in [k for k in self._wanted if k.pod_uid == pod_uid]:
+            # Asked again after each wait: a container of the pod's next sandbox is its own.
+            if unless is not None and unless():
+                return
             self._wanted.pop(key, None)
             self._written.pop(key, None)
             writer = self._writers.get(key)

@@ -122,4 +122,5 @@ def test_removing_the_pod_removes_its_projection(
     directory = host_directory(shim, pod.uid)
     assert read(directory).cpus == "0-1"
     kubelet.teardown_pod(pod.id)
-    assert not directory.parent.exists()
+    # Removed once kubelet has RemovePodSandbox's reply.
+    wait_for(lambda: not directory.parent.exists(), CHANGE_TIMEOUT, "the pod projection removed")

@@ -169,10 +169,11 @@ def test_containerds_cgroups_path_follows_the_driver(parent: str, expected: str)
 
 
 def fake_proc(root: Path, processes: dict[int, tuple[str, int]]) -> Path:
-    """A /proc with a ``stat`` per process: pid -> (comm, parent pid)."""
+    """A /proc with ``stat`` and ``comm`` per process: pid -> (comm, parent pid)."""
     for pid, (comm, parent) in processes.items():
         (root / str(pid)).mkdir(parents=True)
         (root / str(pid) / "stat").write_text(f"{pid} ({comm}) S {parent} {pid} {pid} 0 -1\n")
+        (root / str(pid) / "comm").write_text(f"{comm[:15]}\n")
     return root
 
 
@@ -183,31 +184,45 @@ def cgroup_with(tmp_path: Path, pids: list[int]) -> Path:
     return cgroup
 
 
-def test_the_only_process_is_the_first(tmp_path: Path) -> None:
-    assert first_process(cgroup_with(tmp_path, [4242]), fake_proc(tmp_path / "proc", {})) == 4242
+SHIM = {1: ("systemd", 0), 200: ("containerd-shim-runc-v2", 1)}
 
 
-def test_the_first_process_is_the_one_whose_parent_is_outside(tmp_path: Path) -> None:
+def test_the_first_process_is_the_shims_child(tmp_path: Path) -> None:
     proc = fake_proc(
         tmp_path / "proc",
         {
-            300: ("sh -c (x) y", 200),  # comm with spaces and parentheses; parent: the shim
+            **SHIM,
+            300: ("sh -c (x) y", 200),  # comm with spaces and parentheses
             301: ("worker", 300),
             302: ("worker", 301),
         },
     )
-    assert first_process(cgroup_with(tmp_path, [301, 300, 302]), proc) == 300
+    assert first_process(cgroup_with(tmp_path, [301, 300, 302]), proc=proc) == 300
 
 
-def test_two_processes_from_outside_are_not_guessed_between(tmp_path: Path) -> None:
-    # The container's process and an exec beside it: both children of the shim.
-    proc = fake_proc(tmp_path / "proc", {300: ("app", 200), 400: ("sh", 200)})
-    assert first_process(cgroup_with(tmp_path, [300, 400]), proc) == 0
+def test_a_lone_process_that_is_not_the_shims_child_is_not_taken(tmp_path: Path) -> None:
+    # The container's process moved to a child cgroup, leaving a child of its own; or
+    # another runtime's layout.
+    proc = fake_proc(tmp_path / "proc", {**SHIM, 300: ("app", 250), 250: ("init", 1)})
+    assert first_process(cgroup_with(tmp_path, [300]), proc=proc) == 0
+
+
+def test_two_children_of_the_shim_are_not_guessed_between(tmp_path: Path) -> None:
+    # The container's process and an exec beside it.
+    proc = fake_proc(tmp_path / "proc", {**SHIM, 300: ("app", 200), 400: ("sh", 200)})
+    assert first_process(cgroup_with(tmp_path, [300, 400]), proc=proc) == 0
 
 
 def test_a_process_gone_meanwhile_is_left_out(tmp_path: Path) -> None:
-    proc = fake_proc(tmp_path / "proc", {300: ("app", 200)})  # 999 has exited
-    assert first_process(cgroup_with(tmp_path, [300, 999]), proc) == 300
+    proc = fake_proc(tmp_path / "proc", {**SHIM, 300: ("app", 200)})  # 999 has exited
+    assert first_process(cgroup_with(tmp_path, [999, 300]), proc=proc) == 300
+
+
+def test_other_shims_can_be_named(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path / "proc", {1: ("init", 0), 500: ("conmon", 1), 600: ("app", 500)})
+    cgroup = cgroup_with(tmp_path, [600])
+    assert first_process(cgroup, proc=proc) == 0
+    assert first_process(cgroup, ("conmon",), proc=proc) == 600
 
 
 def test_no_first_process_without_the_cgroup_or_in_an_empty_one(tmp_path: Path) -> None:

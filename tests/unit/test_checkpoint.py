@@ -6,6 +6,8 @@ import errno
 import os
 import re
 import stat
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +15,15 @@ from typing import Any
 
 import pytest
 
-from shim.checkpoint import BLOCK, STATE_FILE, CheckpointFile, padded, write_atomically
+from shim.checkpoint import (
+    BLOCK,
+    STATE_FILE,
+    CheckpointFile,
+    StateDirectoryInUseError,
+    hold_directory,
+    padded,
+    write_atomically,
+)
 from shim.cpuset import CPUSet
 from shim.policy.static import StaticPolicy
 from shim.state import Assignment, CheckpointError, ContainerKey, CPUState, encode_checkpoint
@@ -423,3 +433,46 @@ def test_without_hard_links_every_write_takes_a_new_file(
     file.save_sync(TWO)
     assert file.load() == TWO
     assert set(names(tmp_path)) == {SPARE, STATE_FILE}
+
+
+def test_a_fifo_in_place_of_the_spare_does_not_block_the_write(tmp_path: Path) -> None:
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    (tmp_path / SPARE).unlink()
+    os.mkfifo(tmp_path / SPARE)
+    file.save_sync(TWO)  # would block forever on a FIFO nobody reads
+    assert file.load() == TWO
+    assert stat.S_ISREG((tmp_path / SPARE).stat().st_mode)
+
+
+@pytest.mark.usefixtures("no_umask")
+def test_a_spare_opened_wider_is_narrowed_before_it_becomes_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    (tmp_path / SPARE).chmod(0o644)
+    file.save_sync(TWO)
+    assert stat.S_IMODE(file.path.stat().st_mode) == 0o600
+
+
+def test_one_process_at_a_time_holds_a_state_directory(tmp_path: Path) -> None:
+    script = (
+        "import sys; from pathlib import Path; from shim.checkpoint import hold_directory;"
+        " hold_directory(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == b"held\n"
+        with pytest.raises(StateDirectoryInUseError, match="another cpushim"):
+            hold_directory(tmp_path)
+    finally:
+        holder.communicate(b"", timeout=10)
+    # Released when the holder ends, however it ends.
+    os.close(hold_directory(tmp_path))

@@ -39,9 +39,11 @@ def fake() -> Iterator[FakeRuntimeServer]:
             loop.stop()
 
 
-def start_cpushim(listen: Path, runtime: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+def start_cpushim(
+    listen: Path, runtime: str, log: Path, *extra: str, state: str = "state"
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        cpushim_command(f"unix://{listen}", runtime, *extra, state_dir=listen.parent / "state"),
+        cpushim_command(f"unix://{listen}", runtime, *extra, state_dir=listen.parent / state),
         stderr=log.open("wb"),
         cwd=REPO,
     )
@@ -106,18 +108,28 @@ def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeSer
             proc.kill()
 
 
-def test_refuses_a_socket_another_process_serves(fake: FakeRuntimeServer) -> None:
+@pytest.mark.parametrize(
+    ("second_state", "says"),
+    [
+        ("state", "another cpushim is using the state directory"),
+        ("other-state", "already serves"),
+    ],
+    ids=["same state directory", "own state directory"],
+)
+def test_refuses_a_socket_or_state_another_process_holds(
+    fake: FakeRuntimeServer, second_state: str, says: str
+) -> None:
     listen = fake.socket_path.parent / "live.sock"
     log = fake.socket_path.parent / "first.log"
     first = start_cpushim(listen, fake.endpoint, log)
     try:
         wait_serving(first, listen, log)
         second_log = fake.socket_path.parent / "second.log"
-        second = start_cpushim(listen, fake.endpoint, second_log)
+        second = start_cpushim(listen, fake.endpoint, second_log, state=second_state)
         assert second.wait(20) == 1
         errors = [e for e in log_events(second_log) if e["level"] == "error"]
         assert errors
-        assert "already serves" in str(errors[0]["error"])
+        assert says in str(errors[0]["error"])
         with grpc.insecure_channel(f"unix://{listen}") as ch:  # the first one still serves
             assert unary(ch, RUNTIME + "Version", b"echo:x", timeout=10).endswith(b"echo:x")
     finally:

@@ -292,6 +292,10 @@ async def test_no_watch_or_task_outlives_500_container_lifecycles(w: Watched) ->
 # --- process exits, through pidfds -----------------------------------------------------------
 
 
+# This process's name: the parent of the processes the fake runtime starts.
+OWN_NAME = Path("/proc/self/comm").read_text().strip()
+
+
 class Processes:
     """Real processes for the fake runtime's containers, so their exits are real."""
 
@@ -319,6 +323,8 @@ async def p(tmp_path: Path) -> AsyncIterator[tuple[Watched, Processes]]:
     try:
         async with FakeRuntime(cgroup_root=tmp_path / "cpuset", pid_source=processes.spawn) as fake:
             async for watched in watched_env(tmp_path, fake):
+                # The fake's processes are this one's children, not a containerd shim's.
+                watched.env.engine.mover.shims = (OWN_NAME,)
                 yield watched, processes
     finally:
         processes.close()
@@ -369,8 +375,22 @@ async def test_with_an_exec_beside_the_process_the_runtime_is_asked(
     own = w.env.fake.containers[container_id].pid
     (cgroup / "cgroup.procs").write_text(f"{processes.spawn()}\n{own}\n")
     tracked.cgroup, tracked.pid = None, 0
-    assert await w.env.engine.mover.locate(tracked) == cgroup
+    assert await w.env.engine.mover.locate(tracked, just_started=True) == cgroup
     assert tracked.pid == own
+    assert len(w.env.fake.calls_of("ContainerStatus")) == 1
+    assert w.counters["cgroups_derived"] == 1
+
+
+async def test_a_container_located_later_is_asked_of_the_runtime(
+    p: tuple[Watched, Processes],
+) -> None:
+    # Past its start, a container's own process may have moved or handed its place on.
+    w, _ = p
+    container_id = await w.started("web")
+    tracked = w.env.engine.containers[container_id]
+    cgroup = tracked.cgroup
+    tracked.cgroup, tracked.pid = None, 0
+    assert await w.env.engine.mover.locate(tracked) == cgroup
     assert len(w.env.fake.calls_of("ContainerStatus")) == 1
     assert w.counters["cgroups_derived"] == 1
 
