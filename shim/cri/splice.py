@@ -1002,9 +1002,17 @@ class Splice:
         pending = stream.pending
         while pending:
             chunk, length = pending[0]
-            if length and (length > stream.send_window or length > self._client_window):
+            room = min(stream.send_window, self._client_window)
+            if length and room <= 0:
                 return
-            pending.popleft()
+            if length > room:
+                # As much as the client's windows take now: a frame that waited to fit
+                # whole would wait for ever on a window smaller than a frame.
+                payload = chunk[fr.FRAME_HEADER_LEN :]
+                pending[0] = (fr.frame(fr.DATA, 0, sid, payload[room:]), length - room)
+                chunk, length = fr.frame(fr.DATA, 0, sid, payload[:room]), room
+            else:
+                pending.popleft()
             stream.send_window -= length
             if length:
                 self._credit_to_keep += length

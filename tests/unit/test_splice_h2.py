@@ -193,6 +193,19 @@ def test_large_reply_written_here_then_spliced_traffic_respects_the_real_window(
     assert pair.server.outbound_flow_control_window == pair.client.inbound_flow_control_window
 
 
+@pytest.mark.parametrize("client_window", [1_000, 16_383])
+def test_a_reply_written_here_larger_than_the_clients_window_gets_through(
+    client_window: int,
+) -> None:
+    pair = make_pair(client_window=client_window)
+    sid = send_request(pair, INTERCEPTED, grpc_body(b"create"))
+    pair.splice.reply(sid, Reply.ok(b"r" * 50_000))  # frames of 16 KiB, above the window
+    pair.pump()
+    assert pair.received(pair.client_events, sid) == grpc_body(b"r" * 50_000)
+    assert sid in {e.stream_id for e in pair.client_events if isinstance(e, h2.events.StreamEnded)}
+    assert pair.splice.idle
+
+
 def test_error_reply_is_trailers_only() -> None:
     pair = make_pair()
     sid = send_request(pair, INTERCEPTED, grpc_body(b"create"))
