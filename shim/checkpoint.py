@@ -103,7 +103,11 @@ def hold_directory(directory: Path) -> int:
     return fd
 
 
-def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
+def write_atomically(
+    path: Path, data: bytes, mode: int = 0o600, *, sync_directory: bool = True
+) -> None:
+    """Replace ``path`` by a new file: write a temporary one, fsync it, rename it, and (unless
+    told not to) fsync the directory so that the new name survives a power cut."""
     directory = path.parent
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     # A name of its own per write, so two writes in flight never share a temporary file.
@@ -122,7 +126,8 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_directory(directory)
+    if sync_directory:
+        _fsync_directory(directory)
 
 
 def padded(data: bytes) -> bytes:
@@ -145,7 +150,9 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
     fd = _open_spare(spare, mode)
     if fd is None:
         write_atomically(path, content, mode)
-        _make_spare(spare, content, mode)
+        # A file of its own for the next write to overwrite. The directory is not fsync'd
+        # for it: a spare lost to a crash is made again.
+        write_atomically(spare, content, mode, sync_directory=False)
         return content
     try:
         if os.fstat(fd).st_size != len(content):
@@ -206,25 +213,6 @@ def _clear(path: Path) -> None:
         raise IsADirectoryError(errno.EISDIR, "a directory stands where the spare goes", str(path))
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-
-
-def _make_spare(spare: Path, content: bytes, mode: int) -> None:
-    """A file of its own for the next write to overwrite. The directory is not fsync'd: a
-    spare lost to a crash is made again."""
-    fd, name = tempfile.mkstemp(prefix=f"{spare.name}.", suffix=".tmp", dir=spare.parent)
-    try:
-        try:
-            os.fchmod(fd, mode)
-            view = memoryview(content)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(name, spare)
-    except BaseException:
-        Path(name).unlink(missing_ok=True)
-        raise
 
 
 def _fsync_directory(directory: Path) -> None:

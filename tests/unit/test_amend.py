@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,6 +15,7 @@ import pytest
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.upstream import Forward
 from tests.fake_cri import command_of, script
+from tests.harness.containerd import wait_for
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
 
 CREATE = RUNTIME + "CreateContainer"
@@ -150,10 +150,7 @@ def test_a_call_its_client_gave_up_on_is_not_forwarded(
         with pytest.raises(grpc.FutureCancelledError):
             future.result()
         # Let the decision go on only once the relay has seen the client's RST_STREAM.
-        deadline = time.monotonic() + 5
-        while calls_in_flight(env):
-            assert time.monotonic() < deadline, "the relay never saw the cancel"
-            time.sleep(0.005)
+        wait_for(lambda: not calls_in_flight(env), 5, "the relay to see the cancel", interval=0.005)
         let_go(env, interceptor)
         assert interceptor.done.wait(5)
     (outcome,) = interceptor.forwarded
@@ -177,13 +174,6 @@ def test_a_call_held_past_its_deadline_is_not_forwarded(
     assert env.fake.runtime.wire == []
 
 
-def wait_for(condition: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def test_a_client_gone_mid_call_ends_every_forward_waiting_on_it(
     deciding: tuple[RelayEnv, Deciding],
 ) -> None:
@@ -192,13 +182,13 @@ def test_a_client_gone_mid_call_ends_every_forward_waiting_on_it(
     futures = [
         channel.unary_unary(CREATE).future(script(b"sleep:30"), timeout=60) for _ in range(2)
     ]
-    wait_for(lambda: len(env.fake.runtime.wire) == 2, "both calls at the runtime")
+    wait_for(lambda: len(env.fake.runtime.wire) == 2, 10, "both calls at the runtime")
     channel.close()
     for future in futures:
         with pytest.raises(grpc.RpcError):
             future.result()
-    wait_for(lambda: len(interceptor.forwarded) == 2, "both forwards to end")
+    wait_for(lambda: len(interceptor.forwarded) == 2, 10, "both forwards to end")
     assert [reply.status for reply in interceptor.forwarded] == [Status.UNAVAILABLE] * 2
     relay = env.relay
     assert relay is not None
-    wait_for(lambda: calls_in_flight(env) == 0 and not relay.connections, "the close")
+    wait_for(lambda: calls_in_flight(env) == 0 and not relay.connections, 10, "the close")

@@ -41,6 +41,14 @@ def held_call(pair: Pair, body: bytes = b"create") -> int:
     return sid
 
 
+def forwarded(pair: Pair, body: bytes = b"create") -> int:
+    """A held call whose request went on unchanged."""
+    sid = held_call(pair, body)
+    assert pair.splice.forward_request(sid, grpc_body(body))
+    pair.pump()
+    return sid
+
+
 def windows_agree(pair: Pair) -> None:
     """The relay knows the runtime's real connection window, and the client's view of it is
     larger by exactly the credit the runtime still owes for the bytes the relay wrote (h2
@@ -111,11 +119,7 @@ def test_client_data_waits_while_the_relays_own_bytes_fill_the_runtimes_window()
     pair.client.send_data(spliced, grpc_body(b"s" * 15_000), end_stream=True)
     pair.pump()  # h2 on the runtime side would raise on an overrun
     assert len(pair.received(pair.server_events, spliced)) < 15_005
-    pair.auto_ack = True
-    for event in list(pair.server_events):
-        if isinstance(event, h2.events.DataReceived):
-            pair.server.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-    pair.pump()
+    pair.read_everything(pair.server)
     assert pair.received(pair.server_events, spliced) == grpc_body(b"s" * 15_000)
     respond(pair, sid, grpc_body(b"ok"))
     pair.splice.release(sid)
@@ -168,9 +172,7 @@ def test_a_client_reset_after_the_forward_leaves_the_runtime_to_finish_the_call(
     # The runtime may have created the container already: it is not told, and the adapter
     # (the engine) learns the outcome all the same; the client hears nothing more of it.
     pair = make_pair(amended=True)
-    sid = held_call(pair)
-    assert pair.splice.forward_request(sid, grpc_body(b"create"))
-    pair.pump()
+    sid = forwarded(pair)
     pair.client.reset_stream(sid)
     pair.pump()
     assert not events_on(pair.server_events, sid, h2.events.StreamReset)
@@ -186,9 +188,7 @@ def test_a_client_reset_after_the_forward_leaves_the_runtime_to_finish_the_call(
 
 def test_a_runtime_reset_after_the_forward_aborts_the_call() -> None:
     pair = make_pair(amended=True)
-    sid = held_call(pair)
-    assert pair.splice.forward_request(sid, grpc_body(b"create"))
-    pair.pump()
+    sid = forwarded(pair)
     pair.server.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
     pair.pump()
     assert CallAborted(sid, Status.CANCELLED) in pair.splice_events
@@ -218,9 +218,7 @@ def test_a_runtime_that_ends_the_call_while_it_is_held_has_the_last_word() -> No
 
 def test_an_error_reply_reaches_the_adapter_with_its_message() -> None:
     pair = make_pair(amended=True)
-    sid = held_call(pair)
-    assert pair.splice.forward_request(sid, grpc_body(b"create"))
-    pair.pump()
+    sid = forwarded(pair)
     pair.server.send_headers(
         sid,
         [
@@ -245,21 +243,19 @@ def test_an_error_reply_reaches_the_adapter_with_its_message() -> None:
 def test_losing_the_runtime_aborts_forwarded_calls_and_ends_held_ones() -> None:
     pair = make_pair(amended=True)
     held = held_call(pair)
-    forwarded = held_call(pair, b"second")
-    assert pair.splice.forward_request(forwarded, grpc_body(b"second"))
-    pair.pump()
+    second = forwarded(pair, b"second")
     pair.splice.upstream_lost("connection reset")
     to_client, _ = pair.splice.take_output()
     events = [e for chunk in to_client for e in pair.client.receive_data(chunk)]
     splice_events = pair.splice.take_events()
-    assert CallAborted(forwarded, Status.UNAVAILABLE) in splice_events
+    assert CallAborted(second, Status.UNAVAILABLE) in splice_events
     assert CallCancelled(held) in splice_events
     statuses = {
         e.stream_id: dict(e.headers)[b"grpc-status"]
         for e in events
         if isinstance(e, h2.events.ResponseReceived)
     }
-    assert statuses == {held: b"14", forwarded: b"14"}
+    assert statuses == {held: b"14", second: b"14"}
     assert not pair.splice.forward_request(held, grpc_body(b"create"))
 
 
@@ -304,11 +300,7 @@ def test_a_runtime_reset_crossing_the_relays_own_cancel_keeps_the_relays_answer(
     pair.splice.from_upstream(fr.rst_stream(sid, fr.NO_ERROR))
     pair.pump()
     assert not [e for e in pair.splice_events if isinstance(e, CallCancelled)]
-    pair.auto_ack = True
-    for event in list(pair.client_events):
-        if isinstance(event, h2.events.DataReceived):
-            pair.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-    pair.pump()
+    pair.read_everything(pair.client)
     assert pair.received(pair.client_events, sid) == grpc_body(b"x" * 8_000)
     assert events_on(pair.client_events, sid, h2.events.StreamEnded)
     assert not events_on(pair.client_events, sid, h2.events.StreamReset)
@@ -336,11 +328,7 @@ def test_a_client_reset_waits_behind_its_streams_data_held_for_upstream_credit()
     pair.client.reset_stream(spliced)
     pair.pump()
     assert not events_on(pair.server_events, spliced, h2.events.StreamReset)
-    pair.auto_ack = True
-    for event in list(pair.server_events):
-        if isinstance(event, h2.events.DataReceived):
-            pair.server.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-    pair.pump()
+    pair.read_everything(pair.server)
     kinds = [type(e) for e in pair.server_events if getattr(e, "stream_id", 0) == spliced]
     assert kinds[-1] is h2.events.StreamReset
     assert pair.received(pair.server_events, spliced) == grpc_body(b"s" * 15_000)

@@ -64,6 +64,16 @@ class Pair:
                 conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             sink.append(event)
 
+    def read_everything(self, side: h2.connection.H2Connection) -> None:
+        """``side`` (client or server) reads all it has received so far, and from now on
+        reads as it receives."""
+        self.auto_ack = True
+        events = self.client_events if side is self.client else self.server_events
+        for event in list(events):
+            if isinstance(event, h2.events.DataReceived):
+                side.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        self.pump()
+
     def received(self, events: list[Any], stream_id: int) -> bytes:
         return b"".join(
             e.data
@@ -178,11 +188,7 @@ def test_large_reply_written_here_then_spliced_traffic_respects_the_real_window(
     respond_started = pair.server.local_flow_control_window(spliced)
     assert respond_started > 0
     # Let the client read everything, step by step, while the runtime also sends 300 KB.
-    pair.auto_ack = True
-    for event in list(pair.client_events):
-        if isinstance(event, h2.events.DataReceived):
-            pair.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-    pair.pump()
+    pair.read_everything(pair.client)
     respond(pair, spliced, grpc_body(b"s" * 300_000))
     assert pair.received(pair.client_events, sid) == grpc_body(b"r" * 200_000)
     assert pair.received(pair.client_events, spliced) == grpc_body(b"s" * 300_000)
