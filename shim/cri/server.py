@@ -22,6 +22,7 @@ from shim.cri.splice import (
     CallObserver,
     CallReceived,
     ConnectionFailed,
+    Event,
     Splice,
 )
 from shim.cri.upstream import (
@@ -302,25 +303,34 @@ class ClientConnection(asyncio.Protocol):
 
     # plumbing
     def _flush(self) -> None:
+        """Act on the splice's events, then write what it has for both sides. Events first:
+        a followed call the engine follows at once has its held trailers released here, and
+        they go to the client in the same write as the reply's other frames, one send and
+        one wake-up of the client instead of two."""
         afterwards: list[tuple[str, Callable[[], object]]] = []
-        while self._write_output_and_handle_events(afterwards):
-            pass
-        for path, work in afterwards:
-            self._run_afterwards(path, work)
-
-    def _write_output_and_handle_events(
-        self, afterwards: list[tuple[str, Callable[[], object]]]
-    ) -> bool:
-        """Write what the splice has for both sides, then act on its events; True when that
-        released replies whose bytes are still to be written."""
+        failed = False
+        while not failed:
+            events = self.splice.take_events()
+            if not events:
+                break
+            failed = self._handle_events(events, afterwards)
         to_client, to_upstream = self.splice.take_output()
         # A closing transport must not be written to (Python 3.13 fails on it).
         if to_upstream and self.upstream is not None and not self.upstream.is_closing():
             self.upstream.writelines(to_upstream)
         if to_client and self.client is not None and not self.client.is_closing():
             self.client.writelines(to_client)
-        released = False
-        for event in self.splice.take_events():
+        if failed or (self._shutting_down and self.splice.idle):
+            self.abort()
+            return
+        for path, work in afterwards:
+            self._run_afterwards(path, work)
+
+    def _handle_events(
+        self, events: list[Event], afterwards: list[tuple[str, Callable[[], object]]]
+    ) -> bool:
+        """Act on the splice's events; True when the connection failed and must close."""
+        for event in events:
             if isinstance(event, CallReceived):
                 forward: Forward
                 if event.amended:
@@ -339,7 +349,6 @@ class ClientConnection(asyncio.Protocol):
                     amended.ended(_outcome(event))
                     continue
                 if self._follow_now(event, afterwards):
-                    released = True
                     continue
                 task = asyncio.get_running_loop().create_task(self._follow(event))
                 self._following.add(task)
@@ -358,12 +367,7 @@ class ClientConnection(asyncio.Protocol):
                 self._forwards.pop(event.stream_id, None)
             elif isinstance(event, ConnectionFailed):
                 log.warning("closing client connection", extra={"fields": {"reason": event.reason}})
-                self.abort()
-                return False
-        if released:
-            return True
-        if self._shutting_down and self.splice.idle:
-            self.abort()
+                return True
         return False
 
     def _follow_now(

@@ -8,15 +8,20 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 
-from shim.cri.calls import Status
+from shim.cri.calls import Status, frame_message
 from shim.cri.passthrough import PassthroughInterceptor
-from shim.cri.server import Afterwards, Pending
+from shim.cri.server import Afterwards, ClientConnection, Pending, RelayServer
 from tests.fake_cri import command_of, script
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
+from tests.unit.test_splice_h2 import request_headers
 
 FOLLOWED = RUNTIME + "StopContainer"
 OTHER = RUNTIME + "Version"
@@ -187,3 +192,85 @@ def test_a_call_followed_at_once_is_released_without_waiting_for_a_task(
     assert recorder.responses[0] == reply
     assert recorder.afterwards_ran.wait(10)
     assert recorder.afterwards[:1] == [FOLLOWED]
+
+
+class RecordingTransport:
+    """A transport that keeps each ``writelines`` call: one call is one send to the peer."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.writes.append(b"".join(chunks))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.anyio
+async def test_a_reply_followed_at_once_reaches_the_client_in_one_write() -> None:
+    """When the runtime's whole reply comes in one read and the follower has nothing to wait
+    for, its frames and its released trailers go to the client in one send, as they would
+    without cpushim, not as the reply and then its end."""
+    recorder = Recorder(at_once=True)
+    server = RelayServer(
+        listen="unix:///nonexistent/relay.sock",
+        runtime_endpoint="unix:///nonexistent/runtime.sock",
+        interceptor=PassthroughInterceptor(frozenset()),
+        follower=recorder,
+    )
+    connection = ClientConnection(server)
+    to_client, to_runtime = RecordingTransport(), RecordingTransport()
+    connection.client = cast(asyncio.Transport, to_client)
+    connection.upstream = cast(asyncio.Transport, to_runtime)
+    connection._connecting = False
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    runtime = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=False, header_encoding=None)
+    )
+    client.initiate_connection()
+    runtime.initiate_connection()
+
+    def exchange() -> None:
+        for _ in range(100):
+            sent = client.data_to_send()
+            if sent:
+                connection.data_received(sent)
+            answered = runtime.data_to_send()
+            if answered:
+                connection.upstream_data(answered)
+            for data in to_runtime.writes:
+                runtime.receive_data(data)
+            for data in to_client.writes:
+                client.receive_data(data)
+            written = bool(to_runtime.writes or to_client.writes)
+            to_runtime.writes.clear()
+            to_client.writes.clear()
+            if not (sent or answered or written):
+                return
+        raise AssertionError("the exchange did not settle")
+
+    exchange()
+    stream = client.get_next_available_stream_id()
+    client.send_headers(stream, request_headers(FOLLOWED))
+    client.send_data(stream, frame_message(script(b"echo:stopped")), end_stream=True)
+    exchange()
+    runtime.send_headers(stream, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+    runtime.send_data(stream, frame_message(b"reply"))
+    runtime.send_headers(stream, [(b"grpc-status", b"0")], end_stream=True)
+    connection.upstream_data(runtime.data_to_send())
+
+    (reply,) = to_client.writes
+    events = client.receive_data(reply)
+    assert [type(e) for e in events if not isinstance(e, h2.events.StreamEnded)] == [
+        h2.events.ResponseReceived,
+        h2.events.DataReceived,
+        h2.events.TrailersReceived,
+    ]
+    assert recorder.now == [FOLLOWED]
+    assert recorder.afterwards == [FOLLOWED]
