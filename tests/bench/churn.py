@@ -17,12 +17,18 @@ is visible is 0; any pod where it is not counts as a miss, with the time it took
 ``--static`` adds a third path, straight to containerd as kubelet's own static CPU manager
 policy would call it: the exclusive CPU already in the CreateContainer request. It shows what
 pinning itself costs containerd and the kernel (runc writing a cpuset), apart from cpushim.
+
+``--baseline CHECKOUT`` adds a path through a second cpushim, run from another checkout of this
+repository (``git worktree add /tmp/baseline HEAD~1``), each with its own BestEffort container:
+two versions of cpushim compared in one run, pod by pod, where two runs an hour apart differ by
+more than most changes do. ``--json FILE`` keeps every pod's and call's time for a closer look.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import platform
 import statistics
@@ -30,6 +36,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from shim.cpuset import CPUSet
@@ -119,6 +126,44 @@ def tmpfs_dir() -> str | None:
     return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
+@dataclass
+class ShimPath:
+    """A cpushim in front of the containerd, with the BestEffort container it keeps moving."""
+
+    label: str
+    process: ServingProcess
+    client: KubeletClient | None = None
+    sandbox_id: str = ""
+    shared_id: str = ""
+    cpu_before: float = 0.0
+
+
+def start_shim(
+    label: str, source: Path, containerd: PrivateContainerd, projection_root: Path, reserved: str
+) -> ShimPath:
+    """cpushim from the checkout at ``source`` (``python -m shim`` run there finds that tree's
+    package before the installed one), with its own socket, state and projections."""
+    listen = containerd.dir / f"{label}.sock"
+    process = ServingProcess(
+        cpushim_command(
+            f"unix://{listen}",
+            containerd.address,
+            "--reserved-cpus",
+            reserved,
+            # As on a node: /run (a tmpfs) holds the projections, the state is on disk.
+            "--projection-dir",
+            str(projection_root / f"{label}-projection"),
+            state_dir=containerd.dir / f"{label}-state",
+            log_level="warning",
+        ),
+        socket_path=listen,
+        log_path=containerd.dir / f"{label}.log",
+        cwd=source,
+    )
+    process.start()
+    return ShimPath(label, process)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=50)
@@ -128,65 +173,74 @@ def main() -> int:
         action="store_true",
         help="add a path pinned as kubelet's static policy would (no cpushim)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="CHECKOUT",
+        help="add a path through a second cpushim run from another checkout of this repository"
+        " (git worktree add /tmp/baseline <commit>), to compare two versions in one run",
+    )
+    parser.add_argument(
+        "--json", type=Path, metavar="FILE", help="also write every pod's and call's time here"
+    )
     args = parser.parse_args()
 
     image = build_image()
     full = CPUSet.parse(Path("/sys/devices/system/cpu/online").read_text())
     if len(full) < 2:
         raise SystemExit("churn needs at least 2 CPUs (one reserved, one to pin)")
+    reserved = str(full.take_lowest(1))
     with (
         PrivateContainerd(image.ref) as containerd,
         tempfile.TemporaryDirectory(dir=tmpfs_dir(), prefix="cpushim-churn-") as scratch,
     ):
-        projection_root = Path(scratch)
         containerd.import_image(image)
         log_root = containerd.dir / "pod-logs"
-        listen = containerd.dir / "cpushim.sock"
-        shim = ServingProcess(
-            cpushim_command(
-                f"unix://{listen}",
-                containerd.address,
-                "--reserved-cpus",
-                str(full.take_lowest(1)),
-                # As on a node: /run (a tmpfs) holds the projections, the state is on disk.
-                "--projection-dir",
-                str(projection_root / "projection"),
-                state_dir=containerd.dir / "cpushim-state",
-                log_level="warning",
-            ),
-            socket_path=listen,
-            log_path=containerd.dir / "cpushim.log",
-            cwd=REPO,
-        )
-        shim.start()
-        labels = ["direct", "cpushim"] + (["static"] if args.static else [])
+        # Every cpushim starts before any container exists, so none adopts another's.
+        shims = [start_shim("cpushim", REPO, containerd, Path(scratch), reserved)]
+        if args.baseline is not None:
+            shims.append(
+                start_shim("baseline", args.baseline.resolve(), containerd, Path(scratch), reserved)
+            )
+        labels = ["direct", *(s.label for s in shims)] + (["static"] if args.static else [])
         walls: dict[str, list[float]] = {label: [] for label in labels}
+        pod_walls: dict[str, list[float]] = {label: [] for label in labels}
         grown: dict[str, list[float]] = {label: [] for label in labels}
         calls: dict[str, CallTimes] = {label: {} for label in labels}
         # The CPU kubelet's static policy would give: the lowest one not reserved.
         static_cpu = str((full - full.take_lowest(1)).take_lowest(1))
         # CPU seconds used during each path's pods: containerd's, and the machine's (every
-        # process and the kernel); cpushim's over the whole run. Work a pod leaves behind
-        # (cpushim's deferred records) may land in the next pod's window, of either path.
+        # process and the kernel); each cpushim's over the whole run. Work a pod leaves behind
+        # (cpushim's deferred records) may land in the next pod's window, of any path.
         used: dict[str, dict[str, float]] = {
             label: {"containerd": 0.0, "machine": 0.0} for label in labels
         }
-        assert shim.process is not None
+        shim_cpu: dict[str, float] = {}
         assert containerd.pid is not None
-        shim_pid, containerd_pid = shim.process.pid, containerd.pid
+        containerd_pid = containerd.pid
         try:
-            with (
-                KubeletClient(containerd.address, log_root=log_root) as direct,
-                KubeletClient(f"unix://{listen}", log_root=log_root) as via,
-            ):
-                background = via.run_pod_sandbox("shared", "bench", new_pod_uid(), "besteffort")
-                shared_id = via.create_container(background, "main", image.ref, WORKLOAD)
-                via.start_container(shared_id)
-                shared = lambda: cgroup_cpus(direct, shared_id)  # noqa: E731
-                paths = [("direct", direct), ("cpushim", via)]
+            with contextlib.ExitStack() as clients:
+                direct = clients.enter_context(KubeletClient(containerd.address, log_root=log_root))
+                paths: list[tuple[str, KubeletClient]] = [("direct", direct)]
+                for shim in shims:
+                    via = shim.client = clients.enter_context(
+                        KubeletClient(shim.process.address, log_root=log_root)
+                    )
+                    background = via.run_pod_sandbox(
+                        f"shared-{shim.label}", "bench", new_pod_uid(), "besteffort"
+                    )
+                    shim.sandbox_id = background.id
+                    shim.shared_id = via.create_container(background, "main", image.ref, WORKLOAD)
+                    via.start_container(shim.shared_id)
+                    paths.append((shim.label, via))
                 if args.static:
                     paths.append(("static", direct))
-                shim_cpu_before = cpu_seconds(shim_pid)
+                shared = {
+                    s.label: functools.partial(cgroup_cpus, direct, s.shared_id) for s in shims
+                }
+                for shim in shims:
+                    assert shim.process.process is not None
+                    shim.cpu_before = cpu_seconds(shim.process.process.pid)
                 for _ in range(args.rounds):
                     round_wall = dict.fromkeys(labels, 0.0)
                     for index in range(args.pods):
@@ -199,7 +253,8 @@ def main() -> int:
                                 client,
                                 image.ref,
                                 index,
-                                shared,
+                                # The direct and static paths look at the first cpushim's.
+                                shared.get(label, shared["cpushim"]),
                                 full,
                                 calls[label],
                                 static_cpu if label == "static" else "",
@@ -209,35 +264,55 @@ def main() -> int:
                             )
                             used[label]["machine"] += machine_cpu_seconds() - machine_before
                             round_wall[label] += wall
+                            pod_walls[label].append(wall)
                             grown[label].append(after)
                     for label, wall in round_wall.items():
                         walls[label].append(wall)
-                shim_cpu = cpu_seconds(shim_pid) - shim_cpu_before
-                via.teardown_pod(background.id)
+                for shim in shims:
+                    assert shim.process.process is not None
+                    assert shim.client is not None
+                    shim_cpu[shim.label] = cpu_seconds(shim.process.process.pid) - shim.cpu_before
+                    shim.client.teardown_pod(shim.sandbox_id)
         finally:
-            code = shim.stop()
-            if code != 0:
-                print(shim.log())
+            for shim in shims:
+                if shim.process.stop() != 0:
+                    print(shim.process.log())
 
-    direct_pod = statistics.median(walls["direct"]) / args.pods
-    shim_pod = statistics.median(walls["cpushim"]) / args.pods
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"pods": pod_walls, "rounds": walls, "calls": calls, "grown": grown})
+        )
+    report(args, labels, walls, calls, used, shim_cpu, grown, full)
+    return 0
+
+
+def report(
+    args: argparse.Namespace,
+    labels: list[str],
+    walls: dict[str, list[float]],
+    calls: dict[str, CallTimes],
+    used: dict[str, dict[str, float]],
+    shim_cpu: dict[str, float],
+    grown: dict[str, list[float]],
+    full: CPUSet,
+) -> None:
+    per_pod = {label: statistics.median(walls[label]) / args.pods for label in labels}
     print(f"# churn benchmark  {time.strftime('%Y-%m-%d')}  {machine()}")
     print(
         f"# {args.pods} Guaranteed 1-CPU pods per path per round, the paths taking turns pod by"
         f" pod, beside one running BestEffort container; median of {args.rounds} rounds"
     )
     print(f"{'path':<8} {'ms/pod':>8} {'ratio':>7}")
-    print(f"{'direct':<8} {direct_pod * 1e3:8.1f} {1.0:7.3f}")
-    print(f"{'cpushim':<8} {shim_pod * 1e3:8.1f} {shim_pod / direct_pod:7.3f}")
-    if args.static:
-        static_pod = statistics.median(walls["static"]) / args.pods
-        print(f"{'static':<8} {static_pod * 1e3:8.1f} {static_pod / direct_pod:7.3f}")
-    # How far one round is from another says how much to trust the ratio above.
-    per_round = [c / d for c, d in zip(walls["cpushim"], walls["direct"], strict=True)]
-    print("# ratio of each round: " + " ".join(f"{r:.3f}" for r in per_round))
-    if args.static:
-        to_static = [c / s for c, s in zip(walls["cpushim"], walls["static"], strict=True)]
-        print("# cpushim / static, each round: " + " ".join(f"{r:.3f}" for r in to_static))
+    for label in labels:
+        print(f"{label:<8} {per_pod[label] * 1e3:8.1f} {per_pod[label] / per_pod['direct']:7.3f}")
+    # How far one round is from another says how much to trust the ratios above.
+    for label in labels[1:]:
+        per_round = [c / d for c, d in zip(walls[label], walls["direct"], strict=True)]
+        print(f"# {label} / direct, each round: " + " ".join(f"{r:.3f}" for r in per_round))
+    for label, other in (("cpushim", "baseline"), ("cpushim", "static")):
+        if other in walls:
+            to_other = [c / s for c, s in zip(walls[label], walls[other], strict=True)]
+            print(f"# {label} / {other}, each round: " + " ".join(f"{r:.3f}" for r in to_other))
     others = labels[1:]
     header = "".join(f" {label:>8}" for label in others)
     added = "".join(f" {'+' + label:>8}" for label in others)
@@ -250,21 +325,22 @@ def main() -> int:
         print(f"#                      {name:<18} {d:8.2f}{row}")
     pods_run = args.pods * args.rounds
     print(f"# CPU ms per pod:      {'process':<18} {'direct':>8}{header}")
-    shim_row = "".join(
-        f" {shim_cpu / pods_run * 1e3:8.2f}" if label == "cpushim" else f" {'-':>8}"
-        for label in others
-    )
-    print(f"#                      {'cpushim':<18} {'-':>8}{shim_row}")
+    for shim_label, seconds in shim_cpu.items():
+        shim_row = "".join(
+            f" {seconds / pods_run * 1e3:8.2f}" if label == shim_label else f" {'-':>8}"
+            for label in others
+        )
+        print(f"#                      {shim_label:<18} {'-':>8}{shim_row}")
     for name in ("containerd", "machine"):  # machine: every process and the kernel
         row = "".join(f" {used[label][name] / pods_run * 1e3:8.2f}" for label in labels)
         print(f"#                      {name:<18}{row}")
-    misses = [t for t in grown["cpushim"] if t > 0]
-    print(
-        f"# cpushim: shared container on {full} when StopContainer returned:"
-        f" {len(grown['cpushim']) - len(misses)}/{len(grown['cpushim'])} stops"
-        + (f"; misses took {max(misses) * 1e3:.1f} ms at worst" if misses else "")
-    )
-    return 0
+    for label in shim_cpu:
+        misses = [t for t in grown[label] if t > 0]
+        print(
+            f"# {label}: shared container on {full} when StopContainer returned:"
+            f" {len(grown[label]) - len(misses)}/{len(grown[label])} stops"
+            + (f"; misses took {max(misses) * 1e3:.1f} ms at worst" if misses else "")
+        )
 
 
 def machine() -> str:
