@@ -322,7 +322,7 @@ class ClientConnection(asyncio.Protocol):
             self.client.writelines(to_client)
         if failed or (self._shutting_down and self.splice.idle):
             self.abort()
-            return
+        # Work the follower left for after the reply runs even when the connection closes.
         for path, work in afterwards:
             self._run_afterwards(path, work)
 

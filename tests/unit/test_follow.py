@@ -199,6 +199,7 @@ class RecordingTransport:
 
     def __init__(self) -> None:
         self.writes: list[bytes] = []
+        self.closed = False
 
     def writelines(self, chunks: list[bytes]) -> None:
         self.writes.append(b"".join(chunks))
@@ -207,14 +208,18 @@ class RecordingTransport:
         return False
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 @pytest.mark.anyio
-async def test_a_reply_followed_at_once_reaches_the_client_in_one_write() -> None:
+@pytest.mark.parametrize("shutting_down", [False, True], ids=["serving", "shutting-down"])
+async def test_a_reply_followed_at_once_reaches_the_client_in_one_write(
+    shutting_down: bool,
+) -> None:
     """When the runtime's whole reply comes in one read and the follower has nothing to wait
     for, its frames and its released trailers go to the client in one send, as they would
-    without cpushim, not as the reply and then its end."""
+    without cpushim, not as the reply and then its end. The work the follower left for after
+    the reply runs even when that reply was the last before the connection closes."""
     recorder = Recorder(at_once=True)
     server = RelayServer(
         listen="unix:///nonexistent/relay.sock",
@@ -263,6 +268,7 @@ async def test_a_reply_followed_at_once_reaches_the_client_in_one_write() -> Non
     runtime.send_headers(stream, [(b":status", b"200"), (b"content-type", b"application/grpc")])
     runtime.send_data(stream, frame_message(b"reply"))
     runtime.send_headers(stream, [(b"grpc-status", b"0")], end_stream=True)
+    connection._shutting_down = shutting_down
     connection.upstream_data(runtime.data_to_send())
 
     (reply,) = to_client.writes
@@ -274,3 +280,4 @@ async def test_a_reply_followed_at_once_reaches_the_client_in_one_write() -> Non
     ]
     assert recorder.now == [FOLLOWED]
     assert recorder.afterwards == [FOLLOWED]
+    assert to_client.closed is shutting_down
