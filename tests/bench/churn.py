@@ -197,12 +197,11 @@ def main() -> int:
         containerd.import_image(image)
         log_root = containerd.dir / "pod-logs"
         # Every cpushim starts before any container exists, so none adopts another's.
-        shims = [start_shim("cpushim", REPO, containerd, Path(scratch), reserved)]
+        sources = [("cpushim", REPO)]
         if args.baseline is not None:
-            shims.append(
-                start_shim("baseline", args.baseline.resolve(), containerd, Path(scratch), reserved)
-            )
-        labels = ["direct", *(s.label for s in shims)] + (["static"] if args.static else [])
+            sources.append(("baseline", args.baseline.resolve()))
+        shims: list[ShimPath] = []
+        labels = ["direct", *(label for label, _ in sources)] + (["static"] if args.static else [])
         walls: dict[str, list[float]] = {label: [] for label in labels}
         pod_walls: dict[str, list[float]] = {label: [] for label in labels}
         grown: dict[str, list[float]] = {label: [] for label in labels}
@@ -219,6 +218,8 @@ def main() -> int:
         assert containerd.pid is not None
         containerd_pid = containerd.pid
         try:
+            for label, source in sources:
+                shims.append(start_shim(label, source, containerd, Path(scratch), reserved))
             with contextlib.ExitStack() as clients:
                 direct = clients.enter_context(KubeletClient(containerd.address, log_root=log_root))
                 paths: list[tuple[str, KubeletClient]] = [("direct", direct)]
