@@ -202,7 +202,6 @@ def main() -> int:
             sources.append(("baseline", args.baseline.resolve()))
         shims: list[ShimPath] = []
         labels = ["direct", *(label for label, _ in sources)] + (["static"] if args.static else [])
-        walls: dict[str, list[float]] = {label: [] for label in labels}
         pod_walls: dict[str, list[float]] = {label: [] for label in labels}
         grown: dict[str, list[float]] = {label: [] for label in labels}
         calls: dict[str, CallTimes] = {label: {} for label in labels}
@@ -243,7 +242,6 @@ def main() -> int:
                     assert shim.process.process is not None
                     shim.cpu_before = cpu_seconds(shim.process.process.pid)
                 for _ in range(args.rounds):
-                    round_wall = dict.fromkeys(labels, 0.0)
                     for index in range(args.pods):
                         # Which path goes first turns with each pod.
                         turn = index % len(paths)
@@ -264,11 +262,8 @@ def main() -> int:
                                 containerd_before
                             )
                             used[label]["machine"] += machine_cpu_seconds() - machine_before
-                            round_wall[label] += wall
                             pod_walls[label].append(wall)
                             grown[label].append(after)
-                    for label, wall in round_wall.items():
-                        walls[label].append(wall)
                 for shim in shims:
                     assert shim.process.process is not None
                     assert shim.client is not None
@@ -279,6 +274,11 @@ def main() -> int:
                 if shim.process.stop() != 0:
                     print(shim.process.log())
 
+    # Each round's wall time per path: the sum of its pods'.
+    walls = {
+        label: [sum(times[r * args.pods : (r + 1) * args.pods]) for r in range(args.rounds)]
+        for label, times in pod_walls.items()
+    }
     if args.json is not None:
         args.json.write_text(
             json.dumps({"pods": pod_walls, "rounds": walls, "calls": calls, "grown": grown})
