@@ -22,6 +22,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -33,6 +34,9 @@ from shim.state import CheckpointError, CPUState, decode_checkpoint, encode_chec
 STATE_FILE: Final = "state.json"
 # What the file's size is kept a multiple of (the usual file system block).
 BLOCK: Final = 4096
+# The temporary files write_atomically names (tempfile.mkstemp's) for state.json and for
+# its spare, ".state.json.spare".
+_LEFTOVER: Final = re.compile(r"\.(state\.json|\.state\.json\.spare)\.[A-Za-z0-9_]+\.tmp")
 
 
 class CheckpointFile:
@@ -73,6 +77,27 @@ class CheckpointFile:
     def _write(self, data: bytes) -> bytes:
         with self._writing:
             return replace_through_spare(self.path, data)
+
+    def remove_leftovers(self) -> list[Path]:
+        """Remove the temporary files of checkpoint writes that never finished (the process
+        was killed, or the machine lost power, between creating one and renaming it); returns
+        what was removed. Only for the directory's holder (:func:`hold_directory`): another
+        writer's file in flight would look the same. The spare and every other name stay."""
+        removed: list[Path] = []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return removed
+        for name in names:
+            if not _LEFTOVER.fullmatch(name):
+                continue
+            path = self.directory / name
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.lstat(path).st_mode):
+                    continue
+                path.unlink()
+                removed.append(path)
+        return removed
 
     def on_disk(self) -> bytes | None:
         """The file's bytes now; None when it is missing or unreadable."""

@@ -171,6 +171,12 @@ async def run(options: RunOptions) -> int:
     policy = build_policy(options)
     state_lock = hold_directory(options.state_dir)
     try:
+        leftovers = CheckpointFile(options.state_dir).remove_leftovers()
+        if leftovers:
+            log.warning(
+                "removed what interrupted checkpoint writes left behind",
+                extra={"fields": {"files": [str(p) for p in leftovers]}},
+            )
         return await _run(options, policy)
     finally:
         os.close(state_lock)

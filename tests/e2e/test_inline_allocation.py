@@ -23,6 +23,7 @@ from tests.harness.containerd import (
     ServingProcessError,
     cpushim_command,
 )
+from tests.harness.crash import interrupted_checkpoint_write
 from tests.harness.images import TEST_IMAGE
 from tests.harness.kubelet import (
     ONE_CPU,
@@ -259,9 +260,15 @@ def test_sigkill_and_restart_keep_every_assignment(
     assert before == {pinned_pod.uid: {"main": "1"}}
 
     shim.kill()
+    # Had it died inside a checkpoint write, that write's temporary file would be left too.
+    left = interrupted_checkpoint_write(shim.state_file)
     shim.start()
     kubelet = via()
     assert shim.assignments() == before
+    assert not left.exists()
+    assert shim.process is not None
+    assert "interrupted checkpoint writes" in shim.process.log()
+    assert left.name in shim.process.log()
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
     # It still knows CPU 1 is taken...

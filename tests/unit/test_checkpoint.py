@@ -27,6 +27,7 @@ from shim.checkpoint import (
 from shim.cpuset import CPUSet
 from shim.policy.static import StaticPolicy
 from shim.state import Assignment, CheckpointError, ContainerKey, CPUState, encode_checkpoint
+from tests.harness.crash import interrupted_checkpoint_write
 from tests.harness.sysfs import MachineSpec, expected_topology
 
 TOPOLOGY = expected_topology(MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2))
@@ -476,3 +477,39 @@ def test_one_process_at_a_time_holds_a_state_directory(tmp_path: Path) -> None:
         holder.communicate(b"", timeout=10)
     # Released when the holder ends, however it ends.
     os.close(hold_directory(tmp_path))
+
+
+# --- what an interrupted write leaves ---------------------------------------------------------
+
+
+def test_a_write_killed_before_its_rename_leaves_its_temporary_file(tmp_path: Path) -> None:
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    left = interrupted_checkpoint_write(file.path)
+    assert left.name.startswith(f".{STATE_FILE}.")
+    assert left.name.endswith(".tmp")
+    assert file.load() == ONE  # the checkpoint itself is whole
+
+
+def test_leftovers_of_interrupted_writes_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    state_left = interrupted_checkpoint_write(file.path)
+    spare_left = interrupted_checkpoint_write(tmp_path / SPARE)
+    # Names that are not a checkpoint write's temporary file, or not a file.
+    others = ["notes.tmp", f"{STATE_FILE}.replaced-20261124T010203Z", f".{STATE_FILE}..tmp"]
+    for name in others:
+        (tmp_path / name).write_text("operator's")
+    (tmp_path / f".{STATE_FILE}.abc12345.tmp").mkdir()
+
+    removed = file.remove_leftovers()
+
+    assert sorted(removed) == sorted([state_left, spare_left])
+    assert names(tmp_path) == sorted([f".{STATE_FILE}.abc12345.tmp", SPARE, STATE_FILE, *others])
+    assert file.load() == ONE
+    file.save_sync(TWO)  # and writing goes on as before
+    assert file.load() == TWO
+
+
+def test_removing_leftovers_of_a_missing_directory_removes_nothing(tmp_path: Path) -> None:
+    assert CheckpointFile(tmp_path / "absent").remove_leftovers() == []
