@@ -10,7 +10,8 @@ __all__ = ["ReservedCPUsError", "reserved_cpus"]
 
 
 class ReservedCPUsError(ValueError):
-    """The reservation is empty, names CPUs that are not online, or cannot be met."""
+    """The reservation is empty, names CPUs that are not online, takes every CPU, or cannot
+    be met."""
 
 
 def reserved_cpus(
@@ -35,6 +36,12 @@ def reserved_cpus(
             )
         if not cpus:
             raise ReservedCPUsError("the static policy needs at least one reserved CPU")
+        if cpus == topology.online:
+            # As for a count: nothing could ever be pinned, and a list is more often a typo
+            # (0-63 for 0-3) than a wish.
+            raise ReservedCPUsError(
+                f"reserved CPUs {cpus} are every online CPU: at least one must stay for workloads"
+            )
         return cpus
     assert count is not None
     if count < 1:

@@ -241,6 +241,12 @@ def test_reserved_explicit() -> None:
         reserved_cpus(GAPS, cpus=P("0,5,23"))
     with pytest.raises(ReservedCPUsError, match="at least one"):
         reserved_cpus(XEON, cpus=CPUSet())
+    # Every online CPU, as a list as by a count, leaves nothing to pin; GAPS has CPUs offline.
+    with pytest.raises(ReservedCPUsError, match="every online CPU: at least one must stay"):
+        reserved_cpus(XEON, cpus=XEON.online)
+    with pytest.raises(ReservedCPUsError, match="every online CPU"):
+        reserved_cpus(GAPS, cpus=GAPS.online)
+    assert reserved_cpus(GAPS, cpus=GAPS.online - P("0")) == GAPS.online - P("0")
 
 
 @pytest.mark.parametrize(

@@ -144,6 +144,23 @@ async def test_values_that_make_no_policy_are_refused(r: Reloading) -> None:
     assert env.engine.state == before
 
 
+async def test_reserving_every_cpu_is_refused_and_nothing_changes(
+    r: Reloading, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = r.env
+    shared_id, pinned_id = await pinned_and_shared(env)
+    before = env.engine.state
+    with caplog.at_level(logging.ERROR):
+        r.write(f'reservedSystemCPUs = "{ALL}"\n')
+        await r.reloaded("config_errors")
+    assert env.engine.state == before
+    assert env.engine.policy.reserved == CPUSet.parse("0")
+    assert env.kernel_cpus(pinned_id) == FIRST_SINGLE
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    refusals = [rec for rec in caplog.records if "refused" in rec.getMessage()]
+    assert "every online CPU" in refusals[-1].__dict__["fields"]["error"]
+
+
 async def test_keys_that_need_a_restart_are_named_not_applied(
     r: Reloading, caplog: pytest.LogCaptureFixture
 ) -> None:
