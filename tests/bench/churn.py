@@ -6,9 +6,12 @@ Needs root, containerd and runc (as the end-to-end tests do), and at least two C
 drives ``--pods`` Guaranteed 1-CPU pods on each path through kubelet's calls (RunPodSandbox,
 CreateContainer, StartContainer, StopContainer, RemoveContainer, StopPodSandbox,
 RemovePodSandbox) while a BestEffort container runs throughout, so through cpushim every pod
-moves the shared container off its CPU and back. The paths take turns pod by pod (which goes
-first alternates too), so both see the same moments of a noisy machine; the report gives the
-median over rounds of the wall time per pod, and the ratio.
+moves the shared container off its CPU and back. The paths take turns pod by pod, in an order
+shuffled for each pod (seeded: ``--seed``), so all see the same moments of a noisy machine, and
+the work a pod leaves behind for the next one (cpushim's deferred checkpoint writes,
+containerd's clean-up) falls on every path alike. The report gives the median over rounds of
+the wall time per pod and the ratio, and the mean difference to direct pod by pod with a 95 %
+interval.
 
 It also reads the shared container's cgroup ``cpuset.cpus`` the moment each StopContainer
 returns: with cpushim the pool has grown before the return, so the time until the grown pool
@@ -31,6 +34,7 @@ import contextlib
 import functools
 import json
 import platform
+import random
 import statistics
 import subprocess
 import tempfile
@@ -169,6 +173,9 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
+        "--seed", type=int, default=1, help="seed of the order the paths take for each pod"
+    )
+    parser.add_argument(
         "--static",
         action="store_true",
         help="add a path pinned as kubelet's static policy would (no cpushim)",
@@ -241,11 +248,10 @@ def main() -> int:
                 for shim in shims:
                     assert shim.process.process is not None
                     shim.cpu_before = cpu_seconds(shim.process.process.pid)
+                order = random.Random(args.seed)
                 for _ in range(args.rounds):
                     for index in range(args.pods):
-                        # Which path goes first turns with each pod.
-                        turn = index % len(paths)
-                        for label, client in paths[turn:] + paths[:turn]:
+                        for label, client in order.sample(paths, len(paths)):
                             containerd_before = cpu_seconds(containerd_pid)
                             machine_before = machine_cpu_seconds()
                             wall, after = one_pod(
@@ -283,14 +289,30 @@ def main() -> int:
         args.json.write_text(
             json.dumps({"pods": pod_walls, "rounds": walls, "calls": calls, "grown": grown})
         )
-    report(args, labels, walls, calls, used, shim_cpu, grown, full)
+    report(args, labels, walls, pod_walls, calls, used, shim_cpu, grown, full)
     return 0
+
+
+def paired_difference(
+    times: list[float], reference: list[float], resamples: int = 2000
+) -> tuple[float, float, float]:
+    """Mean of ``times[i] - reference[i]`` (pods of one round and position), with a 95 %
+    bootstrap interval (fixed seed: the same data always gives the same interval)."""
+    diffs = [t - r for t, r in zip(times, reference, strict=True)]
+    draw = random.Random(0)
+    means = sorted(statistics.fmean(draw.choices(diffs, k=len(diffs))) for _ in range(resamples))
+    return (
+        statistics.fmean(diffs),
+        means[int(resamples * 0.025)],
+        means[int(resamples * 0.975) - 1],
+    )
 
 
 def report(
     args: argparse.Namespace,
     labels: list[str],
     walls: dict[str, list[float]],
+    pod_walls: dict[str, list[float]],
     calls: dict[str, CallTimes],
     used: dict[str, dict[str, float]],
     shim_cpu: dict[str, float],
@@ -301,7 +323,8 @@ def report(
     print(f"# churn benchmark  {time.strftime('%Y-%m-%d')}  {machine()}")
     print(
         f"# {args.pods} Guaranteed 1-CPU pods per path per round, the paths taking turns pod by"
-        f" pod, beside one running BestEffort container; median of {args.rounds} rounds"
+        f" pod in a shuffled order (seed {args.seed}), beside one running BestEffort container;"
+        f" median of {args.rounds} rounds"
     )
     print(f"{'path':<8} {'ms/pod':>8} {'ratio':>7}")
     for label in labels:
@@ -310,6 +333,14 @@ def report(
     for label in labels[1:]:
         per_round = [c / d for c, d in zip(walls[label], walls["direct"], strict=True)]
         print(f"# {label} / direct, each round: " + " ".join(f"{r:.3f}" for r in per_round))
+    # Pod by pod against direct: tighter than the rounds' medians, and with an interval.
+    for label in labels[1:]:
+        mean, low, high = paired_difference(pod_walls[label], pod_walls["direct"])
+        means = statistics.fmean(pod_walls[label]) / statistics.fmean(pod_walls["direct"])
+        print(
+            f"# {label} - direct, paired per pod: {mean * 1e3:+.1f} ms"
+            f" [95 % CI {low * 1e3:+.1f}, {high * 1e3:+.1f}]; ratio of means {means:.3f}"
+        )
     for label, other in (("cpushim", "baseline"), ("cpushim", "static")):
         if other in walls:
             to_other = [c / s for c, s in zip(walls[label], walls[other], strict=True)]
