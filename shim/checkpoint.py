@@ -82,7 +82,9 @@ class CheckpointFile:
         """Remove the temporary files of checkpoint writes that never finished (the process
         was killed, or the machine lost power, between creating one and renaming it); returns
         what was removed. Only for the directory's holder (:func:`hold_directory`): another
-        writer's file in flight would look the same. The spare and every other name stay."""
+        writer's file in flight would look the same. The spare and every other name stay, and
+        so does a leftover that cannot be removed (the next start tries again; a directory
+        that refuses this refuses the checkpoint's own writes too, and those fail loudly)."""
         removed: list[Path] = []
         try:
             names = os.listdir(self.directory)
@@ -92,7 +94,7 @@ class CheckpointFile:
             if not _LEFTOVER.fullmatch(name):
                 continue
             path = self.directory / name
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 if stat.S_ISDIR(os.lstat(path).st_mode):
                     continue
                 path.unlink()

@@ -513,3 +513,23 @@ def test_leftovers_of_interrupted_writes_are_removed_and_nothing_else(tmp_path: 
 
 def test_removing_leftovers_of_a_missing_directory_removes_nothing(tmp_path: Path) -> None:
     assert CheckpointFile(tmp_path / "absent").remove_leftovers() == []
+
+
+def test_a_leftover_that_cannot_be_removed_is_left_and_the_rest_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    stuck = interrupted_checkpoint_write(file.path)
+    other = interrupted_checkpoint_write(file.path)
+    unlink = Path.unlink
+
+    def refuse(path: Path, missing_ok: bool = False) -> None:
+        if path == stuck:
+            raise PermissionError(errno.EACCES, "refused", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    assert file.remove_leftovers() == [other]
+    assert stuck.exists()
+    assert file.load() == ONE
