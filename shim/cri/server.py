@@ -29,7 +29,9 @@ from shim.cri.upstream import (
     ChannelForward,
     Forward,
     ForwardedTwiceError,
+    ReplySeen,
     RuntimeChannel,
+    reply_seen,
     unix_path,
 )
 
@@ -346,7 +348,12 @@ class ClientConnection(asyncio.Protocol):
             elif isinstance(event, CallCompleted):
                 amended = self._forwards.get(event.stream_id)
                 if amended is not None:
-                    amended.ended(_outcome(event))
+                    outcome = _outcome(event)
+                    if amended.seen_now(outcome):
+                        # The handler is done with the reply: its end goes to the client in
+                        # this write, with the rest of it, not once the handler returns.
+                        self.splice.release(event.stream_id)
+                    amended.ended(outcome)
                     continue
                 if self._follow_now(event, afterwards):
                     continue
@@ -467,17 +474,20 @@ _DEADLINE_GRACE = 5.0
 class StreamForward:
     """Forwards an amended call on its own stream: the request goes where the call's HEADERS
     already went, and the runtime's reply passes to the client as it comes, all but its
-    trailers, which wait for the handler to return."""
+    trailers, which wait for the handler to return (or for its ``seen`` hook's word)."""
 
     def __init__(self, connection: ClientConnection, stream_id: int, call: UnaryCall) -> None:
         self._connection = connection
         self._stream_id = stream_id
         self._call = call
         self._outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._seen: ReplySeen | None = None
         self.sent = False
         self.reply: Reply | None = None
 
-    async def __call__(self, request: bytes | None = None) -> Reply:
+    async def __call__(
+        self, request: bytes | None = None, *, seen: ReplySeen | None = None
+    ) -> Reply:
         if self.sent:
             raise ForwardedTwiceError(f"{self._call.path} was already forwarded")
         body = frame_message(self._call.request if request is None else request)
@@ -487,6 +497,7 @@ class StreamForward:
                 Status.CANCELLED, f"cpushim: {self._call.path} ended before it was forwarded"
             )
         self.sent = True
+        self._seen = seen
         connection._flush()
         if self._call.timeout is None:
             self.reply = await self._outcome
@@ -497,10 +508,20 @@ class StreamForward:
             async with asyncio.timeout(self._call.timeout + _DEADLINE_GRACE):
                 self.reply = await asyncio.shield(self._outcome)
         except TimeoutError:
+            self._seen = None  # a reply that comes now is no longer the handler's to see
             self.reply = Reply.error(
                 Status.DEADLINE_EXCEEDED, f"cpushim: no reply to {self._call.path} in time"
             )
         return self.reply
+
+    def seen_now(self, reply: Reply) -> bool:
+        """Hand the runtime's reply to the handler's ``seen`` hook, if it gave one and is
+        still waiting (not past its deadline); True when the client may have the reply's end
+        now."""
+        seen, self._seen = self._seen, None
+        if seen is None or self._outcome.done():
+            return False
+        return reply_seen(seen, reply, self._call.path)
 
     def ended(self, reply: Reply) -> None:
         """The runtime's answer, or what stands for it when there will be none."""

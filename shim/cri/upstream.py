@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from grpclib.client import Channel
@@ -49,15 +49,38 @@ def unix_path(endpoint: str) -> str:
     return path
 
 
+# Called with the runtime's reply the moment it arrives, before the handler that forwarded the
+# call resumes; True when the handler's work on that reply is done, so the client may have all
+# of it at once (see Forward).
+ReplySeen = Callable[[Reply], bool]
+
+
 class Forward(Protocol):
     """How an intercepted call goes on to the runtime, at most once; the handler may hand it
     a changed request. ``sent`` once it has gone (from then on the runtime may have acted on
-    it), ``reply`` the runtime's answer once it is known."""
+    it), ``reply`` the runtime's answer once it is known.
+
+    ``seen``, when given, runs as soon as the runtime's reply is in, inside the relay's own
+    callback (it must not block), and at most once. When it returns True the client gets the
+    end of the reply then, without waiting for the handler to return: work the handler would
+    do on the reply before kubelet may see it goes there. A ``seen`` that raises is logged and
+    counts as False."""
 
     sent: bool
     reply: Reply | None
 
-    async def __call__(self, request: bytes | None = None) -> Reply: ...
+    async def __call__(
+        self, request: bytes | None = None, *, seen: ReplySeen | None = None
+    ) -> Reply: ...
+
+
+def reply_seen(seen: ReplySeen, reply: Reply, path: str) -> bool:
+    """Run a Forward's ``seen`` hook: its answer, False when it failed."""
+    try:
+        return seen(reply)
+    except Exception:
+        log.exception("work on a reply failed", extra={"fields": {"path": path}})
+        return False
 
 
 class ForwardedTwiceError(RuntimeError):
@@ -73,11 +96,16 @@ class ChannelForward:
         self.sent = False
         self.reply: Reply | None = None
 
-    async def __call__(self, request: bytes | None = None) -> Reply:
+    async def __call__(
+        self, request: bytes | None = None, *, seen: ReplySeen | None = None
+    ) -> Reply:
         if self.sent:
             raise ForwardedTwiceError(f"{self.call.path} was already forwarded")
         self.sent = True
         self.reply = await self.runtime.unary(self.call, request)
+        # The reply goes to the client when the handler returns whatever this says.
+        if seen is not None:
+            reply_seen(seen, self.reply, self.call.path)
         return self.reply
 
 

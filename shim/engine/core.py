@@ -490,44 +490,69 @@ class Engine:
             finally:
                 await projecting
             rq.pin(request.config.linux.resources, cpus, mems, drop_quota=not plan.keep_quota)
-            reply = await forward(request.SerializeToString())
-            response = _response(reply, pb.CreateContainerResponse)
-            if response is None:
+            recorded = False
+
+            def record(reply: Reply) -> bool:
+                """Learn the new container: done as the reply comes in (``seen``), so
+                kubelet has the reply without waiting for this coroutine to be resumed, and
+                knows the container no sooner than cpushim does."""
+                nonlocal recorded
+                response = _response(reply, pb.CreateContainerResponse)
+                if response is None:
+                    return False
+                self._record_created(request, pod, key, plan, cpus, mems, response.container_id)
+                recorded = True
+                return True
+
+            reply = await forward(request.SerializeToString(), seen=record)
+            if not recorded and not record(reply):
                 self.counters["pinning_errors"] += 1
                 log.info(
                     "create failed; CPUs returned",
                     extra={"fields": {"container": str(key), "cpus": str(cpus)}},
                 )
                 await self._release([key])
-                return reply
-            # Off the reply's path: a checkpoint without the id is squared at start-up (the
-            # container is found by pod and name), so this write need not be waited for.
-            self._record_soon(self.state.update(key, container_id=response.container_id))
-            self.containers[response.container_id] = Tracked(
-                id=response.container_id,
-                key=key,
-                sandbox_id=request.pod_sandbox_id,
-                cgroup_parent=self._cgroup_parent(request),
-                exclusive=True,
-                keep_quota=plan.keep_quota,
-                phase=Phase.CREATED,
-                applied=cpus,
-                recorded=cpus,
-            )
-            log.info(
-                "pinned",
-                extra={
-                    "fields": {
-                        "pod": pod.label,
-                        "container": key.name,
-                        "container_id": response.container_id,
-                        "cpus": str(cpus),
-                        "mems": mems,
-                        "shared": str(self.state.shared),
-                    }
-                },
-            )
         return reply
+
+    def _record_created(
+        self,
+        request: pb.CreateContainerRequest,
+        pod: Pod,
+        key: ContainerKey,
+        plan: ContainerPlan,
+        cpus: CPUSet,
+        mems: str,
+        container_id: str,
+    ) -> None:
+        """A pinned container the runtime has created: its id goes into the state, and it is
+        tracked from now on. Runs under the decision's lock and never suspends."""
+        # Off the reply's path: a checkpoint without the id is squared at start-up (the
+        # container is found by pod and name), so this write need not be waited for.
+        self._record_soon(self.state.update(key, container_id=container_id))
+        self.containers[container_id] = Tracked(
+            id=container_id,
+            key=key,
+            sandbox_id=request.pod_sandbox_id,
+            cgroup_parent=self._cgroup_parent(request),
+            exclusive=True,
+            keep_quota=plan.keep_quota,
+            phase=Phase.CREATED,
+            applied=cpus,
+            recorded=cpus,
+        )
+        log.info(
+            "pinned",
+            extra={
+                "fields": {
+                    "pod": pod.label,
+                    "container": key.name,
+                    "container_id": container_id,
+                    "cpus": str(cpus),
+                    "mems": mems,
+                    "shared": str(self.state.shared),
+                }
+            },
+        )
 
     def _choose(self, key: ContainerKey, count: int, plan: ContainerPlan) -> CPUSet | Reply:
         exclusive = self.state.exclusive()

@@ -5,18 +5,23 @@ is held while the interceptor decides, then goes on, maybe changed, on the clien
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+import h2.events
 import pytest
 
+from shim.cri import server as server_module
 from shim.cri.calls import Reply, Status, UnaryCall
-from shim.cri.upstream import Forward
+from shim.cri.server import RelayServer
+from shim.cri.upstream import ChannelForward, Forward, RuntimeChannel
 from tests.fake_cri import command_of, script
 from tests.harness.containerd import wait_for
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
+from tests.unit.test_follow import Peers
 
 CREATE = RUNTIME + "CreateContainer"
 
@@ -192,3 +197,151 @@ def test_a_client_gone_mid_call_ends_every_forward_waiting_on_it(
     relay = env.relay
     assert relay is not None
     wait_for(lambda: calls_in_flight(env) == 0 and not relay.connections, 10, "the close")
+
+
+# --- the seen hook: the reply's end without waiting for the handler ---------------------------
+
+
+AMENDED = RUNTIME + "CreateContainer"
+
+
+@dataclass
+class Watching:
+    """Forwards every amended call with a ``seen`` hook that answers ``verdict`` (or raises),
+    then waits for ``gate`` before returning, as a handler with more to do would."""
+
+    verdict: bool | None  # None: the hook raises
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    seen: list[Reply] = field(default_factory=list)
+    # What the forward returned, and (once the gate opens) what the handler did.
+    returned_forward: list[Reply] = field(default_factory=list)
+    forwarded: asyncio.Event = field(default_factory=asyncio.Event)
+    returned: list[Reply] = field(default_factory=list)
+
+    def intercepts(self, path: str) -> bool:
+        return path == AMENDED
+
+    def amends(self, path: str) -> bool:
+        return True
+
+    async def handle(self, call: UnaryCall, forward: Forward) -> Reply:
+        def hook(reply: Reply) -> bool:
+            self.seen.append(reply)
+            if self.verdict is None:
+                raise RuntimeError("the hook failed")
+            return self.verdict
+
+        reply = await forward(call.request, seen=hook)
+        self.returned_forward.append(reply)
+        self.forwarded.set()
+        await self.gate.wait()
+        self.returned.append(reply)
+        return reply
+
+
+async def until(done: Callable[[], bool], passing: Peers | None = None) -> None:
+    """Let the connection's tasks run until ``done``; with ``passing``, passing what either
+    side sends on meanwhile."""
+    for _ in range(200):
+        await asyncio.sleep(0)
+        if passing is not None:
+            passing.exchange()
+        if done():
+            return
+    raise AssertionError("it did not happen")
+
+
+def watched(verdict: bool | None) -> tuple[Peers, Watching]:
+    interceptor = Watching(verdict)
+    server = RelayServer(
+        listen="unix:///nonexistent/relay.sock",
+        runtime_endpoint="unix:///nonexistent/runtime.sock",
+        interceptor=interceptor,
+    )
+    return Peers(server), interceptor
+
+
+@pytest.mark.anyio
+async def test_a_reply_the_hook_is_done_with_reaches_the_client_whole_at_once() -> None:
+    """Before the handler returns, and in one send, as without cpushim."""
+    peers, interceptor = watched(True)
+    stream = peers.call(AMENDED, b"create")
+    await until(lambda: stream in peers.requests_ended, passing=peers)
+    peers.answer(stream, b"created")
+
+    assert peers.client_events() == [
+        [h2.events.ResponseReceived, h2.events.DataReceived, h2.events.TrailersReceived]
+    ]
+    (seen,) = interceptor.seen
+    assert seen.status is Status.OK
+    assert seen.messages == (b"created",)
+    assert interceptor.returned == []
+    interceptor.gate.set()
+    await until(lambda: bool(interceptor.returned))
+    assert peers.client_events() == []  # nothing more: the end went once
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("verdict", [False, None], ids=["not-done", "hook-failed"])
+async def test_a_reply_the_hook_is_not_done_with_ends_when_the_handler_returns(
+    verdict: bool | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    peers, interceptor = watched(verdict)
+    stream = peers.call(AMENDED, b"create")
+    await until(lambda: stream in peers.requests_ended, passing=peers)
+    with caplog.at_level(logging.ERROR):
+        peers.answer(stream, b"created")
+
+    assert peers.client_events() == [[h2.events.ResponseReceived, h2.events.DataReceived]]
+    assert len(interceptor.seen) == 1
+    assert ("work on a reply failed" in caplog.text) is (verdict is None)
+    interceptor.gate.set()
+    await until(lambda: bool(interceptor.returned))
+    assert peers.client_events() == [[h2.events.TrailersReceived]]
+
+
+@pytest.mark.anyio
+async def test_a_reply_after_the_forward_gave_up_waiting_is_not_seen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its deadline (and grace) the forward answers DEADLINE_EXCEEDED and the handler
+    acts on that: a reply the runtime sends later must not reach the hook as well."""
+    monkeypatch.setattr(server_module, "_DEADLINE_GRACE", 0.0)
+    peers, interceptor = watched(True)
+    stream = peers.call(AMENDED, b"create", timeout=b"20m")
+    await until(lambda: stream in peers.requests_ended, passing=peers)
+    await asyncio.wait_for(interceptor.forwarded.wait(), 10)
+    assert interceptor.returned_forward[0].status is Status.DEADLINE_EXCEEDED
+    peers.answer(stream, b"created")
+    assert interceptor.seen == []
+
+
+def test_a_call_forwarded_on_the_relays_channel_shows_its_reply_to_the_hook_too() -> None:
+    """ChannelForward (calls the relay answers, on its own channel): the hook runs once, with
+    the runtime's reply, before the forward returns it; a failing hook changes nothing."""
+    with relay_env() as env:
+
+        async def forward_twice() -> tuple[list[Reply], Reply, Reply]:
+            runtime = RuntimeChannel(env.fake.endpoint)
+            seen: list[Reply] = []
+
+            def done(reply: Reply) -> bool:
+                seen.append(reply)
+                return True
+
+            def failing(reply: Reply) -> bool:
+                seen.append(reply)
+                raise RuntimeError("the hook failed")
+
+            try:
+                call = UnaryCall(CREATE, (), script(b"echo:created"), timeout=10.0)
+                first = await ChannelForward(runtime, call)(seen=done)
+                second = await ChannelForward(runtime, call)(seen=failing)
+            finally:
+                runtime.close()
+            return seen, first, second
+
+        seen, first, second = env.loop.run(forward_twice())
+    assert seen == [first, second]
+    assert first.status is second.status is Status.OK
+    assert first.messages[0].endswith(b"created")

@@ -211,6 +211,81 @@ class RecordingTransport:
         self.closed = True
 
 
+class Peers:
+    """A real ClientConnection between two strict h2 peers, a client and a runtime, whose
+    sends it records (one ``writelines`` is one send)."""
+
+    def __init__(self, server: RelayServer) -> None:
+        self.connection = ClientConnection(server)
+        self.to_client, self.to_runtime = RecordingTransport(), RecordingTransport()
+        self.connection.client = cast(asyncio.Transport, self.to_client)
+        self.connection.upstream = cast(asyncio.Transport, self.to_runtime)
+        self.connection._connecting = False
+        self.client = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None)
+        )
+        self.runtime = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=False, header_encoding=None)
+        )
+        self.client.initiate_connection()
+        self.runtime.initiate_connection()
+        # Streams whose request the runtime has whole.
+        self.requests_ended: set[int] = set()
+        self.exchange()
+
+    def exchange(self) -> None:
+        """Pass everything each side has to send on, until nobody has more."""
+        for _ in range(100):
+            sent = self.client.data_to_send()
+            if sent:
+                self.connection.data_received(sent)
+            answered = self.runtime.data_to_send()
+            if answered:
+                self.connection.upstream_data(answered)
+            for data in self.to_runtime.writes:
+                for event in self.runtime.receive_data(data):
+                    if isinstance(event, h2.events.StreamEnded):
+                        self.requests_ended.add(event.stream_id)
+            for data in self.to_client.writes:
+                self.client.receive_data(data)
+            written = bool(self.to_runtime.writes or self.to_client.writes)
+            self.to_runtime.writes.clear()
+            self.to_client.writes.clear()
+            if not (sent or answered or written):
+                return
+        raise AssertionError("the exchange did not settle")
+
+    def call(self, path: str, request: bytes, timeout: bytes = b"9S") -> int:
+        """Send a call's request (``timeout``: its grpc-timeout); its stream id."""
+        stream: int = self.client.get_next_available_stream_id()
+        headers = [
+            (name, timeout if name == b"grpc-timeout" else value)
+            for name, value in request_headers(path)
+        ]
+        self.client.send_headers(stream, headers)
+        self.client.send_data(stream, frame_message(request), end_stream=True)
+        return stream
+
+    def answer(self, stream: int, reply: bytes) -> None:
+        """The runtime's whole reply, in one read of the relay's."""
+        self.runtime.send_headers(
+            stream, [(b":status", b"200"), (b"content-type", b"application/grpc")]
+        )
+        self.runtime.send_data(stream, frame_message(reply))
+        self.runtime.send_headers(stream, [(b"grpc-status", b"0")], end_stream=True)
+        self.connection.upstream_data(self.runtime.data_to_send())
+
+    def client_events(self) -> list[list[type[h2.events.Event]]]:
+        """What the client made of each send it got since the last look, one list per send,
+        leaving out stream ends."""
+        kinds: list[list[type[h2.events.Event]]] = []
+        for data in self.to_client.writes:
+            events = self.client.receive_data(data)
+            kinds.append([type(e) for e in events if not isinstance(e, h2.events.StreamEnded)])
+        self.to_client.writes.clear()
+        return kinds
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("shutting_down", [False, True], ids=["serving", "shutting-down"])
 async def test_a_reply_followed_at_once_reaches_the_client_in_one_write(
@@ -227,57 +302,15 @@ async def test_a_reply_followed_at_once_reaches_the_client_in_one_write(
         interceptor=PassthroughInterceptor(frozenset()),
         follower=recorder,
     )
-    connection = ClientConnection(server)
-    to_client, to_runtime = RecordingTransport(), RecordingTransport()
-    connection.client = cast(asyncio.Transport, to_client)
-    connection.upstream = cast(asyncio.Transport, to_runtime)
-    connection._connecting = False
-    client = h2.connection.H2Connection(
-        h2.config.H2Configuration(client_side=True, header_encoding=None)
-    )
-    runtime = h2.connection.H2Connection(
-        h2.config.H2Configuration(client_side=False, header_encoding=None)
-    )
-    client.initiate_connection()
-    runtime.initiate_connection()
+    peers = Peers(server)
+    stream = peers.call(FOLLOWED, script(b"echo:stopped"))
+    peers.exchange()
+    peers.connection._shutting_down = shutting_down
+    peers.answer(stream, b"reply")
 
-    def exchange() -> None:
-        for _ in range(100):
-            sent = client.data_to_send()
-            if sent:
-                connection.data_received(sent)
-            answered = runtime.data_to_send()
-            if answered:
-                connection.upstream_data(answered)
-            for data in to_runtime.writes:
-                runtime.receive_data(data)
-            for data in to_client.writes:
-                client.receive_data(data)
-            written = bool(to_runtime.writes or to_client.writes)
-            to_runtime.writes.clear()
-            to_client.writes.clear()
-            if not (sent or answered or written):
-                return
-        raise AssertionError("the exchange did not settle")
-
-    exchange()
-    stream = client.get_next_available_stream_id()
-    client.send_headers(stream, request_headers(FOLLOWED))
-    client.send_data(stream, frame_message(script(b"echo:stopped")), end_stream=True)
-    exchange()
-    runtime.send_headers(stream, [(b":status", b"200"), (b"content-type", b"application/grpc")])
-    runtime.send_data(stream, frame_message(b"reply"))
-    runtime.send_headers(stream, [(b"grpc-status", b"0")], end_stream=True)
-    connection._shutting_down = shutting_down
-    connection.upstream_data(runtime.data_to_send())
-
-    (reply,) = to_client.writes
-    events = client.receive_data(reply)
-    assert [type(e) for e in events if not isinstance(e, h2.events.StreamEnded)] == [
-        h2.events.ResponseReceived,
-        h2.events.DataReceived,
-        h2.events.TrailersReceived,
+    assert peers.client_events() == [
+        [h2.events.ResponseReceived, h2.events.DataReceived, h2.events.TrailersReceived]
     ]
     assert recorder.now == [FOLLOWED]
     assert recorder.afterwards == [FOLLOWED]
-    assert to_client.closed is shutting_down
+    assert peers.to_client.closed is shutting_down
