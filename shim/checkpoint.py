@@ -34,9 +34,25 @@ from shim.state import CheckpointError, CPUState, decode_checkpoint, encode_chec
 STATE_FILE: Final = "state.json"
 # What the file's size is kept a multiple of (the usual file system block).
 BLOCK: Final = 4096
-# The temporary files write_atomically names (tempfile.mkstemp's) for state.json and for
-# its spare, ".state.json.spare".
-_LEFTOVER: Final = re.compile(r"\.(state\.json|\.state\.json\.spare)\.[A-Za-z0-9_]+\.tmp")
+# write_atomically's temporary file for a path: ".<name>." + tempfile.mkstemp's random part
+# + this suffix.
+_TEMPORARY_SUFFIX: Final = ".tmp"
+
+
+def _temporary_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _spare_of(path: Path) -> Path:
+    """The spare beside ``path``: the inode its last write replaced, overwritten next time."""
+    return path.with_name(f".{path.name}.spare")
+
+
+def _temporary_names(path: Path) -> re.Pattern[str]:
+    """The names write_atomically gives its temporary files for ``path``."""
+    return re.compile(
+        re.escape(_temporary_prefix(path)) + "[A-Za-z0-9_]+" + re.escape(_TEMPORARY_SUFFIX)
+    )
 
 
 class CheckpointFile:
@@ -90,8 +106,10 @@ class CheckpointFile:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return removed
+        # Of state.json's own writes, and of the spare's (made afresh with write_atomically).
+        leftovers = [_temporary_names(self.path), _temporary_names(_spare_of(self.path))]
         for name in names:
-            if not _LEFTOVER.fullmatch(name):
+            if not any(pattern.fullmatch(name) for pattern in leftovers):
                 continue
             path = self.directory / name
             with contextlib.suppress(OSError):
@@ -138,7 +156,9 @@ def write_atomically(
     directory = path.parent
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     # A name of its own per write, so two writes in flight never share a temporary file.
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    fd, name = tempfile.mkstemp(
+        prefix=_temporary_prefix(path), suffix=_TEMPORARY_SUFFIX, dir=directory
+    )
     temporary = Path(name)
     try:
         try:
@@ -170,7 +190,7 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
     content = padded(data)
     directory = path.parent
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    spare = directory / f".{path.name}.spare"
+    spare = _spare_of(path)
     previous = directory / f".{path.name}.previous"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(previous)  # left by a crash between the link and the renames
