@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,6 +20,7 @@ from shim.cri.server import RelayServer
 from shim.cri.upstream import ChannelForward, Forward, RuntimeChannel
 from tests.fake_cri import command_of, script
 from tests.harness.containerd import wait_for
+from tests.unit.engine_env import until
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
 from tests.unit.test_follow import Peers
 
@@ -239,16 +240,15 @@ class Watching:
         return reply
 
 
-async def until(done: Callable[[], bool], passing: Peers | None = None) -> None:
-    """Let the connection's tasks run until ``done``; with ``passing``, passing what either
-    side sends on meanwhile."""
-    for _ in range(200):
-        await asyncio.sleep(0)
-        if passing is not None:
-            passing.exchange()
-        if done():
-            return
-    raise AssertionError("it did not happen")
+async def reached_runtime(peers: Peers, stream: int) -> None:
+    """Let the relay's tasks run, passing on what either side sends, until the runtime has
+    the whole request of ``stream``."""
+
+    def passed() -> bool:
+        peers.exchange()
+        return stream in peers.requests_ended
+
+    await until(passed, "the request reached the runtime")
 
 
 def watched(verdict: bool | None) -> tuple[Peers, Watching]:
@@ -266,7 +266,7 @@ async def test_a_reply_the_hook_is_done_with_reaches_the_client_whole_at_once() 
     """Before the handler returns, and in one send, as without cpushim."""
     peers, interceptor = watched(True)
     stream = peers.call(AMENDED, b"create")
-    await until(lambda: stream in peers.requests_ended, passing=peers)
+    await reached_runtime(peers, stream)
     peers.answer(stream, b"created")
 
     assert peers.client_events() == [
@@ -277,7 +277,7 @@ async def test_a_reply_the_hook_is_done_with_reaches_the_client_whole_at_once() 
     assert seen.messages == (b"created",)
     assert interceptor.returned == []
     interceptor.gate.set()
-    await until(lambda: bool(interceptor.returned))
+    await until(lambda: bool(interceptor.returned), "the handler returned")
     assert peers.client_events() == []  # nothing more: the end went once
 
 
@@ -288,7 +288,7 @@ async def test_a_reply_the_hook_is_not_done_with_ends_when_the_handler_returns(
 ) -> None:
     peers, interceptor = watched(verdict)
     stream = peers.call(AMENDED, b"create")
-    await until(lambda: stream in peers.requests_ended, passing=peers)
+    await reached_runtime(peers, stream)
     with caplog.at_level(logging.ERROR):
         peers.answer(stream, b"created")
 
@@ -296,7 +296,7 @@ async def test_a_reply_the_hook_is_not_done_with_ends_when_the_handler_returns(
     assert len(interceptor.seen) == 1
     assert ("work on a reply failed" in caplog.text) is (verdict is None)
     interceptor.gate.set()
-    await until(lambda: bool(interceptor.returned))
+    await until(lambda: bool(interceptor.returned), "the handler returned")
     assert peers.client_events() == [[h2.events.TrailersReceived]]
 
 
@@ -309,7 +309,7 @@ async def test_a_reply_after_the_forward_gave_up_waiting_is_not_seen(
     monkeypatch.setattr(server_module, "_DEADLINE_GRACE", 0.0)
     peers, interceptor = watched(True)
     stream = peers.call(AMENDED, b"create", timeout=b"20m")
-    await until(lambda: stream in peers.requests_ended, passing=peers)
+    await reached_runtime(peers, stream)
     await asyncio.wait_for(interceptor.forwarded.wait(), 10)
     assert interceptor.returned_forward[0].status is Status.DEADLINE_EXCEEDED
     peers.answer(stream, b"created")
