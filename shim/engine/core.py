@@ -505,6 +505,9 @@ class Engine:
                 return True
 
             reply = await forward(request.SerializeToString(), seen=record)
+            # Looked at again unless the hook recorded it: a hook that failed fails here too,
+            # where the forwarded reply stands (Engine._dispatch), rather than rolling back
+            # the CPUs of a container that exists.
             if not recorded and not record(reply):
                 self.counters["pinning_errors"] += 1
                 log.info(
