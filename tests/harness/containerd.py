@@ -32,7 +32,7 @@ from types import TracebackType
 
 from tests.harness.images import BuiltImage, import_image
 
-CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 CRI_NAMESPACE = "k8s.io"
 
 # Plugins this harness never uses; disabling them makes startup quicker and its log quieter.
@@ -445,19 +445,22 @@ def _mount_points() -> list[str]:
     return points
 
 
-def cgroup_v1_hierarchies() -> list[Path]:
-    """The mounted cgroup v1 hierarchies (``/sys/fs/cgroup/cpuset``, ...)."""
-    if not CGROUP_V1_ROOT.is_dir():
+def cgroup_hierarchies() -> list[Path]:
+    """The mounted cgroup v1 hierarchies (``/sys/fs/cgroup/cpuset``, ...), or the unified
+    one alone where ``/sys/fs/cgroup`` is cgroup v2 (the VM tests' v2 guest)."""
+    if not CGROUP_ROOT.is_dir():
         return []
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return [CGROUP_ROOT]
     return sorted(
         path
-        for path in CGROUP_V1_ROOT.iterdir()
+        for path in CGROUP_ROOT.iterdir()
         if path.is_dir() and not path.is_symlink() and (path / "cgroup.procs").exists()
     )
 
 
 def remove_cgroup(cgroup_path: str, *, with_empty_pod_parent: bool = False) -> None:
-    """Best effort: rmdir ``cgroup_path`` in every v1 hierarchy (only empty cgroups go).
+    """Best effort: rmdir ``cgroup_path`` in every hierarchy (only empty cgroups go).
 
     With ``with_empty_pod_parent``, also its parent when that is a pod cgroup (``pod<uid>``)
     and empty, which is what kubelet would remove once the pod is gone.
@@ -465,7 +468,7 @@ def remove_cgroup(cgroup_path: str, *, with_empty_pod_parent: bool = False) -> N
     relative = cgroup_path.strip("/")
     if not relative:
         return
-    for hierarchy in cgroup_v1_hierarchies():
+    for hierarchy in cgroup_hierarchies():
         target = hierarchy / relative
         with contextlib.suppress(OSError):
             target.rmdir()

@@ -1,6 +1,7 @@
 """Scenarios that run inside an emulated multi-socket guest (tests/vm/guest_runner.py), each
 checked by what the guest kernel reports: ``Cpus_allowed_list`` and ``Mems_allowed_list`` of
-the container's process and its cgroup's ``cpuset.cpus`` and ``cpuset.mems``.
+the container's process and its cgroup's ``cpuset.cpus`` and ``cpuset.mems`` (cgroup v1 or
+v2, as the topology says).
 
 The file is not named ``test_*.py`` on purpose: the host's pytest never collects it. Every
 scenario runs on every topology; what it expects is computed from the topology the host
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from tests.harness.containerd import (
     ServingProcess,
     ServingProcessError,
     cpushim_command,
+    wait_for,
 )
 from tests.harness.images import TEST_IMAGE, build_image
 from tests.harness.kubelet import (
@@ -45,10 +48,12 @@ from tests.harness.kubelet import (
 )
 from tests.vm.topologies import Topology
 
-CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Under TCG everything is slower than on the host; cpushim's start-up imports dominate.
 CPUSHIM_START_TIMEOUT = 90.0
 CHURN_STEPS = 20
+# How long cpushim may take, under emulation, to see what no call tells it.
+REACTION_TIMEOUT = 60.0
 # Each running shared container is moved on every pinning and release (a runc update).
 MAX_SHARED = 2
 
@@ -234,13 +239,36 @@ class Node:
         }
 
 
+def unified_hierarchy() -> bool:
+    return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def cpuset_directory(pid: int) -> Path:
+    """The directory of the pid's cgroup that holds its ``cpuset.*`` files."""
+    if not unified_hierarchy():
+        return CGROUP_ROOT / "cpuset" / cpuset_cgroup_of_pid(pid).lstrip("/")
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return CGROUP_ROOT / line.removeprefix("0::").lstrip("/")
+    raise LookupError(f"pid {pid} has no cgroup v2 entry")
+
+
+def cpuset_file(directory: Path, name: str) -> CPUSet:
+    """What the cgroup was given. In cgroup v2 a file never written is empty and the set is
+    the parent's, so ``.effective`` says what it is then."""
+    text = (directory / name).read_text().strip()
+    if not text and unified_hierarchy():
+        text = (directory / f"{name}.effective").read_text().strip()
+    return CPUSet.parse(text)
+
+
 def observe(running: Running) -> Observed:
-    cgroup = CPUSET_ROOT / cpuset_cgroup_of_pid(running.pid).lstrip("/")
+    cgroup = cpuset_directory(running.pid)
     return Observed(
         cpus_allowed=CPUSet.parse(read_status_field(running.pid, "Cpus_allowed_list")),
         mems_allowed=CPUSet.parse(read_status_field(running.pid, "Mems_allowed_list")),
-        cgroup_cpus=CPUSet.parse((cgroup / "cpuset.cpus").read_text()),
-        cgroup_mems=CPUSet.parse((cgroup / "cpuset.mems").read_text()),
+        cgroup_cpus=cpuset_file(cgroup, "cpuset.cpus"),
+        cgroup_mems=cpuset_file(cgroup, "cpuset.mems"),
     )
 
 
@@ -319,6 +347,7 @@ def refused(node: Node, name: str, cpus: int, pod: Sandbox) -> grpc.RpcError:
 
 
 def test_the_guest_kernel_sees_the_emulated_topology(topology: Topology) -> None:
+    assert (2 if unified_hierarchy() else 1) == topology.cgroup_version
     seen = SysfsTopology.from_sysfs(Path("/sys"))
     assert seen.online == topology.cpus
     assert seen.num_sockets == topology.sockets
@@ -437,6 +466,36 @@ def test_churn_keeps_every_invariant(node: Node, topology: Topology) -> None:
                 error = refused(node, f"pinned-{step}", size, pinned_pod)
                 assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (seed, error)
         assert_invariants(node)
+
+
+def test_an_overwritten_cpuset_and_a_killed_process_are_seen_in_this_hierarchy(
+    node: Node, topology: Topology
+) -> None:
+    """What only cpushim's watches on the guest's cgroup files can catch (v1 or v2): a
+    pinned container's cpuset overwritten from outside is put back, and a pinned process
+    killed from outside gives its CPUs back to the shared container, with no call from
+    kubelet for either."""
+    node.start()
+    shared = node.run("besteffort", None, "besteffort")
+    pinned = node.run("pinned", 1)
+    cpus = assert_exclusive(topology, observe(pinned), 1)
+    (cpuset_directory(pinned.pid) / "cpuset.cpus").write_text(str(topology.cpus))
+    wait_for(
+        lambda: observe(pinned).cpus_allowed == cpus,
+        REACTION_TIMEOUT,
+        "the overwritten cpuset put back",
+        on_timeout=lambda: str(observe(pinned)),
+    )
+    assert_invariants(node)
+    os.kill(pinned.pid, signal.SIGKILL)
+    del node.running[pinned.name]  # its pod goes at the end, with the others
+    wait_for(
+        lambda: observe(shared).cpus_allowed == topology.cpus and node.checkpoint() == {},
+        REACTION_TIMEOUT,
+        "the killed container's CPU back in the shared pool",
+        on_timeout=lambda: f"{observe(shared)}, checkpoint {node.checkpoint()}",
+    )
+    assert_invariants(node)
 
 
 # Scenarios with policy options last: each options set needs a cpushim of its own.

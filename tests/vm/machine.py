@@ -81,7 +81,8 @@ def qemu_command(
         "-initrd",
         str(assets.initramfs),
         "-append",
-        KERNEL_COMMAND_LINE,
+        # Read by guest-init.sh, which mounts the cgroup hierarchies.
+        f"{KERNEL_COMMAND_LINE} cpushim.cgroup={topology.cgroup_version}",
         *share("root", assets.root, readonly=True),
         *share("deps", assets.deps, readonly=True),
         *share("payload", payload, readonly=True),

@@ -25,10 +25,15 @@ class Topology:
     numa_nodes_per_socket: int
     reserved: CPUSet
     memory_mib_per_node: int = 768
+    # The guest mounts cgroup v1 hierarchies (as the CI host has) or the v2 unified one (as
+    # most production nodes have; cgroupfs driver, since the guest runs no systemd).
+    cgroup_version: int = 1
 
     def __post_init__(self) -> None:
         if self.cores_per_socket % self.numa_nodes_per_socket:
             raise ValueError(f"{self.name}: NUMA nodes must split a socket into whole cores")
+        if self.cgroup_version not in (1, 2):
+            raise ValueError(f"{self.name}: cgroup version {self.cgroup_version} is not 1 or 2")
 
     @property
     def cpu_count(self) -> int:
@@ -109,6 +114,7 @@ class Topology:
             "numa_nodes_per_socket": self.numa_nodes_per_socket,
             "reserved": str(self.reserved),
             "memory_mib_per_node": self.memory_mib_per_node,
+            "cgroup_version": self.cgroup_version,
         }
 
     @classmethod
@@ -122,6 +128,7 @@ class Topology:
             numa_nodes_per_socket=int(str(data["numa_nodes_per_socket"])),
             reserved=CPUSet.parse(str(data["reserved"])),
             memory_mib_per_node=int(str(data["memory_mib_per_node"])),
+            cgroup_version=int(str(data["cgroup_version"])),
         )
 
 
@@ -140,12 +147,13 @@ TOPOLOGIES: dict[str, Topology] = {
         ),
         Topology(
             name="flat-8",
-            description="1 socket x 8 cores, no SMT, one NUMA node",
+            description="1 socket x 8 cores, no SMT, one NUMA node, cgroup v2",
             sockets=1,
             cores_per_socket=8,
             threads_per_core=1,
             numa_nodes_per_socket=1,
             reserved=CPUSet.parse("0"),
+            cgroup_version=2,
         ),
         Topology(
             name="snc-2s",
