@@ -112,6 +112,21 @@ def milli_cpu_limit(cpu_quota: int, cpu_period: int) -> int | None:
     return -(-cpu_quota * 1000 // cpu_period)
 
 
+def kubelet_cfs_quota(cpu_shares: int, cpu_quota: int, cpu_period: int) -> int:
+    """The CFS quota kubelet gave a container (0: none), from its resources as the runtime
+    holds them. A quota of -1 is cpushim's (it drops an exclusive container's quota; kubelet
+    never writes -1): behind it, kubelet's quota for a Guaranteed container of whole cores is
+    those cores (from the shares) times the period, which kubelet leaves unset when it
+    enforces no limit. Above the shares' cap the cores are unknown, and 0 is returned."""
+    if cpu_quota > 0:
+        return cpu_quota
+    if cpu_quota != -1 or cpu_period <= 0:
+        return 0
+    if cpu_shares % SHARES_PER_CPU or not 0 < cpu_shares < MAX_SHARES:
+        return 0
+    return cpu_shares // SHARES_PER_CPU * cpu_period
+
+
 def exclusive_cpu_count(
     qos: QOSClass, cpu_shares: int, cpu_quota: int, cpu_period: int
 ) -> int | None:

@@ -40,6 +40,7 @@ from shim.engine import requests as rq
 from shim.engine.moves import Mover
 from shim.engine.projecting import Cpuset, Projector
 from shim.engine.tracked import Phase, Tracked
+from shim.kube import kubelet_cfs_quota
 from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
@@ -431,7 +432,7 @@ class Engine:
         plan: ContainerPlan,
     ) -> Reply:
         pool = self.state.shared
-        rq.pin(request.config.linux.resources, pool, drop_quota=False)
+        rq.pin(request.config.linux.resources, pool)
         await self._project_new(request, key, Cpuset(pool, "", exclusive=False))
         reply = await forward(request.SerializeToString())
         response = _response(reply, pb.CreateContainerResponse)
@@ -489,7 +490,11 @@ class Engine:
                 await self._apply()
             finally:
                 await projecting
-            rq.pin(request.config.linux.resources, cpus, mems, drop_quota=not plan.keep_quota)
+            resources = request.config.linux.resources
+            kubelet_quota = kubelet_cfs_quota(
+                resources.cpu_shares, resources.cpu_quota, resources.cpu_period
+            )
+            rq.pin(resources, cpus, mems, quota=None if plan.keep_quota else rq.NO_QUOTA)
             recorded = False
 
             def record(reply: Reply) -> bool:
@@ -500,7 +505,9 @@ class Engine:
                 response = _response(reply, pb.CreateContainerResponse)
                 if response is None:
                     return False
-                self._record_created(request, pod, key, plan, cpus, mems, response.container_id)
+                self._record_created(
+                    request, pod, key, plan, cpus, mems, kubelet_quota, response.container_id
+                )
                 recorded = True
                 return True
 
@@ -525,6 +532,7 @@ class Engine:
         plan: ContainerPlan,
         cpus: CPUSet,
         mems: str,
+        kubelet_quota: int,
         container_id: str,
     ) -> None:
         """A pinned container the runtime has created: its id goes into the state, and it is
@@ -539,6 +547,7 @@ class Engine:
             cgroup_parent=self._cgroup_parent(request),
             exclusive=True,
             keep_quota=plan.keep_quota,
+            kubelet_quota=kubelet_quota,
             phase=Phase.CREATED,
             applied=cpus,
             recorded=cpus,
@@ -710,11 +719,15 @@ class Engine:
         if tracked is None:
             return await forward()
         async with self.lock, tracked.write_lock:
-            cpus, mems, drop_quota = self._desired(tracked)
-            rq.pin(request.linux, cpus, mems, drop_quota=drop_quota)
+            cpus, mems, quota = self._desired(tracked)
+            if request.linux.cpu_quota > 0:
+                tracked.kubelet_quota = request.linux.cpu_quota
+            # kubelet's own quota stands unless the container's exclusive CPUs drop it.
+            rq.pin(request.linux, cpus, mems, quota=quota if quota == rq.NO_QUOTA else None)
             reply = await forward(request.SerializeToString())
             if reply.status is Status.OK:
                 tracked.applied = tracked.recorded = cpus
+                self._restored(tracked)
                 self.project(tracked)
         return reply
 
@@ -864,13 +877,26 @@ class Engine:
             )
         return response.status.state
 
-    def _desired(self, tracked: Tracked) -> tuple[CPUSet, str, bool]:
-        """The cpuset, mems and whether to drop the quota, for a container now."""
+    def _desired(self, tracked: Tracked) -> tuple[CPUSet, str, int | None]:
+        """The cpuset, the mems (empty: left as they are) and the CFS quota (None: left as
+        it is) a container should have now."""
         assignment = self._assignment_of(tracked)
         if assignment is not None:
             nodes = self.policy.topology.numa_nodes_of(assignment.cpus)
-            return assignment.cpus, rq.mems_of(nodes), not tracked.keep_quota
-        return self.state.shared, "", False
+            quota = None if tracked.keep_quota else rq.NO_QUOTA
+            return assignment.cpus, rq.mems_of(nodes), quota
+        if tracked.exclusive:
+            # It lost its exclusive CPUs (a new policy or reserved set): it shares now, so
+            # it gets every memory node and kubelet's quota back, as a shared container has.
+            everything = self.policy.topology.numa_nodes_of(self.policy.topology.online)
+            return self.state.shared, rq.mems_of(everything), tracked.kubelet_quota or None
+        return self.state.shared, "", None
+
+    def _restored(self, tracked: Tracked) -> None:
+        """After a move through the runtime: a container that lost its exclusive CPUs has its
+        shared settings now, and moves like any shared container from here on."""
+        if tracked.exclusive and self._assignment_of(tracked) is None:
+            tracked.exclusive = False
 
     def _assignment_of(self, tracked: Tracked) -> Assignment | None:
         """The exclusive CPUs this container holds, if it holds any."""
@@ -883,39 +909,41 @@ class Engine:
 
     async def _apply(self) -> None:
         """Write the cpuset of every live container whose cpuset is not what it should be."""
-        moves: list[tuple[Tracked, CPUSet, str, bool]] = []
+        moves: list[tuple[Tracked, CPUSet, str, int | None]] = []
         for tracked in self.containers.values():
             if tracked.phase is Phase.EXITED:
                 continue
-            cpus, mems, drop_quota = self._desired(tracked)
-            if cpus != tracked.applied:
-                moves.append((tracked, cpus, mems, drop_quota))
+            cpus, mems, quota = self._desired(tracked)
+            lost = tracked.exclusive and self._assignment_of(tracked) is None
+            if cpus != tracked.applied or lost:
+                moves.append((tracked, cpus, mems, quota))
         if not moves:
             return
         # Cgroup writes complete without suspending: done first, so other work on the loop
         # cannot slip in ahead of the caller's forward. The rest (runtime updates, writes
         # that failed or must wait for the container's lock) run concurrently after.
         waiting = []
-        for tracked, cpus, mems, drop_quota in moves:
-            if self.mover.write_now(tracked, cpus, mems, drop_quota):
+        for tracked, cpus, mems, quota in moves:
+            if self.mover.write_now(tracked, cpus, mems, quota):
                 self.project(tracked)
             else:
-                waiting.append((tracked, cpus, mems, drop_quota))
+                waiting.append((tracked, cpus, mems, quota))
         if not waiting:
             return
         limit = asyncio.Semaphore(self.options.update_concurrency)
 
-        async def move(tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> None:
+        async def move(tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None) -> None:
             async with limit:
-                await self._write_cpuset(tracked, cpus, mems, drop_quota)
+                await self._write_cpuset(tracked, cpus, mems, quota)
 
         await asyncio.gather(*(move(*m) for m in waiting))
 
     async def _write_cpuset(
-        self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
     ) -> None:
-        result = await self.mover.move(tracked, cpus, mems, drop_quota)
+        result = await self.mover.move(tracked, cpus, mems, quota)
         if result.ok:
+            self._restored(tracked)
             self.project(tracked)
         if result.gone:
             # Removed behind our back (directly on the runtime): stop tracking it.

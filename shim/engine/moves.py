@@ -82,19 +82,21 @@ class Mover:
 
     # --- moving -----------------------------------------------------------------------------
 
-    async def move(self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> MoveResult:
-        if self.writes_directly(tracked, mems, drop_quota):
+    async def move(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
+    ) -> MoveResult:
+        if self.writes_directly(tracked, mems, quota):
             async with tracked.write_lock:
                 if self._write_cgroup(tracked, cpus):
                     return MoveResult(ok=True)
-        return await self.update_through_runtime(tracked, cpus, mems, drop_quota)
+        return await self.update_through_runtime(tracked, cpus, mems, quota)
 
-    def write_now(self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool) -> bool:
+    def write_now(self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None) -> bool:
         """Move the container by a write of its cgroup without suspending, when it moves that
         way and no write of its cpuset is under way; False when it must be moved with
         :meth:`move` instead. Not taking the lock is safe: nothing runs between the check
         and the write, and whoever takes the lock next reads ``tracked.applied`` afresh."""
-        if tracked.write_lock.locked() or not self.writes_directly(tracked, mems, drop_quota):
+        if tracked.write_lock.locked() or not self.writes_directly(tracked, mems, quota):
             return False
         return self._write_cgroup(tracked, cpus)
 
@@ -118,27 +120,27 @@ class Mover:
         return True
 
     @staticmethod
-    def writes_directly(tracked: Tracked, mems: str, drop_quota: bool) -> bool:
+    def writes_directly(tracked: Tracked, mems: str, quota: int | None) -> bool:
         """Whether a move of this container is a write of its cgroup (else a runtime call)."""
         return (
             tracked.cgroup is not None
             and tracked.phase is Phase.RUNNING
             and not tracked.exclusive
             and not mems
-            and not drop_quota
+            and quota is None
         )
 
     async def update_through_runtime(
-        self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
     ) -> MoveResult:
         async with tracked.write_lock:
-            return await self.update_locked(tracked, cpus, mems, drop_quota)
+            return await self.update_locked(tracked, cpus, mems, quota)
 
     async def update_locked(
-        self, tracked: Tracked, cpus: CPUSet, mems: str, drop_quota: bool
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
     ) -> MoveResult:
         """UpdateContainerResources with the container's write lock already held."""
-        request = rq.update_request(tracked.id, cpus, mems, drop_quota=drop_quota)
+        request = rq.update_request(tracked.id, cpus, mems, quota=quota)
         reply = await self.runtime.unary(
             UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
         )

@@ -26,24 +26,28 @@ NO_QUOTA: Final = -1
 
 
 def pin(
-    resources: pb.LinuxContainerResources, cpus: CPUSet, mems: str = "", *, drop_quota: bool
+    resources: pb.LinuxContainerResources,
+    cpus: CPUSet,
+    mems: str = "",
+    *,
+    quota: int | None = None,
 ) -> None:
-    """Write ``cpus`` (and ``mems``, when given) into ``resources``; under ``drop_quota`` the
-    CFS quota goes too."""
+    """Write ``cpus`` into ``resources``, and ``mems`` and the CFS ``quota`` when given
+    (``NO_QUOTA`` drops it)."""
     resources.cpuset_cpus = str(cpus)
     if mems:
         resources.cpuset_mems = mems
-    if drop_quota:
-        resources.cpu_quota = NO_QUOTA
+    if quota is not None:
+        resources.cpu_quota = quota
 
 
 def update_request(
-    container_id: str, cpus: CPUSet, mems: str = "", *, drop_quota: bool = False
+    container_id: str, cpus: CPUSet, mems: str = "", *, quota: int | None = None
 ) -> bytes:
     """An UpdateContainerResources that changes only the cpuset (and the quota): containerd
     merges the non-zero fields into the container's spec, so the rest stays as it was."""
     request = pb.UpdateContainerResourcesRequest(container_id=container_id)
-    pin(request.linux, cpus, mems, drop_quota=drop_quota)
+    pin(request.linux, cpus, mems, quota=quota)
     return request.SerializeToString()
 
 

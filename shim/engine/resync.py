@@ -24,6 +24,7 @@ from shim.engine import requests as rq
 from shim.engine.core import Engine
 from shim.engine.moves import pid_of
 from shim.engine.tracked import Phase, Tracked
+from shim.kube import kubelet_cfs_quota
 from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.state import (
@@ -367,7 +368,12 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
     pod = pods.get(container.sandbox_id)
     key = ContainerKey(pod.uid if pod else container.sandbox_id, container.name)
     assignment = engine.state.assignments.get(key)
-    exclusive = assignment is not None and assignment.container_id == container.id
+    resources = container.resources
+    # A quota of -1 is what cpushim gives an exclusive container (kubelet never writes it):
+    # one that holds no CPUs now lost them while cpushim was down, and its settings go back.
+    exclusive = (
+        assignment is not None and assignment.container_id == container.id
+    ) or resources.cpu_quota == rq.NO_QUOTA
     try:
         recorded: CPUSet | None = CPUSet.parse(container.resources.cpuset_cpus) or None
     except ValueError:
@@ -391,6 +397,9 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
         sandbox_id=container.sandbox_id,
         exclusive=exclusive,
         keep_quota=plan.keep_quota,
+        kubelet_quota=kubelet_cfs_quota(
+            resources.cpu_shares, resources.cpu_quota, resources.cpu_period
+        ),
         phase=Phase.RUNNING if running else Phase.CREATED,
         applied=applied,
         cgroup=cgroup,

@@ -24,11 +24,15 @@ class Tracked:
     id: str
     key: ContainerKey
     sandbox_id: str
+    # Created or adopted to hold exclusive CPUs, and so carrying their settings (the memory
+    # nodes of those CPUs, no CFS quota unless kept) until a move gives it kubelet's back.
     exclusive: bool
     keep_quota: bool
     phase: Phase
     # The cpuset last written, to the cgroup or through the runtime; None when unknown.
     applied: CPUSet | None
+    # The CFS quota kubelet gave it (0: none), restored when it loses its exclusive CPUs.
+    kubelet_quota: int = 0
     # The container's cgroup directory, once located (after start).
     cgroup: Path | None = None
     # Its pod's cgroup parent (from the sandbox config), where the runtime puts its cgroup.

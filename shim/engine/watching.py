@@ -271,7 +271,7 @@ class Watcher:
 
     async def _repair(self, tracked: Tracked, found: object) -> None:
         """Write the cpuset back (held: the container's write lock)."""
-        cpus, mems, drop_quota = self.engine._desired(tracked)
+        cpus, mems, quota = self.engine._desired(tracked)
         assert tracked.cgroup is not None
         self.counters["drift_repairs"] += 1
         log.warning(
@@ -294,7 +294,8 @@ class Watcher:
                 extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
             )
         # Through the runtime too, so its own record (and systemd's) says the same.
-        await self.engine.mover.update_locked(tracked, cpus, mems, drop_quota)
+        if (await self.engine.mover.update_locked(tracked, cpus, mems, quota)).ok:
+            self.engine._restored(tracked)
         self.engine.project(tracked)
 
     # --- the state file ---------------------------------------------------------------------

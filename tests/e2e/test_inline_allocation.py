@@ -34,6 +34,7 @@ from tests.harness.kubelet import (
     QoSClass,
     Sandbox,
     cgroup_file,
+    milli_cpu_to_quota,
     new_pod_uid,
 )
 from tests.harness.prerequisites import on_ci
@@ -299,6 +300,26 @@ def test_containers_created_while_cpushim_was_down_are_adopted(
     assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
     assert_kernel(direct.kernel_cpus(pinned_id), "1")
     assert_kernel(direct.kernel_cpus(shared_id), "0")
+
+
+def test_a_container_that_loses_its_cpu_to_a_new_policy_gets_kubelets_quota_back(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    shim.start()
+    kubelet = via()
+    _, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    kubelet.start_container(pinned_id)
+    cgroup = direct.kernel_cpus(pinned_id).cgroup_path
+    assert cgroup_file("cpu", cgroup, "cpu.cfs_quota_us") == "-1"
+    assert cgroup_file("cpuset", cgroup, "cpuset.mems") == "0"
+    shim.stop()
+
+    # No CPU is exclusive under the none policy: it shares, bounded by its own limit again.
+    shim.start("--policy", "none")
+    assert shim.assignments() == {}
+    assert_kernel(direct.kernel_cpus(pinned_id), "0-1")
+    assert cgroup_file("cpu", cgroup, "cpu.cfs_quota_us") == str(milli_cpu_to_quota(1000))
+    assert cgroup_file("cpuset", cgroup, "cpuset.mems") == "0"
 
 
 def test_a_corrupt_checkpoint_stops_start_up_until_recovered_from_the_runtime(

@@ -35,6 +35,7 @@ from tests.harness.kubelet import (
 )
 from tests.harness.sysfs import MachineSpec, expected_topology
 from tests.unit.engine_env import (
+    ALL,
     FIRST_SINGLE,
     GIB,
     SHARED_AFTER_FIRST_SINGLE,
@@ -683,6 +684,39 @@ async def test_switching_to_the_none_policy_unpins_everything(env: Env) -> None:
     assert env.cpus(pinned_id) == "0-7"
     new_id = await env.kubelet.start_new(await env.kubelet.run_pod("g", "guaranteed"), "main", 1000)
     assert env.cpus(new_id) == "0-7"
+
+
+async def test_a_container_that_loses_its_cpus_gets_kubelets_quota_and_every_node_back(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    pinned = env.fake.containers[pinned_id].resources
+    assert (pinned.cpu_quota, pinned.cpuset_mems) == (-1, "0")  # CPU 4 is on node 0
+    # The new engine knows the container only from the runtime: quota -1 is cpushim's mark.
+    await env.restart(NonePolicy(TOPOLOGY))
+    restored = env.fake.containers[pinned_id].resources
+    assert restored.cpuset_cpus == "0-7"
+    assert restored.cpuset_mems == "0-1"
+    assert restored.cpu_quota == milli_cpu_to_quota(1000)
+    # From now on it is a shared container like any other.
+    assert not env.engine.containers[pinned_id].exclusive
+    assert env.engine._desired(env.engine.containers[pinned_id]) == (ALL, "", None)
+
+
+async def test_a_lost_container_whose_kubelet_set_no_quota_keeps_none(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000)
+    request.config.linux.resources.cpu_quota = 0  # kubelet's cpuCFSQuota: false
+    request.config.linux.resources.cpu_period = 0
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK, reply.status_message
+    pinned_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    assert env.fake.containers[pinned_id].resources.cpu_quota == -1
+    await env.restart(NonePolicy(TOPOLOGY))
+    restored = env.fake.containers[pinned_id].resources
+    assert (restored.cpuset_cpus, restored.cpuset_mems) == ("0-7", "0-1")
+    assert restored.cpu_quota == -1  # no limit, as kubelet asked
 
 
 async def test_a_checkpoint_that_fails_after_the_runtime_acted_keeps_memory_true(

@@ -12,6 +12,7 @@ from shim.kube import (
     PodCgroup,
     QOSClass,
     exclusive_cpu_count,
+    kubelet_cfs_quota,
     milli_cpu_limit,
     milli_cpu_request,
     pod_cgroup,
@@ -134,6 +135,32 @@ def test_milli_cpu_request_rejects_negative() -> None:
 )
 def test_milli_cpu_limit(quota: int, period: int, milli: int | None) -> None:
     assert milli_cpu_limit(quota, period) == milli
+
+
+@pytest.mark.parametrize(
+    ("shares", "quota", "period", "expected"),
+    [
+        pytest.param(1024, 100000, 100000, 100000, id="kubelet's own quota"),
+        pytest.param(2048, 150000, 100000, 150000, id="any quota kubelet set stands"),
+        pytest.param(2048, -1, 100000, 200000, id="dropped by cpushim: cores times period"),
+        pytest.param(3072, -1, 50000, 150000, id="another period"),
+        pytest.param(1024, 0, 0, 0, id="kubelet enforces no limit"),
+        pytest.param(1024, -1, 0, 0, id="dropped, no period: no limit"),
+        pytest.param(1536, -1, 100000, 0, id="not whole cores"),
+        pytest.param(0, -1, 100000, 0, id="no shares"),
+        pytest.param(MAX_SHARES, -1, 100000, 0, id="shares capped: cores unknown"),
+        pytest.param(1024, -2, 100000, 0, id="not cpushim's mark"),
+    ],
+)
+def test_kubelet_cfs_quota(shares: int, quota: int, period: int, expected: int) -> None:
+    assert kubelet_cfs_quota(shares, quota, period) == expected
+
+
+@PROPERTY_SETTINGS
+@given(st.integers(1, 255), st.sampled_from([100000, 50000, 10000, 33333, 1000000]))
+def test_kubelet_cfs_quota_recovers_what_kubelet_wrote(cores: int, period: int) -> None:
+    shares = kubelet_shares(cores * 1000)
+    assert kubelet_cfs_quota(shares, -1, period) == kubelet_quota(cores * 1000, period)
 
 
 @PROPERTY_SETTINGS

@@ -18,6 +18,7 @@ from shim.engine.reloading import ConfigReloader
 from shim.engine.watching import Watcher
 from shim.run import RunOptions, build_policy
 from tests.fake_runtime import FakeRuntime
+from tests.harness.kubelet import milli_cpu_to_quota
 from tests.harness.sysfs import MachineSpec, write_sysfs
 from tests.unit.engine_env import (
     ALL,
@@ -107,6 +108,22 @@ async def test_new_reserved_cpus_re_plan_and_move_the_containers(r: Reloading) -
     saved = env.engine.checkpoint.load()
     assert saved is not None
     assert saved.reserved == CPUSet.parse("0,4")
+
+
+async def test_a_container_that_loses_its_cpus_to_a_reload_gets_kubelets_settings_back(
+    r: Reloading,
+) -> None:
+    env = r.env
+    shared_id, pinned_id = await pinned_and_shared(env)
+    assert env.fake.containers[pinned_id].resources.cpu_quota == -1
+    r.write('cpuManagerPolicy = "none"\nreservedSystemCPUs = "0"\n')
+    await r.reloaded("config_reloads")
+    assert env.engine.policy.name == "none"
+    restored = env.fake.containers[pinned_id].resources
+    assert restored.cpu_quota == milli_cpu_to_quota(1000)
+    assert restored.cpuset_mems == "0-1"
+    assert env.kernel_cpus(pinned_id) == env.kernel_cpus(shared_id) == str(ALL)
+    assert not env.engine.containers[pinned_id].exclusive
 
 
 async def test_a_file_that_does_not_parse_is_refused_and_nothing_changes(
