@@ -115,9 +115,10 @@ def milli_cpu_limit(cpu_quota: int, cpu_period: int) -> int | None:
 def kubelet_cfs_quota(cpu_shares: int, cpu_quota: int, cpu_period: int) -> int:
     """The CFS quota kubelet gave a container (0: none), from its resources as the runtime
     holds them. A quota of -1 is cpushim's (it drops an exclusive container's quota; kubelet
-    never writes -1): behind it, kubelet's quota for a Guaranteed container of whole cores is
-    those cores (from the shares) times the period, which kubelet leaves unset when it
-    enforces no limit. Above the shares' cap the cores are unknown, and 0 is returned."""
+    with its CPU manager off, as behind cpushim, never writes -1): behind it, kubelet's quota
+    for a Guaranteed container of whole cores is those cores (from the shares) times the
+    period, which kubelet leaves unset when it enforces no limit. Shares at their cap stand
+    for 256 cores or more, so the cores are unknown there, and 0 is returned."""
     if cpu_quota > 0:
         return cpu_quota
     if cpu_quota != -1 or cpu_period <= 0:

@@ -369,11 +369,13 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
     key = ContainerKey(pod.uid if pod else container.sandbox_id, container.name)
     assignment = engine.state.assignments.get(key)
     resources = container.resources
-    # A quota of -1 is what cpushim gives an exclusive container (kubelet never writes it):
-    # one that holds no CPUs now lost them while cpushim was down, and its settings go back.
+    plan = _plan(pod, container)
+    kubelet_quota = kubelet_cfs_quota(
+        resources.cpu_shares, resources.cpu_quota, resources.cpu_period
+    )
     exclusive = (
         assignment is not None and assignment.container_id == container.id
-    ) or resources.cpu_quota == rq.NO_QUOTA
+    ) or _carries_exclusive_settings(engine, resources, plan, kubelet_quota)
     try:
         recorded: CPUSet | None = CPUSet.parse(container.resources.cpuset_cpus) or None
     except ValueError:
@@ -390,16 +392,13 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
             cgroup = None
         if applied is None:
             cgroup, applied = None, recorded
-    plan = _plan(pod, container)
     return Tracked(
         id=container.id,
         key=key,
         sandbox_id=container.sandbox_id,
         exclusive=exclusive,
         keep_quota=plan.keep_quota,
-        kubelet_quota=kubelet_cfs_quota(
-            resources.cpu_shares, resources.cpu_quota, resources.cpu_period
-        ),
+        kubelet_quota=kubelet_quota,
         phase=Phase.RUNNING if running else Phase.CREATED,
         applied=applied,
         cgroup=cgroup,
@@ -407,3 +406,24 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
         recorded=recorded,
         pid=pid_of(container.info) if cgroup is not None else 0,
     )
+
+
+def _carries_exclusive_settings(
+    engine: Engine, resources: pb.LinuxContainerResources, plan: ContainerPlan, kubelet_quota: int
+) -> bool:
+    """Whether the runtime shows what cpushim gives an exclusive container: kubelet's quota
+    replaced by -1 (kubelet with its CPU manager off never writes -1), or, for a container
+    that could be exclusive, memory nodes narrower than all of them (the annotation that
+    keeps the quota leaves only those). One that holds no CPUs after the resync lost them
+    while cpushim was down; its shared settings are written back. Settings equal to what a
+    restore writes are not a mark, so a restored container is not restored again."""
+    if resources.cpu_quota == rq.NO_QUOTA and kubelet_quota > 0:
+        return True
+    if plan.exclusive is None or not resources.cpuset_mems:
+        return False
+    topology = engine.policy.topology
+    try:
+        mems = CPUSet.parse(resources.cpuset_mems)
+    except ValueError:
+        return False
+    return mems != CPUSet(topology.numa_nodes_of(topology.online))

@@ -704,6 +704,60 @@ async def test_a_container_that_loses_its_cpus_gets_kubelets_quota_and_every_nod
     assert env.engine._desired(env.engine.containers[pinned_id]) == (ALL, "", None)
 
 
+async def test_a_lost_container_that_kept_its_quota_gets_every_node_back(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed", {"cpushim.io/cfs-quota": "keep"})
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    assert env.fake.containers[pinned_id].resources.cpu_quota == milli_cpu_to_quota(1000)
+    assert env.fake.containers[pinned_id].resources.cpuset_mems == "0"
+    # Narrowed memory nodes are the only mark it carries.
+    await env.restart(NonePolicy(TOPOLOGY))
+    restored = env.fake.containers[pinned_id].resources
+    assert (restored.cpuset_cpus, restored.cpuset_mems) == ("0-7", "0-1")
+    assert restored.cpu_quota == milli_cpu_to_quota(1000)
+
+
+async def test_a_restored_container_is_not_restored_again_at_the_next_restart(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000)
+    request.config.linux.resources.cpu_quota = 0  # kubelet's cpuCFSQuota: false: -1 stays
+    request.config.linux.resources.cpu_period = 0
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK, reply.status_message
+    pinned_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    await env.restart(NonePolicy(TOPOLOGY))
+    assert len(updates_to(env.fake, pinned_id)) == 1
+    await env.restart(NonePolicy(TOPOLOGY))
+    assert len(updates_to(env.fake, pinned_id)) == 1
+    assert not env.engine.containers[pinned_id].exclusive
+
+
+async def test_kubelets_update_of_a_lost_container_restores_it_with_kubelets_quota(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    # The restore at start-up fails: the container stays marked, and kubelet's next update
+    # carries it, with kubelet's own quota (a resize's).
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    await env.restart(NonePolicy(TOPOLOGY))
+    assert env.fake.containers[pinned_id].resources.cpu_quota == -1
+    assert env.engine.containers[pinned_id].exclusive
+    request = pb.UpdateContainerResourcesRequest(
+        container_id=pinned_id,
+        linux=pb.LinuxContainerResources(
+            cpu_period=100_000, cpu_quota=200_000, cpu_shares=2048, cpuset_cpus="3"
+        ),
+    )
+    await env.kubelet.ok("UpdateContainerResources", request.SerializeToString())
+    restored = env.fake.containers[pinned_id].resources
+    assert (restored.cpuset_cpus, restored.cpuset_mems) == ("0-7", "0-1")
+    assert restored.cpu_quota == 200_000
+    assert not env.engine.containers[pinned_id].exclusive
+    assert env.engine.containers[pinned_id].kubelet_quota == 200_000
+
+
 async def test_a_lost_container_whose_kubelet_set_no_quota_keeps_none(env: Env) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     request = env.kubelet.create_request(pod, "main", 1000)

@@ -148,7 +148,7 @@ def test_milli_cpu_limit(quota: int, period: int, milli: int | None) -> None:
         pytest.param(1024, -1, 0, 0, id="dropped, no period: no limit"),
         pytest.param(1536, -1, 100000, 0, id="not whole cores"),
         pytest.param(0, -1, 100000, 0, id="no shares"),
-        pytest.param(MAX_SHARES, -1, 100000, 0, id="shares capped: cores unknown"),
+        pytest.param(MAX_SHARES, -1, 100000, 0, id="shares at the cap: 256 cores or more"),
         pytest.param(1024, -2, 100000, 0, id="not cpushim's mark"),
     ],
 )
