@@ -225,6 +225,9 @@ class ClientConnection(asyncio.Protocol):
         self._connecting = True
         self._calls: dict[int, asyncio.Task[None]] = {}
         self._shutting_down = False
+        # Told to go away, its last call done: writing has ended (see _finish).
+        self._finishing = False
+        self._linger: asyncio.TimerHandle | None = None
         self._closed = False
         self._blocks_self_contained = False
         self.unavailable_reason = ""  # why the runtime could not be reached, if it could not
@@ -261,6 +264,8 @@ class ClientConnection(asyncio.Protocol):
         self._flush()
 
     def data_received(self, data: bytes) -> None:
+        if self._finishing:
+            return  # what a client sends while it reads its last replies needs no answer
         if self._connecting:
             self._early.append(data)
             return
@@ -272,6 +277,8 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        if self._linger is not None:
+            self._linger.cancel()
         for task in self._calls.values():
             task.cancel()
         for forward in list(self._forwards.values()):
@@ -295,8 +302,8 @@ class ClientConnection(asyncio.Protocol):
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
-        if self._closed:
-            return
+        if self._closed or self._finishing:
+            return  # closed by this side
         reason = str(exc) if exc else "connection closed by the runtime"
         log.warning("runtime connection lost", extra={"fields": {"error": reason}})
         self.splice.upstream_lost(reason)
@@ -320,10 +327,17 @@ class ClientConnection(asyncio.Protocol):
         # A closing transport must not be written to (Python 3.13 fails on it).
         if to_upstream and self.upstream is not None and not self.upstream.is_closing():
             self.upstream.writelines(to_upstream)
-        if to_client and self.client is not None and not self.client.is_closing():
+        if (
+            to_client
+            and self.client is not None
+            and not self.client.is_closing()
+            and not self._finishing
+        ):
             self.client.writelines(to_client)
-        if failed or (self._shutting_down and self.splice.idle):
+        if failed:
             self.abort()
+        elif self._shutting_down and self.splice.idle:
+            self._finish()
         # Work the follower left for after the reply runs even when the connection closes.
         for path, work in afterwards:
             self._run_afterwards(path, work)
@@ -459,6 +473,25 @@ class ClientConnection(asyncio.Protocol):
         self.splice.goaway()
         self._flush()
 
+    def _finish(self) -> None:
+        """Close a connection told to go away once its last call is done: the upstream at
+        once, the client's once the client has read everything. Closing it outright while
+        the client still writes (a WINDOW_UPDATE for the reply it is reading) fails that
+        write with EPIPE, and a client may then fail a call whose whole reply it holds
+        (grpcio: "Stream removed"). So writing ends here (EOF after what is queued) and the
+        socket closes when the client closes its end, or after ``_LINGER`` seconds."""
+        if self._finishing:
+            return
+        client = self.client
+        if client is None or client.is_closing() or not client.can_write_eof():
+            self.abort()
+            return
+        self._finishing = True
+        if self.upstream is not None:
+            self.upstream.close()
+        client.write_eof()
+        self._linger = asyncio.get_running_loop().call_later(_LINGER, self.abort)
+
     def abort(self) -> None:
         """Close both sides after what is queued has been written."""
         if self.client is not None:
@@ -467,6 +500,8 @@ class ClientConnection(asyncio.Protocol):
             self.upstream.close()
 
 
+# How long a client told to go away may keep its end open after its last reply.
+_LINGER = 1.0
 # How long past a forwarded call's deadline its reply is still waited for.
 _DEADLINE_GRACE = 5.0
 

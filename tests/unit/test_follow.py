@@ -200,12 +200,20 @@ class RecordingTransport:
     def __init__(self) -> None:
         self.writes: list[bytes] = []
         self.closed = False
+        self.eof = False
 
     def writelines(self, chunks: list[bytes]) -> None:
+        assert not self.eof, "written after EOF"
         self.writes.append(b"".join(chunks))
 
     def is_closing(self) -> bool:
         return False
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
 
     def close(self) -> None:
         self.closed = True
@@ -313,4 +321,6 @@ async def test_a_reply_followed_at_once_reaches_the_client_in_one_write(
     ]
     assert recorder.now == [FOLLOWED]
     assert recorder.afterwards == [FOLLOWED]
-    assert peers.to_client.closed is shutting_down
+    # The last reply before a close: writing ends, and the runtime's side closes.
+    assert peers.to_client.eof is shutting_down
+    assert peers.to_runtime.closed is shutting_down

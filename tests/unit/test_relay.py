@@ -5,6 +5,7 @@ terminates them and when it amends them."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
@@ -16,8 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import hpack
 import pytest
 
+from shim.cri import frames as fr
+from shim.cri.calls import frame_message
 from shim.cri.methods import ALL_METHODS
 from shim.cri.passthrough import LIFECYCLE_PATHS, PassthroughInterceptor
 from shim.cri.server import RelayServer
@@ -302,6 +308,60 @@ def attempt(channel: grpc.Channel, path: str, command: bytes) -> bytes | grpc.Rp
         return unary(channel, path, command, timeout=5)
     except grpc.RpcError as exc:
         return exc
+
+
+def test_a_client_still_writing_after_its_last_reply_at_shutdown_is_not_cut_off() -> None:
+    """The relay shuts down with a call in flight: the call's reply comes, then the end of
+    the connection, and what the client writes after it (here a WINDOW_UPDATE for the reply
+    it read) still lands. A socket closed outright there fails the client's write with EPIPE,
+    and grpcio then fails a call whose whole reply it holds."""
+    with relay_env() as env:
+        relay = env.relay
+        assert relay is not None
+        client = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None)
+        )
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(str(env.relay_socket))
+            raw.settimeout(10)
+            client.initiate_connection()
+            stream = client.get_next_available_stream_id()
+            headers = [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", (RUNTIME + "ListContainers").encode()),
+                (b":authority", b"localhost"),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+            ]
+            client.send_headers(stream, headers)
+            client.send_data(stream, frame_message(script(b"sleep:0.3")), end_stream=True)
+            raw.sendall(client.data_to_send())
+            deadline = time.monotonic() + 10
+            while not any(conn.splice.open_streams for conn in relay.connections):
+                assert time.monotonic() < deadline, "the call never reached the relay"
+                time.sleep(0.01)
+            closing = asyncio.run_coroutine_threadsafe(relay.shutdown(10.0), env.loop.loop)
+            received = b""
+            while chunk := raw.recv(65536):  # until the relay's end of the connection
+                received += chunk
+            # h2 stops at GOAWAY, so the frames are read here: the reply ended with status 0.
+            decoder, kinds, status = hpack.Decoder(), [], None
+            pos = 0
+            while pos < len(received):
+                length, kind, flags, sid = fr.parse_header(received, pos)
+                payload = received[pos + 9 : pos + 9 + length]
+                kinds.append(kind)
+                if kind == fr.HEADERS and sid == stream:
+                    fields = dict(decoder.decode(payload, raw=True))
+                    if flags & fr.FLAG_END_STREAM:
+                        status = fields[b"grpc-status"]
+                pos += 9 + length
+            assert fr.GOAWAY in kinds
+            assert status == b"0"
+            # A write after it (credit for the reply) still lands.
+            raw.sendall(fr.window_update(0, 4096))
+        assert closing.result(10) is True
 
 
 def test_runtime_crash_fails_fast_then_recovers() -> None:
