@@ -253,7 +253,7 @@ class ClientConnection(asyncio.Protocol):
             )
             self.splice.serve_without_upstream()
         else:
-            if self._closed:
+            if self._closed or self._finishing:
                 transport.close()
                 return
             self.upstream = transport

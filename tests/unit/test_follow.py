@@ -16,10 +16,11 @@ import h2.connection
 import h2.events
 import pytest
 
+from shim.cri import frames as fr
 from shim.cri.calls import Status, frame_message
 from shim.cri.passthrough import PassthroughInterceptor
 from shim.cri.server import Afterwards, ClientConnection, Pending, RelayServer
-from tests.fake_cri import command_of, script
+from tests.fake_cri import command_of, script, short_tmpdir
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
 from tests.unit.test_splice_h2 import request_headers
 
@@ -324,3 +325,37 @@ async def test_a_reply_followed_at_once_reaches_the_client_in_one_write(
     # The last reply before a close: writing ends, and the runtime's side closes.
     assert peers.to_client.eof is shutting_down
     assert peers.to_runtime.closed is shutting_down
+
+
+@pytest.mark.anyio
+async def test_an_upstream_that_connects_after_the_connection_ended_is_closed() -> None:
+    """A client told to go away before its runtime connection was made (a shutdown right
+    after it connected): the runtime connection, once made, is closed at once and carries
+    nothing of the client's."""
+    with short_tmpdir() as workdir:
+        accepted: asyncio.Queue[asyncio.StreamReader] = asyncio.Queue()
+
+        async def runtime(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.put_nowait(reader)
+
+        listening = await asyncio.start_unix_server(runtime, path=str(workdir / "runtime.sock"))
+        try:
+            server = RelayServer(
+                listen=f"unix://{workdir}/relay.sock",
+                runtime_endpoint=f"unix://{workdir}/runtime.sock",
+                interceptor=PassthroughInterceptor(frozenset()),
+            )
+            peers = Peers(server)
+            connection = peers.connection
+            connection.upstream = None
+            connection._connecting = True
+            connection.data_received(fr.PREFACE)  # held until the runtime is reached
+            connection.begin_shutdown()  # no call in flight: it ends at once
+            assert peers.to_client.eof
+            await connection._connect_upstream()
+            assert connection.upstream is None
+            reader = await asyncio.wait_for(accepted.get(), 5)
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        finally:
+            listening.close()
+            await listening.wait_closed()
