@@ -333,10 +333,11 @@ async def test_an_upstream_that_connects_after_the_connection_ended_is_closed() 
     after it connected): the runtime connection, once made, is closed at once and carries
     nothing of the client's."""
     with short_tmpdir() as workdir:
-        accepted: asyncio.Queue[asyncio.StreamReader] = asyncio.Queue()
+        accepted: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
+        accepted = asyncio.Queue()
 
         async def runtime(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            accepted.put_nowait(reader)
+            accepted.put_nowait((reader, writer))
 
         listening = await asyncio.start_unix_server(runtime, path=str(workdir / "runtime.sock"))
         try:
@@ -354,8 +355,11 @@ async def test_an_upstream_that_connects_after_the_connection_ended_is_closed() 
             assert peers.to_client.eof
             await connection._connect_upstream()
             assert connection.upstream is None
-            reader = await asyncio.wait_for(accepted.get(), 5)
-            assert await asyncio.wait_for(reader.read(), 5) == b""
+            reader, writer = await asyncio.wait_for(accepted.get(), 5)
+            try:
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            finally:
+                writer.close()  # from 3.12 on, the server waits for its connections to close
         finally:
             listening.close()
-            await listening.wait_closed()
+            await asyncio.wait_for(listening.wait_closed(), 5)
