@@ -888,14 +888,18 @@ class Engine:
         if tracked.exclusive:
             # It lost its exclusive CPUs (a new policy or reserved set): it shares now, so
             # it gets every memory node and kubelet's quota back, as a shared container has.
-            everything = self.policy.topology.numa_nodes_of(self.policy.topology.online)
-            return self.state.shared, rq.mems_of(everything), tracked.kubelet_quota or None
+            everything = rq.mems_of(self.policy.topology.numa_nodes)
+            return self.state.shared, everything, tracked.kubelet_quota or None
         return self.state.shared, "", None
+
+    def _lost(self, tracked: Tracked) -> bool:
+        """Whether it carries an exclusive container's settings without its CPUs."""
+        return tracked.exclusive and self._assignment_of(tracked) is None
 
     def _restored(self, tracked: Tracked) -> None:
         """After a move through the runtime: a container that lost its exclusive CPUs has its
         shared settings now, and moves like any shared container from here on."""
-        if tracked.exclusive and self._assignment_of(tracked) is None:
+        if self._lost(tracked):
             tracked.exclusive = False
 
     def _assignment_of(self, tracked: Tracked) -> Assignment | None:
@@ -914,8 +918,7 @@ class Engine:
             if tracked.phase is Phase.EXITED:
                 continue
             cpus, mems, quota = self._desired(tracked)
-            lost = tracked.exclusive and self._assignment_of(tracked) is None
-            if cpus != tracked.applied or lost:
+            if cpus != tracked.applied or self._lost(tracked):
                 moves.append((tracked, cpus, mems, quota))
         if not moves:
             return

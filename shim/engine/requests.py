@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
 from shim.cpuset import CPUSet
@@ -51,5 +52,5 @@ def update_request(
     return request.SerializeToString()
 
 
-def mems_of(nodes: frozenset[int]) -> str:
+def mems_of(nodes: Iterable[int]) -> str:
     return str(CPUSet(nodes))

@@ -421,9 +421,8 @@ def _carries_exclusive_settings(
         return True
     if plan.exclusive is None or not resources.cpuset_mems:
         return False
-    topology = engine.policy.topology
     try:
         mems = CPUSet.parse(resources.cpuset_mems)
     except ValueError:
         return False
-    return mems != CPUSet(topology.numa_nodes_of(topology.online))
+    return mems != CPUSet(engine.policy.topology.numa_nodes)
