@@ -686,6 +686,18 @@ async def test_switching_to_the_none_policy_unpins_everything(env: Env) -> None:
     assert env.cpus(new_id) == "0-7"
 
 
+async def pinned_without_quota(env: Env) -> str:
+    """A pinned 1-CPU container whose kubelet enforces no CPU limit (``cpuCFSQuota: false``:
+    no quota, no period); its id."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000)
+    request.config.linux.resources.cpu_quota = 0
+    request.config.linux.resources.cpu_period = 0
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK, reply.status_message
+    return pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+
+
 async def test_a_container_that_loses_its_cpus_gets_kubelets_quota_and_every_node_back(
     env: Env,
 ) -> None:
@@ -719,13 +731,7 @@ async def test_a_lost_container_that_kept_its_quota_gets_every_node_back(env: En
 async def test_a_restored_container_is_not_restored_again_at_the_next_restart(
     env: Env,
 ) -> None:
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    request = env.kubelet.create_request(pod, "main", 1000)
-    request.config.linux.resources.cpu_quota = 0  # kubelet's cpuCFSQuota: false: -1 stays
-    request.config.linux.resources.cpu_period = 0
-    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
-    assert reply.status is Status.OK, reply.status_message
-    pinned_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    pinned_id = await pinned_without_quota(env)  # so -1 stays after the restore
     await env.restart(NonePolicy(TOPOLOGY))
     assert len(updates_to(env.fake, pinned_id)) == 1
     await env.restart(NonePolicy(TOPOLOGY))
@@ -759,13 +765,7 @@ async def test_kubelets_update_of_a_lost_container_restores_it_with_kubelets_quo
 
 
 async def test_a_lost_container_whose_kubelet_set_no_quota_keeps_none(env: Env) -> None:
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    request = env.kubelet.create_request(pod, "main", 1000)
-    request.config.linux.resources.cpu_quota = 0  # kubelet's cpuCFSQuota: false
-    request.config.linux.resources.cpu_period = 0
-    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
-    assert reply.status is Status.OK, reply.status_message
-    pinned_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    pinned_id = await pinned_without_quota(env)
     assert env.fake.containers[pinned_id].resources.cpu_quota == -1
     await env.restart(NonePolicy(TOPOLOGY))
     restored = env.fake.containers[pinned_id].resources
