@@ -249,6 +249,12 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
         if options.config_path is not None:
             reloader = ConfigReloader(watcher, options, build_policy)
             reloader.start()
+        # Before the socket accepts: a SIGTERM as soon as it serves must stop cpushim cleanly,
+        # not kill it with the default action.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         await server.start()
         log.info(
             "serving",
@@ -261,10 +267,6 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
                 }
             },
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         # The state is resynced and the socket serves: systemd may start kubelet now.
         notify.ready(f"serving {options.listen}; {len(engine.state.assignments)} pinned")
         await stop.wait()
