@@ -172,6 +172,16 @@ def run_pod(
     return sandbox, container_id
 
 
+def start_pod(
+    client: KubeletClient, name: str, qos: QoSClass, resources: ContainerResources = NO_RESOURCES
+) -> tuple[Sandbox, str]:
+    """A pod whose one container is started: kubelet's RunPodSandbox, CreateContainer and
+    StartContainer."""
+    sandbox, container_id = run_pod(client, name, qos, resources)
+    client.start_container(container_id)
+    return sandbox, container_id
+
+
 def cgroup_cpus_of(client: KubeletClient, container_id: str) -> str:
     """The container's cgroup cpuset.cpus, whether or not its process runs yet."""
     info = json.loads(client.container_status(container_id, verbose=True).info["info"])
@@ -199,8 +209,7 @@ def test_pinning_moves_shared_containers_before_create_and_back_before_stop_retu
 ) -> None:
     shim.start()
     kubelet = via()
-    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
-    kubelet.start_container(shared_id)
+    _, shared_id = start_pod(kubelet, "besteffort", "besteffort")
     assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
 
     pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
@@ -253,10 +262,8 @@ def test_sigkill_and_restart_keep_every_assignment(
 ) -> None:
     shim.start()
     kubelet = via()
-    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
-    kubelet.start_container(shared_id)
-    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-    kubelet.start_container(pinned_id)
+    _, shared_id = start_pod(kubelet, "besteffort", "besteffort")
+    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     before = shim.assignments()
     assert before == {pinned_pod.uid: {"main": "1"}}
 
@@ -289,10 +296,8 @@ def test_sigkill_and_restart_keep_every_assignment(
 def test_containers_created_while_cpushim_was_down_are_adopted(
     shim: Shim, direct: KubeletClient
 ) -> None:
-    _, shared_id = run_pod(direct, "besteffort", "besteffort")
-    direct.start_container(shared_id)
-    pinned_pod, pinned_id = run_pod(direct, "guaranteed", "guaranteed", ONE_CPU)
-    direct.start_container(pinned_id)
+    _, shared_id = start_pod(direct, "besteffort", "besteffort")
+    pinned_pod, pinned_id = start_pod(direct, "guaranteed", "guaranteed", ONE_CPU)
     assert_kernel(direct.kernel_cpus(pinned_id), "0-1")
 
     shim.start()
@@ -307,8 +312,7 @@ def test_a_container_that_loses_its_cpu_to_a_new_policy_gets_kubelets_quota_back
 ) -> None:
     shim.start()
     kubelet = via()
-    _, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-    kubelet.start_container(pinned_id)
+    _, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     cgroup = direct.kernel_cpus(pinned_id).cgroup_path
     assert cgroup_file("cpu", cgroup, "cpu.cfs_quota_us") == "-1"
     shim.stop()
@@ -326,8 +330,7 @@ def test_a_corrupt_checkpoint_stops_start_up_until_recovered_from_the_runtime(
 ) -> None:
     shim.start()
     kubelet = via()
-    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-    kubelet.start_container(pinned_id)
+    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     shim.stop()
     text = shim.state_file.read_text()
     shim.state_file.write_text(text.replace('"cpus": "1"', '"cpus": "0"'))

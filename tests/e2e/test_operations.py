@@ -26,6 +26,7 @@ from tests.e2e.test_inline_allocation import (  # the fixtures are shared with t
     rpc_error,
     run_pod,
     shim,
+    start_pod,
     two_cpus,
     via,
 )
@@ -142,10 +143,8 @@ def test_metrics_follow_a_real_lifecycle_and_healthz_follows_the_runtime(
     assert start.value("cpu_manager_pinning_requests_total") == 0
 
     kubelet = via()
-    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
-    kubelet.start_container(shared_id)
-    _, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-    kubelet.start_container(pinned_id)
+    start_pod(kubelet, "besteffort", "besteffort")
+    _, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     refused = rpc_error(lambda: run_pod(kubelet, "second", "guaranteed", ONE_CPU))
     assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 

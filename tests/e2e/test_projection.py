@@ -19,8 +19,8 @@ from tests.e2e.test_inline_allocation import (  # the fixtures are shared with t
     Shim,
     assert_kernel,
     direct,
-    run_pod,
     shim,
+    start_pod,
     two_cpus,
     via,
 )
@@ -55,8 +55,7 @@ def test_a_shared_container_reads_its_cpuset_and_follows_a_pinning(
 ) -> None:
     shim.start()
     kubelet = via()
-    shared_pod, shared_id = run_pod(kubelet, "besteffort", "besteffort")
-    kubelet.start_container(shared_id)
+    shared_pod, shared_id = start_pod(kubelet, "besteffort", "besteffort")
 
     cpus, state, allowed = read_inside(kubelet, shared_id)
     assert cpus == allowed == "0-1"
@@ -77,8 +76,7 @@ def test_a_shared_container_reads_its_cpuset_and_follows_a_pinning(
             assert first.cpus == "0-1"
 
             def pin() -> str:
-                _, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-                kubelet.start_container(pinned_id)
+                _, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
                 return pinned_id
 
             pinned_id = await anyio.to_thread.run_sync(pin)
@@ -117,8 +115,7 @@ def test_removing_the_pod_removes_its_projection(
 ) -> None:
     shim.start()
     kubelet = via()
-    pod, container_id = run_pod(kubelet, "besteffort", "besteffort")
-    kubelet.start_container(container_id)
+    pod, _ = start_pod(kubelet, "besteffort", "besteffort")
     directory = host_directory(shim, pod.uid)
     assert read(directory).cpus == "0-1"
     kubelet.teardown_pod(pod.id)

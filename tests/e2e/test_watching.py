@@ -17,8 +17,8 @@ from tests.e2e.test_inline_allocation import (  # the fixtures are shared with t
     Shim,
     assert_kernel,
     direct,
-    run_pod,
     shim,
+    start_pod,
     two_cpus,
     via,
 )
@@ -42,8 +42,7 @@ def test_a_cpuset_written_by_hand_is_written_back(
 ) -> None:
     shim.start()
     kubelet = via()
-    _, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-    kubelet.start_container(pinned_id)
+    _, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
 
     cpuset_file(kubelet, pinned_id).write_text("0-1")
@@ -64,10 +63,8 @@ def test_a_killed_container_gives_its_cpu_back_to_the_shared_ones(
 ) -> None:
     shim.start()
     kubelet = via()
-    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
-    kubelet.start_container(shared_id)
-    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-    kubelet.start_container(pinned_id)
+    _, shared_id = start_pod(kubelet, "besteffort", "besteffort")
+    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
     assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
 
@@ -89,8 +86,7 @@ def test_the_state_file_is_rewritten_when_someone_else_changes_it(
 ) -> None:
     shim.start()
     kubelet = via()
-    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-    kubelet.start_container(pinned_id)
+    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     # The container id reaches the checkpoint just after CreateContainer returns.
     wait_for(
         lambda: pinned_id in shim.state_file.read_text(),
@@ -127,10 +123,8 @@ def test_a_config_edit_applies_live_and_a_bad_one_is_refused(
     shim.reserved_flags = ()
     shim.start("--config", str(config))
     kubelet = via()
-    _, shared_id = run_pod(kubelet, "besteffort", "besteffort")
-    kubelet.start_container(shared_id)
-    pinned_pod, pinned_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
-    kubelet.start_container(pinned_id)
+    _, shared_id = start_pod(kubelet, "besteffort", "besteffort")
+    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
 
