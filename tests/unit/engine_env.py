@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+import pytest
 
 from shim.cgroups import CgroupLayout, CgroupVersion
 from shim.checkpoint import CheckpointFile
@@ -205,6 +206,15 @@ async def make_env(
     )
     await resync(engine)
     return Env(fake, state_dir, channel, engine, Kubelet(engine, channel))
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    """The engine with the static policy, CPU 0 reserved, against a fresh fake runtime."""
+    async with FakeRuntime() as fake:
+        environment = await make_env(fake, tmp_path / "state")
+        yield environment
+        environment.channel.close()
 
 
 def assert_consistent(env: Env) -> None:

@@ -8,7 +8,7 @@ socket 0 holds CPUs 0,1,4,5 and socket 1 holds 2,3,6,7; CPU 0 is reserved.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,6 +42,7 @@ from tests.unit.engine_env import (
     TOPOLOGY,
     Env,
     assert_consistent,
+    env,
     make_env,
     static_policy,
     updates_to,
@@ -49,13 +50,7 @@ from tests.unit.engine_env import (
 
 pytestmark = pytest.mark.anyio
 
-
-@pytest.fixture
-async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    async with FakeRuntime() as fake:
-        environment = await make_env(fake, tmp_path / "state")
-        yield environment
-        environment.channel.close()
+__all__ = ["env"]  # the fixture
 
 
 # --- creating --------------------------------------------------------------------------------

@@ -25,23 +25,16 @@ from shim.cri.passthrough import PassthroughInterceptor
 from shim.cri.server import RelayServer
 from shim.metrics import ENGINE_COUNTERS, KUBELET_COUNTERS, Metrics, RelayStats, serve_metrics
 from tests.fake_cri import FUTURE_UNARY, FakeRuntimeServer, script, short_tmpdir
-from tests.fake_runtime import FakeRuntime
-from tests.unit.engine_env import Env, make_env
+from tests.unit.engine_env import Env, env
 from tests.unit.relay_env import RUNTIME, LoopThread, failure, unary
 
 pytestmark = pytest.mark.anyio
 
+__all__ = ["env"]  # the fixture
+
 SHIM = Path(shim.__file__).parent
 VERSION = RUNTIME + "Version"
 START = RUNTIME + "StartContainer"  # terminated at the relay by the passthrough interceptor
-
-
-@pytest.fixture
-async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    async with FakeRuntime() as fake:
-        environment = await make_env(fake, tmp_path / "state")
-        yield environment
-        environment.channel.close()
 
 
 def free_address() -> str:
