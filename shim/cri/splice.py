@@ -342,8 +342,14 @@ class Splice:
 
     @property
     def idle(self) -> bool:
-        """No call in flight on this connection."""
-        return not self.open_streams and not self._local and not self._held_trailers
+        """No call in flight on this connection, and nothing waiting for the client's
+        flow-control credit: a reply the runtime has ended may still be held here."""
+        return (
+            not self.open_streams
+            and not self._local
+            and not self._held_trailers
+            and not self._held_for_client
+        )
 
     @property
     def client_blocks_self_contained(self) -> bool:

@@ -199,6 +199,29 @@ def test_large_reply_written_here_then_spliced_traffic_respects_the_real_window(
     assert pair.server.outbound_flow_control_window == pair.client.inbound_flow_control_window
 
 
+def test_a_reply_held_for_the_clients_window_keeps_the_connection_busy() -> None:
+    """A spliced reply the runtime has ended, but that waits here for the client's credit,
+    is still in flight: a connection told to go away closes only once it is idle."""
+    pair = make_pair()
+    pair.auto_ack = False  # the client has not read yet
+    sid = send_request(pair, INTERCEPTED, grpc_body(b"create"))
+    pair.splice.reply(sid, Reply.ok(b"r" * 60_000))  # most of the connection's 65,535
+    pair.pump()
+    spliced = send_request(pair, SPLICED, grpc_body(b"list"))
+    respond(pair, spliced, grpc_body(b"s" * 20_000))
+    pair.splice.goaway()
+    pair.pump()
+    assert pair.received(pair.client_events, spliced) != grpc_body(b"s" * 20_000)
+    assert not pair.splice.idle
+
+    pair.read_everything(pair.client)
+    assert pair.received(pair.client_events, spliced) == grpc_body(b"s" * 20_000)
+    ended = {e.stream_id for e in pair.client_events if isinstance(e, h2.events.StreamEnded)}
+    assert spliced in ended
+    assert [e for e in pair.client_events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert pair.splice.idle
+
+
 @pytest.mark.parametrize("client_window", [1_000, 16_383])
 def test_a_reply_written_here_larger_than_the_clients_window_gets_through(
     client_window: int,
