@@ -193,8 +193,15 @@ class RelayServer:
                 "calls still in flight at the end of the shutdown grace period",
                 extra={"fields": {"connections": len(self.connections), "grace_s": grace}},
             )
+        # What is still queued for a client now is dropped: a close that waits to write it
+        # waits for ever on a client that stopped reading (and Server.wait_closed with it).
         for conn in list(self.connections):
-            conn.abort()
+            conn.drop()
+        if self.connections:
+            # Each is told it is lost on the loop's next turn.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_DROP_WAIT):
+                    await self._idle.wait()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
@@ -499,9 +506,18 @@ class ClientConnection(asyncio.Protocol):
         if self.upstream is not None:
             self.upstream.close()
 
+    def drop(self) -> None:
+        """Close both sides now, dropping whatever is still queued for them."""
+        if self.client is not None:
+            self.client.abort()
+        if self.upstream is not None:
+            self.upstream.abort()
+
 
 # How long a client told to go away may keep its end open after its last reply.
 _LINGER = 1.0
+# How long shutdown waits for the connections it dropped to be gone.
+_DROP_WAIT = 1.0
 # How long past a forwarded call's deadline its reply is still waited for.
 _DEADLINE_GRACE = 5.0
 

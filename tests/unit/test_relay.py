@@ -6,6 +6,7 @@ terminates them and when it amends them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 import h2.config
 import h2.connection
+import h2.settings
 import hpack
 import pytest
 
@@ -362,6 +364,58 @@ def test_a_client_still_writing_after_its_last_reply_at_shutdown_is_not_cut_off(
             # A write after it (credit for the reply) still lands.
             raw.sendall(fr.window_update(0, 4096))
         assert closing.result(10) is True
+
+
+def test_a_client_that_stops_reading_does_not_hold_up_shutdown() -> None:
+    """A client that gives the relay a large window and then reads nothing leaves the
+    relay's writes queued in the process. Once the grace period is over the connection is
+    closed anyway, and shutdown returns: a close that waited for those writes would wait
+    for ever (and from Python 3.12 the server's wait_closed with it)."""
+    with relay_env() as env:
+        relay = env.relay
+        assert relay is not None
+        client = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None)
+        )
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(str(env.relay_socket))
+            raw.settimeout(10)
+            client.initiate_connection()
+            window = 2**31 - 1
+            client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+            client.increment_flow_control_window(window - 65_535)
+            stream = client.get_next_available_stream_id()
+            headers = [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", (RUNTIME + "ListContainers").encode()),
+                (b":authority", b"localhost"),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+            ]
+            client.send_headers(stream, headers)
+            client.send_data(stream, frame_message(script(b"big:16000000")), end_stream=True)
+            raw.sendall(client.data_to_send())
+
+            def queued() -> int:
+                return sum(
+                    conn.client.get_write_buffer_size()
+                    for conn in relay.connections
+                    if conn.client is not None
+                )
+
+            deadline = time.monotonic() + 10
+            while queued() == 0:
+                assert time.monotonic() < deadline, "the relay never had writes queued"
+                time.sleep(0.01)
+            finished = env.loop.run(relay.shutdown(0.2), timeout=10)
+            assert finished is False  # the call was still in flight
+            assert not relay.connections
+            # The client sees its connection end when it reads, cut short.
+            raw.setblocking(False)
+            with contextlib.suppress(BlockingIOError, ConnectionResetError):
+                while raw.recv(1 << 20):
+                    pass
 
 
 def test_runtime_crash_fails_fast_then_recovers() -> None:
