@@ -253,6 +253,8 @@ class ClientConnection(asyncio.Protocol):
                 lambda: UpstreamConnection(self), self.server.runtime_path
             )
         except OSError as exc:
+            if self._closed or self._finishing:
+                return  # no call of this connection's will be answered now
             self.unavailable_reason = f"{self.server.runtime.endpoint}: {exc.strerror or exc}"
             log.warning(
                 "runtime unreachable; answering this connection's calls with UNAVAILABLE",

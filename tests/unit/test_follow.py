@@ -363,3 +363,30 @@ async def test_an_upstream_that_connects_after_the_connection_ended_is_closed() 
         finally:
             listening.close()
             await asyncio.wait_for(listening.wait_closed(), 5)
+
+
+@pytest.mark.anyio
+async def test_an_unreachable_runtime_after_the_connection_ended_is_not_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same, with no runtime to reach: nobody is left to answer UNAVAILABLE to, so the
+    connection does not switch to answering its calls itself, and logs nothing."""
+    with short_tmpdir() as workdir:
+        server = RelayServer(
+            listen=f"unix://{workdir}/relay.sock",
+            runtime_endpoint=f"unix://{workdir}/nothing-listens-here.sock",
+            interceptor=PassthroughInterceptor(frozenset()),
+        )
+        peers = Peers(server)
+        connection = peers.connection
+        connection.upstream = None
+        connection._connecting = True
+        connection.data_received(fr.PREFACE)
+        connection.begin_shutdown()
+        assert peers.to_client.eof
+        peers.to_client.writes.clear()
+        with caplog.at_level("WARNING", logger="shim.cri.server"):
+            await connection._connect_upstream()
+        assert not connection.splice.upstream_absent
+        assert not caplog.records
+        assert not peers.to_client.writes
