@@ -9,8 +9,10 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from shim import notify
 from shim.cgroups import CgroupError, CgroupLayout
@@ -32,6 +34,8 @@ from shim.policy.static import StaticPolicy
 from shim.topology import Topology
 
 log = logging.getLogger("shim.run")
+
+T = TypeVar("T")
 
 IMAGE_SERVICE_PREFIX = "/runtime.v1.ImageService/"
 VERSION_PATH = "/runtime.v1.RuntimeService/Version"
@@ -207,6 +211,12 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
         observer=metrics.relay,
         follower=engine,
     )
+    # From here on SIGTERM and SIGINT stop cpushim cleanly, whatever it is doing: waiting for
+    # the runtime (which may take --upstream-wait), or serving.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     async with contextlib.AsyncExitStack() as cleanup:
         if options.metrics_address:
             # Before the wait for the runtime: /healthz answers 503 meanwhile, saying why.
@@ -223,7 +233,13 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
                     ' (metricsAddress, --metrics-address; "" switches them off)'
                 ) from exc
             cleanup.push_async_callback(_close_server, metrics_server)
-        version = await wait_for_runtime(server.runtime, options.upstream_wait)
+        version = await _unless_stopped(
+            wait_for_runtime(server.runtime, options.upstream_wait), stop
+        )
+        if version is None:
+            log.info("stopped before the runtime answered")
+            runtime.close()
+            return 0
         log.info(
             "policy",
             extra={
@@ -249,12 +265,6 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
         if options.config_path is not None:
             reloader = ConfigReloader(watcher, options, build_policy)
             reloader.start()
-        # Before the socket accepts: a SIGTERM as soon as it serves must stop cpushim cleanly,
-        # not kill it with the default action.
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         await server.start()
         log.info(
             "serving",
@@ -282,6 +292,22 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
             image_channel.close()
         log.info("stopped", extra={"fields": {"calls_finished": finished}})
         return 0
+
+
+async def _unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+    """``work``'s result, or None (and ``work`` cancelled) if ``stop`` is set first."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 def runtime_unreachable(endpoint: str) -> str | None:

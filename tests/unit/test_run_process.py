@@ -151,6 +151,29 @@ def test_gives_up_clearly_when_the_runtime_never_appears() -> None:
         assert not (workdir / "cri.sock").exists()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_waiting_for_the_runtime_stops_cleanly(sig: signal.Signals) -> None:
+    with short_tmpdir() as workdir:
+        log = workdir / "cpushim.log"
+        proc = start_cpushim(
+            workdir / "cri.sock", f"unix://{workdir}/absent.sock", log, "--upstream-wait", "120"
+        )
+        try:
+            deadline = time.monotonic() + 20
+            while not any(e["msg"] == "waiting for the runtime" for e in log_events(log)):
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "cpushim never waited for the runtime"
+                time.sleep(0.02)
+            proc.send_signal(sig)
+            assert proc.wait(20) == 0, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert any(e["msg"] == "stopped before the runtime answered" for e in log_events(log))
+        assert not (workdir / "cri.sock").exists()
+
+
 def test_stale_socket_file_is_replaced(tmp_path: Path) -> None:
     with short_tmpdir() as workdir:
         path = workdir / "stale.sock"
