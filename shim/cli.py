@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         "shutdownGrace",
         type=float,
         metavar="SECONDS",
-        help="how long calls in flight may take to finish on SIGTERM (default 10)",
+        help="how long calls in flight may take to finish on SIGTERM (default 10; a second"
+        " signal ends the wait)",
     )
     policy = run.add_argument_group("CPU allocation")
     _option(

@@ -281,8 +281,9 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
         notify.ready(f"serving {options.listen}; {len(engine.state.assignments)} pinned")
         await stop.wait()
         notify.stopping()
+        stop.clear()  # a second signal ends the grace period at once
         log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
-        finished = await server.shutdown(options.shutdown_grace)
+        finished = await server.shutdown(options.shutdown_grace, cut_short=stop)
         if reloader is not None:
             reloader.stop()
         await watcher.stop()

@@ -176,21 +176,28 @@ class RelayServer:
         if not self.connections:
             self._idle.set()
 
-    async def shutdown(self, grace: float) -> bool:
-        """Stop accepting, let calls in flight finish for up to ``grace`` seconds, then close
-        every connection. True if everything finished in time."""
+    async def shutdown(self, grace: float, cut_short: asyncio.Event | None = None) -> bool:
+        """Stop accepting, let calls in flight finish for up to ``grace`` seconds (less if
+        ``cut_short`` is set meanwhile), then close every connection. True if everything
+        finished in time."""
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
             conn.begin_shutdown()
-        finished = True
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if cut_short is not None:
+            waits.append(asyncio.ensure_future(cut_short.wait()))
         try:
-            async with asyncio.timeout(grace):
-                await self._idle.wait()
-        except TimeoutError:
-            finished = False
+            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        finished = self._idle.is_set()
+        if not finished:
             log.warning(
-                "calls still in flight at the end of the shutdown grace period",
+                "calls still in flight at the end of the shutdown grace period"
+                if cut_short is None or not cut_short.is_set()
+                else "shutdown grace period cut short; calls still in flight",
                 extra={"fields": {"connections": len(self.connections), "grace_s": grace}},
             )
         # What is still queued for a client now is dropped: a close that waits to write it

@@ -108,6 +108,47 @@ def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeSer
             proc.kill()
 
 
+def test_a_second_sigterm_ends_the_grace_period_at_once(fake: FakeRuntimeServer) -> None:
+    listen = fake.socket_path.parent / "sock" / "cri.sock"
+    log = fake.socket_path.parent / "cpushim.log"
+    proc = start_cpushim(listen, fake.endpoint, log, "--shutdown-grace", "120")
+    try:
+        wait_serving(proc, listen, log)
+        outcome: dict[str, object] = {}
+        with grpc.insecure_channel(f"unix://{listen}") as ch:
+
+            def stuck_call() -> None:
+                try:
+                    outcome["reply"] = unary(
+                        ch, RUNTIME + "ListContainers", b"sleep:100", timeout=110
+                    )
+                except grpc.RpcError as exc:
+                    outcome["error"] = exc
+
+            caller = threading.Thread(target=stuck_call)
+            caller.start()
+            deadline = time.monotonic() + 10
+            while not any(call[1] == b"sleep:100" for call in fake.runtime.calls):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            while not any(e["msg"] == "shutting down" for e in log_events(log)):
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "cpushim never began to shut down"
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0, log.read_text()
+            caller.join(20)
+        assert isinstance(outcome.get("error"), grpc.RpcError), outcome
+        events = log_events(log)
+        assert any("cut short" in str(e["msg"]) for e in events)
+        stopped = next(e for e in events if e["msg"] == "stopped")
+        assert stopped["calls_finished"] is False
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.parametrize(
     ("second_state", "says"),
     [
