@@ -148,7 +148,10 @@ class Watcher:
         while True:
             await asyncio.sleep(self.resync_period)
             self.counters["periodic_resyncs"] += 1
-            await self.look_everywhere()
+            # A job, not awaited here: a look that fails must not end the timer, and a timer
+            # cancelled by a new period (a config reload) must not cut a look half-way (a
+            # release whose shared containers were never grown).
+            self.jobs.request("full-resync", self.look_everywhere)
 
     def _overflowed(self) -> None:
         self.counters["inotify_overflows"] += 1

@@ -3,6 +3,7 @@ writes and deletions) and a fake containerd that writes and removes it as runc w
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
@@ -14,7 +15,7 @@ import pytest
 from shim.cgroups import CgroupLayout, CgroupVersion
 from shim.engine import EngineOptions
 from shim.engine.watching import Watcher
-from shim.state import ContainerKey
+from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeRuntime
 from tests.unit.engine_env import (
     FIRST_SINGLE,
@@ -257,6 +258,60 @@ async def test_the_periodic_look_repairs_what_no_event_told(tmp_path: Path) -> N
             cpuset_file(w.env, shared_id).write_text("2\n")
             await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "repaired")  # noqa: B023
             assert w.counters["periodic_resyncs"] >= 1
+
+
+@pytest.fixture
+async def periodic(tmp_path: Path) -> AsyncIterator[Watched]:
+    """A watcher that looks at everything every 20 ms."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        async for watched in watched_env(tmp_path, fake, resync_period=0.02):
+            yield watched
+
+
+async def test_a_periodic_look_that_fails_does_not_end_the_periodic_look(
+    periodic: Watched,
+) -> None:
+    real = periodic.watcher.check_state
+    failures = 0
+
+    async def fails_once() -> None:
+        nonlocal failures
+        if not failures:
+            failures += 1
+            raise RuntimeError("an unexpected error in one look")
+        await real()
+
+    periodic.watcher.check_state = fails_once  # type: ignore[method-assign]
+    await until(lambda: failures == 1, "the failing look")
+    looks = periodic.counters["periodic_resyncs"]
+    await until(lambda: periodic.counters["periodic_resyncs"] >= looks + 2, "looks after it")
+
+
+async def test_a_new_resync_period_does_not_cut_a_look_half_way(periodic: Watched) -> None:
+    """A look releasing an exited container's CPUs when a config reload sets a new period:
+    the look goes on, and the shared container is grown."""
+    w = periodic
+    shared_id = await w.started("web")
+    pinned_id = await w.started("db", "guaranteed", 1000)
+    assert w.env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    w.watcher.unwatch(pinned_id)  # its exit is left to the periodic look
+    checkpoint = w.env.engine.checkpoint
+    real_save = checkpoint.save
+    saving, saved = asyncio.Event(), asyncio.Event()
+
+    async def held_save(state: CPUState) -> None:
+        saving.set()
+        await saved.wait()
+        await real_save(state)
+
+    checkpoint.save = held_save  # type: ignore[method-assign]
+    w.env.fake.exit_container(pinned_id)
+    await asyncio.wait_for(saving.wait(), 5)  # the look is releasing
+    w.watcher.set_resync_period(0.02)
+    checkpoint.save = real_save  # type: ignore[method-assign]
+    saved.set()
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "shared grown")
+    assert str(w.env.engine.state.shared) == "0-7"
 
 
 # --- leaks -----------------------------------------------------------------------------------
