@@ -309,6 +309,10 @@ class Watcher:
 
         def on_event(event: Event) -> None:
             if event.mask & _GONE_EVENTS and not event.name:
+                if self._state_watch is not None:
+                    # A directory moved away keeps its kernel watch, under the old path's
+                    # name: dropped, so that the directory made again there gets its own.
+                    self.inotify.unsubscribe(self._state_watch)
                 self._state_watch = None
                 self.jobs.request("state-dir", self._restore_state_dir)
             elif event.name == self.engine.checkpoint.path.name:

@@ -211,6 +211,16 @@ async def test_a_deleted_state_directory_is_made_again(w: Watched) -> None:
     await until(lambda: (w.env.state_dir / "state.json").exists(), "state rewritten again")
 
 
+async def test_a_state_directory_moved_away_is_made_again_and_watched(w: Watched) -> None:
+    state_dir = w.env.state_dir
+    state_dir.rename(state_dir.with_name("state.old"))
+    await until(lambda: (state_dir / "state.json").exists(), "state rewritten")
+    # The kernel's watch followed the old directory; the new one is watched too.
+    await w.settled()
+    (state_dir / "state.json").unlink()
+    await until(lambda: (state_dir / "state.json").exists(), "state rewritten again")
+
+
 async def test_cpushims_own_state_writes_are_not_rewritten(w: Watched) -> None:
     for index in range(3):
         pod = await w.env.kubelet.run_pod(f"db-{index}", "guaranteed")
