@@ -165,6 +165,10 @@ class Watcher:
         kernel refuses, one full look follows (unless this is one); False then."""
         if tracked.id in self._containers or tracked.cgroup is None:
             return tracked.id in self._containers
+        known = self.engine.containers.get(tracked.id)
+        if tracked.phase is not Phase.RUNNING or known is not tracked:
+            # Stopped or forgotten while it was being located: nobody would unwatch it.
+            return False
         directory = tracked.cgroup
         container_id = tracked.id
 

@@ -327,6 +327,27 @@ async def test_a_new_resync_period_does_not_cut_a_look_half_way(periodic: Watche
 # --- leaks -----------------------------------------------------------------------------------
 
 
+async def test_a_container_forgotten_while_it_is_located_is_not_watched(w: Watched) -> None:
+    """RemoveContainer's follow-up lands while the runtime is still asked where the
+    container's cgroup is: no watch is placed afterwards, which nothing would remove."""
+    gate = w.env.fake.gate("ContainerStatus")
+    pod = await w.env.kubelet.run_pod("web", "besteffort")
+    container_id = await w.env.kubelet.start_new(pod, "main")
+    await until(lambda: len(w.env.fake.calls_of("ContainerStatus")) == 1, "locating")
+    w.env.engine._untrack(container_id)
+    gate.set()
+
+    def locating() -> bool:
+        return any(
+            getattr(task.get_coro(), "__qualname__", "") == "Engine._locate"
+            for task in w.env.engine._tasks
+        )
+
+    await until(lambda: not locating(), "located")
+    assert container_id not in w.env.engine.containers
+    assert w.watcher.watched_containers == 0
+
+
 async def test_no_watch_or_task_outlives_500_container_lifecycles(w: Watched) -> None:
     await w.started("web")
     baseline = (w.watcher.inotify.watch_count, w.watcher.inotify.subscription_count)
