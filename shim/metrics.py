@@ -79,6 +79,9 @@ ENGINE_COUNTERS: dict[str, str] = {
     "projection_errors": "Failures to write or clean up projection directories",
     "projection_writes": "Projection files written into containers' directories",
     "runtime_records": "Cpusets written to a cgroup that were then recorded with the runtime",
+    "runtime_record_errors": (
+        "Cpusets written to a cgroup that the runtime refused to record (retried later)"
+    ),
     "state_rewrites": "Times the state file on disk was found changed and rewritten",
     "watch_errors": "inotify watches that could not be placed",
 }

@@ -9,6 +9,8 @@ carrying the latest cpuset once the container's cpuset has stayed put for ``reco
 seconds, so a burst of moves costs one ``runc update``; a container that keeps moving (a node
 churning pods) is still recorded every ``record_max_delay`` seconds. An update in flight is
 waited for before the next direct write, so an older cpuset can never overwrite a newer one.
+An update the runtime refuses is logged, counted (``runtime_record_errors``) and tried again
+after the record delay, a second at least.
 
 Exclusive containers (whose mems and CFS quota move too) and containers that have not started
 (no cgroup yet) always go through the runtime.
@@ -175,9 +177,10 @@ class Mover:
         loop = asyncio.get_running_loop()
         # Since when the runtime's record has been behind the cgroup.
         behind_since = loop.time()
+        retry_at = 0.0
         try:
             while tracked.phase is not Phase.EXITED:
-                await self._until_due(tracked, behind_since)
+                await self._until_due(tracked, behind_since, retry_at)
                 async with tracked.write_lock:
                     cpus = tracked.applied
                     if cpus is None or cpus == tracked.recorded:
@@ -186,27 +189,52 @@ class Mover:
                     reply = await self.runtime.unary(
                         UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
                     )
+                    if reply.status is Status.NOT_FOUND:
+                        return  # gone: nothing left to record
                     if reply.status is not Status.OK:
-                        # Gone, or refused: the cgroup is right; the next move tries again.
-                        return
+                        # The cgroup is right; the runtime's record (and systemd's) is behind.
+                        self.counters["runtime_record_errors"] += 1
+                        retrying = not self._flush.is_set()
+                        log.warning(
+                            "the runtime did not record a container's cpuset",
+                            extra={
+                                "fields": {
+                                    "container_id": tracked.id,
+                                    "cpus": str(cpus),
+                                    "error": f"{reply.status.name}: {reply.status_message}",
+                                    "retry_in_s": self._retry_delay if retrying else None,
+                                }
+                            },
+                        )
+                        if not retrying:
+                            return  # shutting down: the next start's resync squares it
+                        retry_at = loop.time() + self._retry_delay
+                        continue
                     tracked.recorded = cpus
                     self.counters["runtime_records"] += 1
                 behind_since = loop.time()
         finally:
             self._recorders.pop(tracked.id, None)
 
-    async def _until_due(self, tracked: Tracked, behind_since: float) -> None:
+    async def _until_due(self, tracked: Tracked, behind_since: float, not_before: float) -> None:
         """Until the cpuset has stayed put for the record delay, or the record has been behind
         for the longest delay (a container that keeps moving is still recorded now and then),
-        or a flush."""
+        and not before ``not_before`` (a retry); or until a flush."""
         loop = asyncio.get_running_loop()
         while not self._flush.is_set():
             due = min(tracked.moved_at + self.record_delay, behind_since + self.record_max_delay)
+            due = max(due, not_before)
             wait = due - loop.time()
             if wait <= 0:
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._flush.wait(), wait)
+
+    @property
+    def _retry_delay(self) -> float:
+        """How long a refused record waits before it is tried again: the record delay, and
+        never less than a second, so a runtime that keeps refusing is not called in a loop."""
+        return max(self.record_delay, 1.0)
 
     def flush(self) -> None:
         """Tell the runtime every cpuset written directly now, not after the delay (at

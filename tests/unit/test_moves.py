@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from grpclib.const import Status as GrpcStatus
 
 from shim.engine import EngineOptions
 from tests.fake_runtime import FakeRuntime
@@ -125,6 +126,27 @@ async def test_a_container_that_never_stays_put_is_still_recorded(tmp_path: Path
         await env.kubelet.start_new(pod, "main", 1000)
         moved = env.kernel_cpus(shared_id)
         await until(lambda: updates_to(fake, shared_id) == [moved], "the record sent")
+        env.channel.close()
+
+
+async def test_a_record_the_runtime_refuses_is_counted_logged_and_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await cgroup_env(tmp_path, fake, record_delay=0.0)
+        shared_id = await start_located(env, "web")
+        fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE, "containerd is busy")
+        with caplog.at_level("WARNING", logger="shim.engine.moves"):
+            pod = await env.kubelet.run_pod("db", "guaranteed")
+            await env.kubelet.start_new(pod, "main", 1000)
+            moved = env.kernel_cpus(shared_id)
+            # Refused once, then sent again: the runtime's record catches up with the cgroup.
+            await until(lambda: updates_to(fake, shared_id) == [moved, moved], "the retry")
+            await until(lambda: env.engine.counters["runtime_records"] == 1, "recorded")
+        assert env.cpus(shared_id) == moved
+        assert env.engine.counters["runtime_record_errors"] == 1
+        (warning,) = [r for r in caplog.records if "did not record" in r.getMessage()]
+        assert "containerd is busy" in str(warning.__dict__["fields"]["error"])
         env.channel.close()
 
 
