@@ -23,7 +23,6 @@ from shim.cri.server import Interceptor, RelayServer
 from shim.cri.upstream import Forward, RuntimeChannel, unix_path
 from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
 from shim.engine.reloading import ConfigReloader
-from shim.engine.resync import StartupError
 from shim.engine.resync import start as resync
 from shim.engine.watching import Watcher
 from shim.metrics import Metrics, serve_metrics
@@ -218,6 +217,10 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with contextlib.AsyncExitStack() as cleanup:
+        # However _run ends: stopped, refused at start-up, or done.
+        cleanup.callback(runtime.close)
+        if image_channel is not None:
+            cleanup.callback(image_channel.close)
         if options.metrics_address:
             # Before the wait for the runtime: /healthz answers 503 meanwhile, saying why.
             try:
@@ -227,7 +230,6 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
                     lambda: runtime_unreachable(options.runtime_endpoint),
                 )
             except OSError as exc:
-                runtime.close()
                 raise RuntimeError(
                     f"cannot serve metrics on {options.metrics_address}: {exc}"
                     ' (metricsAddress, --metrics-address; "" switches them off)'
@@ -238,7 +240,6 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
         )
         if version is None:
             log.info("stopped before the runtime answered")
-            runtime.close()
             return 0
         log.info(
             "policy",
@@ -253,11 +254,7 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
                 }
             },
         )
-        try:
-            await resync(engine, recover_from_runtime=options.recover_from_runtime)
-        except StartupError:
-            runtime.close()
-            raise
+        await resync(engine, recover_from_runtime=options.recover_from_runtime)
         metrics.state_loaded = True
         watcher = Watcher(engine, resync_period=options.resync_period)
         watcher.start()
@@ -288,9 +285,6 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
             reloader.stop()
         await watcher.stop()
         await engine.drain(options.shutdown_grace)
-        runtime.close()
-        if image_channel is not None:
-            image_channel.close()
         log.info("stopped", extra={"fields": {"calls_finished": finished}})
         return 0
 
