@@ -8,6 +8,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import grpc
@@ -327,6 +328,24 @@ async def test_a_reply_followed_at_once_reaches_the_client_in_one_write(
     assert peers.to_runtime.closed is shutting_down
 
 
+def ended_before_its_runtime(runtime_socket: Path) -> Peers:
+    """A connection whose client was told to go away (and got EOF) while its runtime
+    connection, to ``runtime_socket``, was still being made."""
+    server = RelayServer(
+        listen=f"unix://{runtime_socket.parent}/relay.sock",
+        runtime_endpoint=f"unix://{runtime_socket}",
+        interceptor=PassthroughInterceptor(frozenset()),
+    )
+    peers = Peers(server)
+    connection = peers.connection
+    connection.upstream = None
+    connection._connecting = True
+    connection.data_received(fr.PREFACE)  # held until the runtime is reached
+    connection.begin_shutdown()  # no call in flight: it ends at once
+    assert peers.to_client.eof
+    return peers
+
+
 @pytest.mark.anyio
 async def test_an_upstream_that_connects_after_the_connection_ended_is_closed() -> None:
     """A client told to go away before its runtime connection was made (a shutdown right
@@ -341,18 +360,8 @@ async def test_an_upstream_that_connects_after_the_connection_ended_is_closed() 
 
         listening = await asyncio.start_unix_server(runtime, path=str(workdir / "runtime.sock"))
         try:
-            server = RelayServer(
-                listen=f"unix://{workdir}/relay.sock",
-                runtime_endpoint=f"unix://{workdir}/runtime.sock",
-                interceptor=PassthroughInterceptor(frozenset()),
-            )
-            peers = Peers(server)
+            peers = ended_before_its_runtime(workdir / "runtime.sock")
             connection = peers.connection
-            connection.upstream = None
-            connection._connecting = True
-            connection.data_received(fr.PREFACE)  # held until the runtime is reached
-            connection.begin_shutdown()  # no call in flight: it ends at once
-            assert peers.to_client.eof
             await connection._connect_upstream()
             assert connection.upstream is None
             reader, writer = await asyncio.wait_for(accepted.get(), 5)
@@ -372,18 +381,8 @@ async def test_an_unreachable_runtime_after_the_connection_ended_is_not_reported
     """The same, with no runtime to reach: nobody is left to answer UNAVAILABLE to, so the
     connection does not switch to answering its calls itself, and logs nothing."""
     with short_tmpdir() as workdir:
-        server = RelayServer(
-            listen=f"unix://{workdir}/relay.sock",
-            runtime_endpoint=f"unix://{workdir}/nothing-listens-here.sock",
-            interceptor=PassthroughInterceptor(frozenset()),
-        )
-        peers = Peers(server)
+        peers = ended_before_its_runtime(workdir / "nothing-listens-here.sock")
         connection = peers.connection
-        connection.upstream = None
-        connection._connecting = True
-        connection.data_received(fr.PREFACE)
-        connection.begin_shutdown()
-        assert peers.to_client.eof
         peers.to_client.writes.clear()
         with caplog.at_level("WARNING", logger="shim.cri.server"):
             await connection._connect_upstream()

@@ -30,6 +30,7 @@ from shim.cri.methods import ALL_METHODS
 from shim.cri.passthrough import LIFECYCLE_PATHS, PassthroughInterceptor
 from shim.cri.server import RelayServer
 from tests.fake_cri import DETAILS, FUTURE_STREAM, FUTURE_UNARY, script, short_tmpdir
+from tests.harness.containerd import wait_for
 from tests.unit.relay_env import RUNTIME, LoopThread, RelayEnv, failure, relay_env, unary
 
 SPLICED = RUNTIME + "Version"
@@ -312,6 +313,40 @@ def attempt(channel: grpc.Channel, path: str, command: bytes) -> bytes | grpc.Rp
         return exc
 
 
+@contextlib.contextmanager
+def raw_client(env: RelayEnv) -> Iterator[tuple[socket.socket, h2.connection.H2Connection]]:
+    """A plain socket to the relay and an h2 client whose preface is ready to send, for tests
+    that read or hold back the frames themselves."""
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(env.relay_socket))
+        raw.settimeout(10)
+        client.initiate_connection()
+        yield raw, client
+
+
+def send_list_containers(
+    raw: socket.socket, client: h2.connection.H2Connection, command: bytes
+) -> int:
+    """A ListContainers call scripting the fake runtime with ``command``, sent with whatever
+    the client has queued before it; returns its stream id."""
+    stream = client.get_next_available_stream_id()
+    headers = [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", (RUNTIME + "ListContainers").encode()),
+        (b":authority", b"localhost"),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
+    ]
+    client.send_headers(stream, headers)
+    client.send_data(stream, frame_message(script(command)), end_stream=True)
+    raw.sendall(client.data_to_send())
+    return stream
+
+
 def test_a_client_still_writing_after_its_last_reply_at_shutdown_is_not_cut_off() -> None:
     """The relay shuts down with a call in flight: the call's reply comes, then the end of
     the connection, and what the client writes after it (here a WINDOW_UPDATE for the reply
@@ -320,29 +355,13 @@ def test_a_client_still_writing_after_its_last_reply_at_shutdown_is_not_cut_off(
     with relay_env() as env:
         relay = env.relay
         assert relay is not None
-        client = h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=True, header_encoding=None)
-        )
-        with socket.socket(socket.AF_UNIX) as raw:
-            raw.connect(str(env.relay_socket))
-            raw.settimeout(10)
-            client.initiate_connection()
-            stream = client.get_next_available_stream_id()
-            headers = [
-                (b":method", b"POST"),
-                (b":scheme", b"http"),
-                (b":path", (RUNTIME + "ListContainers").encode()),
-                (b":authority", b"localhost"),
-                (b"content-type", b"application/grpc"),
-                (b"te", b"trailers"),
-            ]
-            client.send_headers(stream, headers)
-            client.send_data(stream, frame_message(script(b"sleep:0.3")), end_stream=True)
-            raw.sendall(client.data_to_send())
-            deadline = time.monotonic() + 10
-            while not any(conn.splice.open_streams for conn in relay.connections):
-                assert time.monotonic() < deadline, "the call never reached the relay"
-                time.sleep(0.01)
+        with raw_client(env) as (raw, client):
+            stream = send_list_containers(raw, client, b"sleep:0.3")
+            wait_for(
+                lambda: any(conn.splice.open_streams for conn in relay.connections),
+                10,
+                "the call at the relay",
+            )
             closing = asyncio.run_coroutine_threadsafe(relay.shutdown(10.0), env.loop.loop)
             received = b""
             while chunk := raw.recv(65536):  # until the relay's end of the connection
@@ -374,28 +393,11 @@ def test_a_client_that_stops_reading_does_not_hold_up_shutdown() -> None:
     with relay_env() as env:
         relay = env.relay
         assert relay is not None
-        client = h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=True, header_encoding=None)
-        )
-        with socket.socket(socket.AF_UNIX) as raw:
-            raw.connect(str(env.relay_socket))
-            raw.settimeout(10)
-            client.initiate_connection()
+        with raw_client(env) as (raw, client):
             window = 2**31 - 1
             client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
             client.increment_flow_control_window(window - 65_535)
-            stream = client.get_next_available_stream_id()
-            headers = [
-                (b":method", b"POST"),
-                (b":scheme", b"http"),
-                (b":path", (RUNTIME + "ListContainers").encode()),
-                (b":authority", b"localhost"),
-                (b"content-type", b"application/grpc"),
-                (b"te", b"trailers"),
-            ]
-            client.send_headers(stream, headers)
-            client.send_data(stream, frame_message(script(b"big:16000000")), end_stream=True)
-            raw.sendall(client.data_to_send())
+            send_list_containers(raw, client, b"big:16000000")
 
             def queued() -> int:
                 return sum(
@@ -404,10 +406,7 @@ def test_a_client_that_stops_reading_does_not_hold_up_shutdown() -> None:
                     if conn.client is not None
                 )
 
-            deadline = time.monotonic() + 10
-            while queued() == 0:
-                assert time.monotonic() < deadline, "the relay never had writes queued"
-                time.sleep(0.01)
+            wait_for(lambda: queued() > 0, 10, "writes queued in the relay")
             finished = env.loop.run(relay.shutdown(0.2), timeout=10)
             assert finished is False  # the call was still in flight
             assert not relay.connections

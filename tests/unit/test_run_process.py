@@ -20,7 +20,7 @@ import pytest
 
 from shim.cri.server import AlreadyServingError, prepare_socket_path
 from tests.fake_cri import FakeRuntimeServer, short_tmpdir
-from tests.harness.containerd import cpushim_command
+from tests.harness.containerd import cpushim_command, wait_for
 from tests.unit.relay_env import IMAGE, RUNTIME, LoopThread, failure, unary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +69,32 @@ def log_events(log: Path) -> list[dict[str, object]]:
     return [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
 
+def call_in_flight(
+    fake: FakeRuntimeServer,
+    channel: grpc.Channel,
+    command: bytes,
+    timeout: float,
+    outcome: dict[str, object],
+) -> threading.Thread:
+    """A ListContainers call running ``command`` at the fake runtime, made on a thread of its
+    own; returns once the runtime has it. Its reply or error lands in ``outcome``."""
+
+    def call() -> None:
+        try:
+            outcome["reply"] = unary(channel, RUNTIME + "ListContainers", command, timeout=timeout)
+        except grpc.RpcError as exc:
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_for(
+        lambda: any(seen[1] == command for seen in fake.runtime.calls),
+        10,
+        "the call at the runtime",
+    )
+    return caller
+
+
 def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeServer) -> None:
     listen = fake.socket_path.parent / "sock" / "cri.sock"
     log = fake.socket_path.parent / "cpushim.log"
@@ -80,20 +106,7 @@ def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeSer
         with grpc.insecure_channel(f"unix://{listen}") as ch:
             assert unary(ch, RUNTIME + "Version", b"echo:v", timeout=10).endswith(b"echo:v")
 
-            def slow_call() -> None:
-                try:
-                    outcome["reply"] = unary(
-                        ch, RUNTIME + "ListContainers", b"sleep:1.5", timeout=20
-                    )
-                except grpc.RpcError as exc:
-                    outcome["error"] = exc
-
-            caller = threading.Thread(target=slow_call)
-            caller.start()
-            deadline = time.monotonic() + 10
-            while not any(call[1] == b"sleep:1.5" for call in fake.runtime.calls):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            caller = call_in_flight(fake, ch, b"sleep:1.5", 20, outcome)
             proc.send_signal(signal.SIGTERM)
             caller.join(20)
         assert proc.wait(20) == 0
@@ -116,22 +129,9 @@ def test_a_second_sigterm_ends_the_grace_period_at_once(fake: FakeRuntimeServer)
         wait_serving(proc, listen, log)
         outcome: dict[str, object] = {}
         with grpc.insecure_channel(f"unix://{listen}") as ch:
-
-            def stuck_call() -> None:
-                try:
-                    outcome["reply"] = unary(
-                        ch, RUNTIME + "ListContainers", b"sleep:100", timeout=110
-                    )
-                except grpc.RpcError as exc:
-                    outcome["error"] = exc
-
-            caller = threading.Thread(target=stuck_call)
-            caller.start()
-            deadline = time.monotonic() + 10
-            while not any(call[1] == b"sleep:100" for call in fake.runtime.calls):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            caller = call_in_flight(fake, ch, b"sleep:100", 110, outcome)
             proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
             while not any(e["msg"] == "shutting down" for e in log_events(log)):
                 assert proc.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, "cpushim never began to shut down"
