@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Final
 
 from shim.cpuset import CPUSet
+from shim.fileio import read_file
 from shim.mountinfo import parse_mountinfo
 
 CPUSET_CPUS = "cpuset.cpus"
@@ -141,7 +142,7 @@ def first_process(
     another runtime), or when more than one is (an exec beside the container's process),
     which only the runtime can tell apart."""
     try:
-        pids = [int(word) for word in (directory / "cgroup.procs").read_bytes().split()]
+        pids = [int(word) for word in read_file(directory / "cgroup.procs").split()]
     except (OSError, ValueError):
         return 0
     found = [pid for pid in pids if _parent_is_one_of(pid, shims, proc)]
@@ -151,10 +152,10 @@ def first_process(
 def _parent_is_one_of(pid: int, names: tuple[str, ...], proc: Path) -> bool:
     """Whether the process's parent is called one of ``names`` (False when either is gone)."""
     try:
-        stat = (proc / str(pid) / "stat").read_bytes()
+        stat = read_file(f"{proc}/{pid}/stat")
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses; from the last ")".
         parent = int(stat[stat.rfind(b")") + 2 :].split()[1])
-        comm = (proc / str(parent) / "comm").read_text().strip()
+        comm = read_file(f"{proc}/{parent}/comm").decode(errors="replace").strip()
     except (OSError, ValueError, IndexError):
         return False
     return comm.startswith(names)
@@ -163,7 +164,7 @@ def _parent_is_one_of(pid: int, names: tuple[str, ...], proc: Path) -> bool:
 def read_cpus(directory: Path) -> CPUSet | None:
     """The cgroup's ``cpuset.cpus``; None when the cgroup is gone."""
     try:
-        text = (directory / CPUSET_CPUS).read_text()
+        text = read_file(directory / CPUSET_CPUS).decode()
     except (FileNotFoundError, NotADirectoryError):
         return None
     return CPUSet.parse(text.strip())

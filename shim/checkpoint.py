@@ -29,6 +29,7 @@ import threading
 from pathlib import Path
 from typing import Final
 
+from shim.fileio import read_file, write_and_sync
 from shim.state import CheckpointError, CPUState, decode_checkpoint, encode_checkpoint
 
 STATE_FILE: Final = "state.json"
@@ -122,7 +123,7 @@ class CheckpointFile:
     def on_disk(self) -> bytes | None:
         """The file's bytes now; None when it is missing or unreadable."""
         try:
-            return self.path.read_bytes()
+            return read_file(self.path)
         except OSError:
             return None
 
@@ -163,10 +164,7 @@ def write_atomically(
     try:
         try:
             os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            write_and_sync(fd, data)
         finally:
             os.close(fd)
         os.replace(temporary, path)

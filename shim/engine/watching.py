@@ -32,6 +32,7 @@ from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
 from shim.cpuset import CPUSet
 from shim.engine.core import Engine
 from shim.engine.tracked import Phase, Tracked
+from shim.fileio import read_file
 from shim.inotify import (
     FILE_CHANGES,
     IN_CLOSE_WRITE,
@@ -396,7 +397,7 @@ def _look(directory: Path, v2: bool) -> tuple[bool, object]:
     base = str(directory)
     if v2:  # cgroup v1 has no cgroup.events
         try:
-            populated = cgroups.populated(_read_small(f"{base}/{CGROUP_EVENTS}"))
+            populated = cgroups.populated(read_file(f"{base}/{CGROUP_EVENTS}").decode())
         except (FileNotFoundError, NotADirectoryError):
             return False, None
         except OSError:
@@ -404,7 +405,7 @@ def _look(directory: Path, v2: bool) -> tuple[bool, object]:
         if populated is False:
             return False, None
     try:
-        text = _read_small(f"{base}/{CPUSET_CPUS}")
+        text = read_file(f"{base}/{CPUSET_CPUS}").decode()
     except (FileNotFoundError, NotADirectoryError):
         return False, None  # the cgroup is gone
     except OSError:
@@ -415,19 +416,9 @@ def _look(directory: Path, v2: bool) -> tuple[bool, object]:
         return True, None
 
 
-def _read_small(path: str) -> str:
-    """A cgroupfs file's text (they are small, and read in one call)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 65536).decode()
-    finally:
-        os.close(fd)
-
-
 def _holds(cgroup: Path, pid: int) -> bool:
     """Whether ``pid`` is one of the processes of ``cgroup``."""
     try:
-        with open(cgroup / "cgroup.procs", "rb") as procs:
-            return str(pid).encode() in procs.read().split()
+        return str(pid).encode() in read_file(cgroup / "cgroup.procs").split()
     except OSError:
         return False

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Final
 
 from shim.cpuset import CPUSet
+from shim.fileio import write_and_sync
 from shim.mountinfo import parse_mountinfo
 from shim.projection import CPUS_FILE, STATE_FILE, Pool, Projection, ProjectionError, parse
 from shim.projection.content import describe, render, rfc3339, same_state
@@ -325,10 +326,7 @@ def _replace(dir_fd: int, name: str, data: bytes) -> None:
     try:
         try:
             os.fchmod(fd, _MODE_FILE)  # whatever the process umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            write_and_sync(fd, data)
         finally:
             os.close(fd)
         os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

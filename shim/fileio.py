@@ -1,0 +1,39 @@
+"""Small files read and written with plain system calls.
+
+cpushim reads cgroupfs, procfs and its own state file several times per pod. Python's
+``open()`` wraps each descriptor in buffered file objects and adds an ``fstat``, an ``ioctl``
+and two ``lseek`` calls per file; on a hot path a bare ``open``/``read``/``close`` is all the
+kernel needs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# One read takes a whole cgroupfs or procfs file (they are generated at once, in a page).
+_CHUNK = 65536
+
+
+def read_file(path: str | Path) -> bytes:
+    """The whole file's bytes; OSError as ``open()`` raises it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunk = os.read(fd, _CHUNK)
+        if len(chunk) < _CHUNK:
+            return chunk
+        # Only a regular file (the state file of a large node) gets here.
+        chunks = [chunk]
+        while chunk := os.read(fd, _CHUNK):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def write_and_sync(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (a short write goes on where it stopped), then fsync."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
