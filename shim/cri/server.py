@@ -495,7 +495,8 @@ class ClientConnection(asyncio.Protocol):
         the client still writes (a WINDOW_UPDATE for the reply it is reading) fails that
         write with EPIPE, and a client may then fail a call whose whole reply it holds
         (grpcio: "Stream removed"). So writing ends here (EOF after what is queued) and the
-        socket closes when the client closes its end, or after ``_LINGER`` seconds."""
+        socket closes when the client closes its end, or after ``_LINGER`` seconds
+        (:meth:`_stop_lingering`)."""
         if self._finishing:
             return
         client = self.client
@@ -506,7 +507,15 @@ class ClientConnection(asyncio.Protocol):
         if self.upstream is not None:
             self.upstream.close()
         client.write_eof()
-        self._linger = asyncio.get_running_loop().call_later(_LINGER, self.abort)
+        self._linger = asyncio.get_running_loop().call_later(_LINGER, self._stop_lingering)
+
+    def _stop_lingering(self) -> None:
+        """The client kept its end open past ``_LINGER``: close this end once what is
+        queued is written, and outright if it is still queued ``_STALLED_CLIENT`` seconds on.
+        A client that reads nothing would otherwise hold the socket and its queued replies
+        for as long as it lives, outside shutdown too (the runtime's connection lost)."""
+        self.abort()
+        self._linger = asyncio.get_running_loop().call_later(_STALLED_CLIENT, self.drop)
 
     def abort(self) -> None:
         """Close both sides after what is queued has been written."""
@@ -525,6 +534,8 @@ class ClientConnection(asyncio.Protocol):
 
 # How long a client told to go away may keep its end open after its last reply.
 _LINGER = 1.0
+# How long after that the replies it has not read may stay queued before it is dropped.
+_STALLED_CLIENT = 10.0
 # How long shutdown waits for the connections it dropped to be gone.
 _DROP_WAIT = 1.0
 # How long past a forwarded call's deadline its reply is still waited for.

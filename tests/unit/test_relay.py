@@ -25,6 +25,7 @@ import hpack
 import pytest
 
 from shim.cri import frames as fr
+from shim.cri import server
 from shim.cri.calls import frame_message
 from shim.cri.methods import ALL_METHODS
 from shim.cri.passthrough import LIFECYCLE_PATHS, PassthroughInterceptor
@@ -277,8 +278,6 @@ def test_garbage_on_the_socket_closes_only_that_connection(
 def test_bad_frame_sequence_closes_only_that_connection(
     env: RelayEnv, channel: grpc.Channel
 ) -> None:
-    from shim.cri import frames as fr
-
     with socket.socket(socket.AF_UNIX) as raw:
         raw.connect(str(env.relay_socket))
         # A CONTINUATION frame with no header block open.
@@ -415,6 +414,39 @@ def test_a_client_that_stops_reading_does_not_hold_up_shutdown() -> None:
             with contextlib.suppress(BlockingIOError, ConnectionResetError):
                 while raw.recv(1 << 20):
                     pass
+
+
+def test_a_client_that_stops_reading_is_dropped_when_its_runtime_connection_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outside shutdown too: the runtime's connection ends while replies wait for a client
+    that reads nothing. Its connection is told to go away and, once the client has been
+    given ``_LINGER`` and then ``_STALLED_CLIENT`` seconds, dropped with what it never read."""
+    monkeypatch.setattr(server, "_STALLED_CLIENT", 0.3)
+    with relay_env() as env:
+        relay = env.relay
+        assert relay is not None
+        with raw_client(env) as (raw, client):
+            window = 2**31 - 1
+            client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+            client.increment_flow_control_window(window - 65_535)
+            send_list_containers(raw, client, b"big:16000000")
+
+            def queued() -> int:
+                return sum(
+                    conn.client.get_write_buffer_size()
+                    for conn in relay.connections
+                    if conn.client is not None
+                )
+
+            wait_for(lambda: queued() > 0, 10, "writes queued in the relay")
+            (connection,) = relay.connections
+            upstream = connection.upstream
+            assert upstream is not None
+            env.loop.loop.call_soon_threadsafe(upstream.abort)
+            wait_for(lambda: not relay.connections, 10, "the stalled client's connection dropped")
+        with env.channel() as ch:  # the relay itself serves on
+            assert unary(ch, SPLICED, b"echo:after", timeout=10).endswith(b"echo:after")
 
 
 def test_runtime_crash_fails_fast_then_recovers() -> None:
