@@ -7,179 +7,35 @@ exclusively. Each test starts its own cpushim (static policy) on a fresh state d
 from __future__ import annotations
 
 import json
-import os
-import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
-from shim.cpuset import CPUSet
-from tests.e2e.conftest import CPUSHIM_START_TIMEOUT, CPUSHIM_STOP_TIMEOUT, REPO_ROOT
-from tests.harness.containerd import (
-    PrivateContainerd,
-    ServingProcess,
-    ServingProcessError,
-    cpushim_command,
+from tests.e2e.conftest import CPUSHIM_START_TIMEOUT, REPO_ROOT, Shim
+from tests.e2e.pods import (
+    assert_kernel,
+    rpc_error,
+    run_pod,
+    start_pinned,
+    start_pod,
+    start_shared_and_pinned,
 )
+from tests.harness.containerd import ServingProcess, ServingProcessError
 from tests.harness.crash import interrupted_checkpoint_write
 from tests.harness.images import TEST_IMAGE
 from tests.harness.kubelet import (
     ONE_CPU,
     WORKLOAD,
     ContainerResources,
-    KernelCpus,
     KubeletClient,
-    QoSClass,
-    Sandbox,
     cgroup_file,
     milli_cpu_to_quota,
     new_pod_uid,
 )
-from tests.harness.prerequisites import on_ci
 
-pytestmark = pytest.mark.e2e
-
-NO_RESOURCES = ContainerResources()
-
-
-def online_cpus() -> CPUSet:
-    return CPUSet.parse(Path("/sys/devices/system/cpu/online").read_text())
-
-
-@pytest.fixture(autouse=True)
-def two_cpus() -> None:
-    if len(online_cpus()) != 2:
-        reason = f"these scenarios are written for a 2-CPU machine, this one has {online_cpus()}"
-        if on_ci():
-            # CI's end-to-end tests may not skip: a bigger CI machine must say so.
-            pytest.fail(f"{reason} (CI=true: the end-to-end tests are mandatory)", pytrace=False)
-        pytest.skip(reason)
-
-
-class Shim:
-    """cpushim with the static policy and CPU 0 reserved, restartable on one state dir."""
-
-    def __init__(self, containerd: PrivateContainerd, directory: Path) -> None:
-        self.containerd = containerd
-        self.directory = directory
-        self.state_dir = directory / "state"
-        self.socket_path = directory / "cpushim.sock"
-        self.process: ServingProcess | None = None
-        self.runs = 0
-        # Flags that would override a config file's keys; a test with a config clears them.
-        self.reserved_flags: tuple[str, ...] = ("--reserved-cpus", "0")
-
-    @property
-    def address(self) -> str:
-        return f"unix://{self.socket_path}"
-
-    @property
-    def state_file(self) -> Path:
-        return self.state_dir / "state.json"
-
-    def command(self, *extra: str) -> list[str]:
-        return cpushim_command(
-            self.address,
-            self.containerd.address,
-            *self.reserved_flags,
-            *extra,
-            state_dir=self.state_dir,
-        )
-
-    def start(self, *extra: str) -> None:
-        self.runs += 1
-        self.process = ServingProcess(
-            self.command(*extra),
-            socket_path=self.socket_path,
-            log_path=self.directory / f"cpushim-{self.runs}.log",
-            cwd=REPO_ROOT,
-        )
-        try:
-            self.process.start(timeout=CPUSHIM_START_TIMEOUT)
-        except ServingProcessError as error:
-            pytest.fail(str(error), pytrace=False)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            code = self.process.stop(timeout=CPUSHIM_STOP_TIMEOUT)
-            assert code == 0, f"cpushim exited {code}; its log:\n{self.process.log()}"
-            self.process = None
-
-    def kill(self) -> None:
-        assert self.process is not None
-        assert self.process.process is not None
-        os.kill(self.process.process.pid, signal.SIGKILL)
-        self.process.process.wait(10)
-        self.process = None
-
-    def assignments(self) -> dict[str, dict[str, str]]:
-        """pod uid -> container name -> CPUs, from the checkpoint."""
-        body = json.loads(self.state_file.read_text())["body"]
-        return {
-            uid: {name: entry["cpus"] for name, entry in containers.items()}
-            for uid, containers in body["assignments"].items()
-        }
-
-
-@pytest.fixture
-def direct(containerd: PrivateContainerd) -> Iterator[KubeletClient]:
-    """A client straight to containerd; every pod it or ``via`` made is torn down after."""
-    with KubeletClient(containerd.address, log_root=containerd.dir / "pod-logs") as client:
-        # Nothing from other tests may be running: cpushim would adopt it.
-        for sandbox in client.list_pod_sandbox().items:
-            client.teardown_pod(sandbox.id)
-        yield client
-        for sandbox in client.list_pod_sandbox().items:
-            client.teardown_pod(sandbox.id)
-
-
-@pytest.fixture
-def shim(containerd: PrivateContainerd, tmp_path: Path) -> Iterator[Shim]:
-    instance = Shim(containerd, tmp_path)
-    yield instance
-    if instance.process is not None:
-        instance.stop()
-
-
-@pytest.fixture
-def via(shim: Shim, containerd: PrivateContainerd) -> Iterator[Callable[[], KubeletClient]]:
-    """Opens a kubelet client on cpushim's socket (after the test has started cpushim)."""
-    clients: list[KubeletClient] = []
-
-    def open_client() -> KubeletClient:
-        client = KubeletClient(shim.address, log_root=containerd.dir / "pod-logs")
-        clients.append(client)
-        return client
-
-    yield open_client
-    for client in clients:
-        client.close()
-
-
-def run_pod(
-    client: KubeletClient, name: str, qos: QoSClass, resources: ContainerResources = NO_RESOURCES
-) -> tuple[Sandbox, str]:
-    sandbox = client.run_pod_sandbox(name, "default", new_pod_uid(), qos)
-    container_id = client.create_container(
-        sandbox,
-        "main",
-        TEST_IMAGE,
-        WORKLOAD,
-        resources=resources,
-    )
-    return sandbox, container_id
-
-
-def start_pod(
-    client: KubeletClient, name: str, qos: QoSClass, resources: ContainerResources = NO_RESOURCES
-) -> tuple[Sandbox, str]:
-    """A pod whose one container is started: kubelet's RunPodSandbox, CreateContainer and
-    StartContainer."""
-    sandbox, container_id = run_pod(client, name, qos, resources)
-    client.start_container(container_id)
-    return sandbox, container_id
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
 
 def cgroup_cpus_of(client: KubeletClient, container_id: str) -> str:
@@ -191,17 +47,6 @@ def cgroup_cpus_of(client: KubeletClient, container_id: str) -> str:
         return cgroup.read_text().strip()
     # Created, not started: runc makes the cgroup at start from the spec.
     return str(info["runtimeSpec"]["linux"]["resources"]["cpu"].get("cpus", ""))
-
-
-def assert_kernel(kernel: KernelCpus, cpus: str) -> None:
-    assert kernel.cpus_allowed_list == cpus, kernel
-    assert kernel.cgroup_cpuset_cpus == cpus, kernel
-
-
-def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as caught:
-        call()
-    return caught.value
 
 
 def test_pinning_moves_shared_containers_before_create_and_back_before_stop_returns(
@@ -262,8 +107,7 @@ def test_sigkill_and_restart_keep_every_assignment(
 ) -> None:
     shim.start()
     kubelet = via()
-    _, shared_id = start_pod(kubelet, "besteffort", "besteffort")
-    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
     before = shim.assignments()
     assert before == {pinned_pod.uid: {"main": "1"}}
 
@@ -296,8 +140,7 @@ def test_sigkill_and_restart_keep_every_assignment(
 def test_containers_created_while_cpushim_was_down_are_adopted(
     shim: Shim, direct: KubeletClient
 ) -> None:
-    _, shared_id = start_pod(direct, "besteffort", "besteffort")
-    pinned_pod, pinned_id = start_pod(direct, "guaranteed", "guaranteed", ONE_CPU)
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(direct)
     assert_kernel(direct.kernel_cpus(pinned_id), "0-1")
 
     shim.start()
@@ -312,7 +155,7 @@ def test_a_container_that_loses_its_cpu_to_a_new_policy_gets_kubelets_quota_back
 ) -> None:
     shim.start()
     kubelet = via()
-    _, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    _, pinned_id = start_pinned(kubelet)
     cgroup = direct.kernel_cpus(pinned_id).cgroup_path
     assert cgroup_file("cpu", cgroup, "cpu.cfs_quota_us") == "-1"
     shim.stop()
@@ -330,7 +173,7 @@ def test_a_corrupt_checkpoint_stops_start_up_until_recovered_from_the_runtime(
 ) -> None:
     shim.start()
     kubelet = via()
-    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    pinned_pod, pinned_id = start_pinned(kubelet)
     shim.stop()
     text = shim.state_file.read_text()
     shim.state_file.write_text(text.replace('"cpus": "1"', '"cpus": "0"'))

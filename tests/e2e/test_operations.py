@@ -19,17 +19,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import CPUSHIM_START_TIMEOUT, REPO_ROOT
-from tests.e2e.test_inline_allocation import (  # the fixtures are shared with those tests
-    Shim,
-    direct,
-    rpc_error,
-    run_pod,
-    shim,
-    start_pod,
-    two_cpus,
-    via,
-)
+from tests.e2e.conftest import CPUSHIM_START_TIMEOUT, REPO_ROOT, Shim
+from tests.e2e.pods import rpc_error, run_pod, start_shared_and_pinned
 from tests.harness.containerd import (
     PrivateContainerd,
     cpushim_command,
@@ -38,9 +29,7 @@ from tests.harness.containerd import (
 )
 from tests.harness.kubelet import ONE_CPU, KubeletClient
 
-pytestmark = pytest.mark.e2e
-
-__all__ = ["direct", "shim", "two_cpus", "via"]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
 REACTION_TIMEOUT = 10.0
 
@@ -143,8 +132,7 @@ def test_metrics_follow_a_real_lifecycle_and_healthz_follows_the_runtime(
     assert start.value("cpu_manager_pinning_requests_total") == 0
 
     kubelet = via()
-    start_pod(kubelet, "besteffort", "besteffort")
-    _, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    _, _, pinned_id = start_shared_and_pinned(kubelet)
     refused = rpc_error(lambda: run_pod(kubelet, "second", "guaranteed", ONE_CPU))
     assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 

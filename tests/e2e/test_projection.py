@@ -15,21 +15,12 @@ import anyio
 import pytest
 
 from shim.projection import Projection, read, watch
-from tests.e2e.test_inline_allocation import (  # the fixtures are shared with those tests
-    Shim,
-    assert_kernel,
-    direct,
-    shim,
-    start_pod,
-    two_cpus,
-    via,
-)
+from tests.e2e.conftest import Shim
+from tests.e2e.pods import assert_kernel, start_pinned, start_pod
 from tests.harness.containerd import projection_dir_for, wait_for
-from tests.harness.kubelet import ONE_CPU, KubeletClient
+from tests.harness.kubelet import KubeletClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
-
-__all__ = ["direct", "shim", "two_cpus", "via"]
 
 CHANGE_TIMEOUT = 10.0
 # Inside the container: the projected files, then what the kernel says of the reader itself.
@@ -76,7 +67,7 @@ def test_a_shared_container_reads_its_cpuset_and_follows_a_pinning(
             assert first.cpus == "0-1"
 
             def pin() -> str:
-                _, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+                _, pinned_id = start_pinned(kubelet)
                 return pinned_id
 
             pinned_id = await anyio.to_thread.run_sync(pin)

@@ -13,21 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_inline_allocation import (  # the fixtures are shared with those tests
-    Shim,
-    assert_kernel,
-    direct,
-    shim,
-    start_pod,
-    two_cpus,
-    via,
-)
+from tests.e2e.conftest import Shim
+from tests.e2e.pods import assert_kernel, start_pinned, start_shared_and_pinned
 from tests.harness.containerd import wait_for
-from tests.harness.kubelet import ONE_CPU, KubeletClient
+from tests.harness.kubelet import KubeletClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
-
-__all__ = ["direct", "shim", "two_cpus", "via"]
 
 REACTION_TIMEOUT = 10.0
 
@@ -42,7 +33,7 @@ def test_a_cpuset_written_by_hand_is_written_back(
 ) -> None:
     shim.start()
     kubelet = via()
-    _, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    _, pinned_id = start_pinned(kubelet)
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
 
     cpuset_file(kubelet, pinned_id).write_text("0-1")
@@ -63,8 +54,7 @@ def test_a_killed_container_gives_its_cpu_back_to_the_shared_ones(
 ) -> None:
     shim.start()
     kubelet = via()
-    _, shared_id = start_pod(kubelet, "besteffort", "besteffort")
-    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
     assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
 
@@ -86,7 +76,7 @@ def test_the_state_file_is_rewritten_when_someone_else_changes_it(
 ) -> None:
     shim.start()
     kubelet = via()
-    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    pinned_pod, pinned_id = start_pinned(kubelet)
     # The container id reaches the checkpoint just after CreateContainer returns.
     wait_for(
         lambda: pinned_id in shim.state_file.read_text(),
@@ -123,8 +113,7 @@ def test_a_config_edit_applies_live_and_a_bad_one_is_refused(
     shim.reserved_flags = ()
     shim.start("--config", str(config))
     kubelet = via()
-    _, shared_id = start_pod(kubelet, "besteffort", "besteffort")
-    pinned_pod, pinned_id = start_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
 

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
 from tests.harness.images import BuiltImage, import_image
 
@@ -66,6 +65,17 @@ def wait_for(
             detail = f"\n{on_timeout()}" if on_timeout is not None else ""
             raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}{detail}")
         time.sleep(interval)
+
+
+def terminate(process: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM, wait, SIGKILL after ``timeout``: returns once the process has exited."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=timeout)
 
 
 def socket_accepts(path: Path) -> bool:
@@ -112,6 +122,17 @@ def _toml_string(value: str) -> str:
     return json.dumps(value)  # a JSON string literal is a valid TOML basic string
 
 
+class _InDir:
+    """A path in a PrivateContainerd's ``dir``, read like a property (and, like ``dir``, only
+    once containerd is started)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: PrivateContainerd, owner: type[PrivateContainerd]) -> Path:
+        return instance.dir / self.name
+
+
 class PrivateContainerd:
     """A containerd process of its own, with the CRI plugin configured for these tests.
 
@@ -153,34 +174,17 @@ class PrivateContainerd:
             raise ContainerdError("containerd is not started")
         return self._dir
 
-    @property
-    def socket_path(self) -> Path:
-        return self.dir / "containerd.sock"
+    socket_path = _InDir("containerd.sock")
+    root = _InDir("root")
+    state = _InDir("state")
+    runc_root = _InDir("runc")
+    config_path = _InDir("config.toml")
+    log_path = _InDir("containerd.log")
 
     @property
     def address(self) -> str:
         """The CRI endpoint, as kubelet's ``--container-runtime-endpoint`` would name it."""
         return f"unix://{self.socket_path}"
-
-    @property
-    def root(self) -> Path:
-        return self.dir / "root"
-
-    @property
-    def state(self) -> Path:
-        return self.dir / "state"
-
-    @property
-    def runc_root(self) -> Path:
-        return self.dir / "runc"
-
-    @property
-    def config_path(self) -> Path:
-        return self.dir / "config.toml"
-
-    @property
-    def log_path(self) -> Path:
-        return self.dir / "containerd.log"
 
     @property
     def pid(self) -> int | None:
@@ -192,12 +196,7 @@ class PrivateContainerd:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def start(self) -> None:
@@ -313,13 +312,8 @@ class PrivateContainerd:
             return
         leftover_cgroups = self._leftover_cgroup_paths()
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=timeout)
+        if process is not None:
+            terminate(process, timeout)
         self._kill_runc_containers()
         self._kill_shims()
         self._unmount_under(self.dir)
@@ -571,11 +565,5 @@ class ServingProcess:
         process = self.process
         if process is None:
             return None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=timeout)
+        terminate(process, timeout)
         return process.returncode

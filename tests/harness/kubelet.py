@@ -19,7 +19,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
 from typing import Literal, TypeVar
 
 import grpc
@@ -171,12 +170,7 @@ class KubeletClient:
     def __enter__(self) -> KubeletClient:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -422,7 +416,7 @@ class KubeletClient:
             oom_score_adj=oom_score_adj(qos, resources.memory_request, self._memory_capacity),
         )
 
-    def container_config(
+    def create_container(
         self,
         sandbox: Sandbox,
         name: str,
@@ -433,11 +427,16 @@ class KubeletClient:
         resources: ContainerResources = ContainerResources(),
         attempt: int = 0,
         envs: Mapping[str, str] | None = None,
-        image_id: str | None = None,
+        timeout: float | None = None,
         cpuset_cpus: str = "",
-    ) -> pb.ContainerConfig:
-        """``cpuset_cpus``: what kubelet's own static CPU manager policy would put in the
-        request for an exclusive container (cpushim's tests leave it to cpushim)."""
+    ) -> str:
+        """CreateContainer as kubelet sends it; returns the container id. ``cpuset_cpus``: what
+        kubelet's own static CPU manager policy would put in the request for an exclusive
+        container (cpushim's tests leave it to cpushim)."""
+        # kubelet's EnsureImageExists: the image must be present (no pulls here).
+        status = self.image_status(image)
+        if not status.HasField("image"):
+            raise LookupError(f"image {image} is not present in {self.endpoint}")
         pod = sandbox.config.metadata
         termination_log = (
             Path(sandbox.config.log_directory).parent
@@ -452,10 +451,10 @@ class KubeletClient:
         termination_log.touch()
         linux_resources = self.linux_resources(sandbox.qos, resources)
         linux_resources.cpuset_cpus = cpuset_cpus
-        return pb.ContainerConfig(
+        config = pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=name, attempt=attempt),
             # kubelet names the image by the id ImageStatus gave and keeps what the user wrote.
-            image=pb.ImageSpec(image=image_id or image, user_specified_image=image),
+            image=pb.ImageSpec(image=status.image.id or image, user_specified_image=image),
             command=list(command),
             args=list(args),
             envs=[pb.KeyValue(key=k, value=v) for k, v in sorted((envs or {}).items())],
@@ -488,38 +487,6 @@ class KubeletClient:
                     ),
                 ),
             ),
-        )
-
-    def create_container(
-        self,
-        sandbox: Sandbox,
-        name: str,
-        image: str,
-        command: Sequence[str],
-        args: Sequence[str] = (),
-        *,
-        resources: ContainerResources = ContainerResources(),
-        attempt: int = 0,
-        envs: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        cpuset_cpus: str = "",
-    ) -> str:
-        """CreateContainer as kubelet sends it; returns the container id."""
-        # kubelet's EnsureImageExists: the image must be present (no pulls here).
-        status = self.image_status(image)
-        if not status.HasField("image"):
-            raise LookupError(f"image {image} is not present in {self.endpoint}")
-        config = self.container_config(
-            sandbox,
-            name,
-            image,
-            command,
-            args,
-            resources=resources,
-            attempt=attempt,
-            envs=envs,
-            image_id=status.image.id,
-            cpuset_cpus=cpuset_cpus,
         )
         (Path(sandbox.config.log_directory) / name).mkdir(parents=True, exist_ok=True)
         response = self._runtime(

@@ -27,21 +27,26 @@ from tests.unit.test_follow import Peers
 CREATE = RUNTIME + "CreateContainer"
 
 
-@dataclass
-class Deciding:
-    """Amends CreateContainer: holds it until let go (when gated), then answers or forwards
-    it as the request's command says; records what forwarding returned."""
-
-    gate: asyncio.Event | None = None
-    entered: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    forwarded: list[Reply] = field(default_factory=list)
+class AmendsCreateContainer:
+    """Intercepts CreateContainer alone, and amends it: its request is held on the client's
+    own stream until ``handle`` forwards it."""
 
     def intercepts(self, path: str) -> bool:
         return path == CREATE
 
     def amends(self, path: str) -> bool:
         return True
+
+
+@dataclass
+class Deciding(AmendsCreateContainer):
+    """Holds CreateContainer until let go (when gated), then answers or forwards it as the
+    request's command says; records what forwarding returned."""
+
+    gate: asyncio.Event | None = None
+    entered: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    forwarded: list[Reply] = field(default_factory=list)
 
     async def handle(self, call: UnaryCall, forward: Forward) -> Reply:
         self.entered.set()
@@ -203,12 +208,9 @@ def test_a_client_gone_mid_call_ends_every_forward_waiting_on_it(
 # --- the seen hook: the reply's end without waiting for the handler ---------------------------
 
 
-AMENDED = RUNTIME + "CreateContainer"
-
-
 @dataclass
-class Watching:
-    """Forwards every amended call with a ``seen`` hook that answers ``verdict`` (or raises),
+class Watching(AmendsCreateContainer):
+    """Forwards CreateContainer with a ``seen`` hook that answers ``verdict`` (or raises),
     then waits for ``gate`` before returning, as a handler with more to do would."""
 
     verdict: bool | None  # None: the hook raises
@@ -218,12 +220,6 @@ class Watching:
     returned_forward: list[Reply] = field(default_factory=list)
     forwarded: asyncio.Event = field(default_factory=asyncio.Event)
     returned: list[Reply] = field(default_factory=list)
-
-    def intercepts(self, path: str) -> bool:
-        return path == AMENDED
-
-    def amends(self, path: str) -> bool:
-        return True
 
     async def handle(self, call: UnaryCall, forward: Forward) -> Reply:
         def hook(reply: Reply) -> bool:
@@ -265,7 +261,7 @@ def watched(verdict: bool | None) -> tuple[Peers, Watching]:
 async def test_a_reply_the_hook_is_done_with_reaches_the_client_whole_at_once() -> None:
     """Before the handler returns, and in one send, as without cpushim."""
     peers, interceptor = watched(True)
-    stream = peers.call(AMENDED, b"create")
+    stream = peers.call(CREATE, b"create")
     await reached_runtime(peers, stream)
     peers.answer(stream, b"created")
 
@@ -287,7 +283,7 @@ async def test_a_reply_the_hook_is_not_done_with_ends_when_the_handler_returns(
     verdict: bool | None, caplog: pytest.LogCaptureFixture
 ) -> None:
     peers, interceptor = watched(verdict)
-    stream = peers.call(AMENDED, b"create")
+    stream = peers.call(CREATE, b"create")
     await reached_runtime(peers, stream)
     with caplog.at_level(logging.ERROR):
         peers.answer(stream, b"created")
@@ -308,7 +304,7 @@ async def test_a_reply_after_the_forward_gave_up_waiting_is_not_seen(
     acts on that: a reply the runtime sends later must not reach the hook as well."""
     monkeypatch.setattr(server_module, "_DEADLINE_GRACE", 0.0)
     peers, interceptor = watched(True)
-    stream = peers.call(AMENDED, b"create", timeout=b"20m")
+    stream = peers.call(CREATE, b"create", timeout=b"20m")
     await reached_runtime(peers, stream)
     await asyncio.wait_for(interceptor.forwarded.wait(), 10)
     assert interceptor.returned_forward[0].status is Status.DEADLINE_EXCEEDED
