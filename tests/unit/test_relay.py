@@ -346,6 +346,26 @@ def send_list_containers(
     return stream
 
 
+def ask_and_read_nothing(
+    relay: RelayServer, raw: socket.socket, client: h2.connection.H2Connection
+) -> None:
+    """Give the relay credit for a 16 MB reply, ask for one and read none of it; returns once
+    the relay holds writes queued for the client."""
+    window = 2**31 - 1
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+    client.increment_flow_control_window(window - 65_535)
+    send_list_containers(raw, client, b"big:16000000")
+
+    def queued() -> int:
+        return sum(
+            conn.client.get_write_buffer_size()
+            for conn in relay.connections
+            if conn.client is not None
+        )
+
+    wait_for(lambda: queued() > 0, 10, "writes queued in the relay")
+
+
 def test_a_client_still_writing_after_its_last_reply_at_shutdown_is_not_cut_off() -> None:
     """The relay shuts down with a call in flight: the call's reply comes, then the end of
     the connection, and what the client writes after it (here a WINDOW_UPDATE for the reply
@@ -393,19 +413,7 @@ def test_a_client_that_stops_reading_does_not_hold_up_shutdown() -> None:
         relay = env.relay
         assert relay is not None
         with raw_client(env) as (raw, client):
-            window = 2**31 - 1
-            client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
-            client.increment_flow_control_window(window - 65_535)
-            send_list_containers(raw, client, b"big:16000000")
-
-            def queued() -> int:
-                return sum(
-                    conn.client.get_write_buffer_size()
-                    for conn in relay.connections
-                    if conn.client is not None
-                )
-
-            wait_for(lambda: queued() > 0, 10, "writes queued in the relay")
+            ask_and_read_nothing(relay, raw, client)
             finished = env.loop.run(relay.shutdown(0.2), timeout=10)
             assert finished is False  # the call was still in flight
             assert not relay.connections
@@ -427,19 +435,7 @@ def test_a_client_that_stops_reading_is_dropped_when_its_runtime_connection_ends
         relay = env.relay
         assert relay is not None
         with raw_client(env) as (raw, client):
-            window = 2**31 - 1
-            client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
-            client.increment_flow_control_window(window - 65_535)
-            send_list_containers(raw, client, b"big:16000000")
-
-            def queued() -> int:
-                return sum(
-                    conn.client.get_write_buffer_size()
-                    for conn in relay.connections
-                    if conn.client is not None
-                )
-
-            wait_for(lambda: queued() > 0, 10, "writes queued in the relay")
+            ask_and_read_nothing(relay, raw, client)
             (connection,) = relay.connections
             upstream = connection.upstream
             assert upstream is not None
