@@ -9,15 +9,19 @@ Annotations (pod-level; kubelet passes a pod's annotations in its sandbox config
   quota throttling adds latency spikes);
 * ``cpushim.io/exclusive: "false"`` — no exclusive CPUs for any container of the pod, or
   ``cpushim.io/exclusive.<container-name>: "false"`` for one container.
+
+kubelet's memory manager (its ``Static`` policy) names the NUMA nodes a Guaranteed
+container's memory comes from in the request's ``cpuset_mems``: :func:`kubelet_memory_nodes`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
+from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.kube import CgroupParentError, QOSClass, exclusive_cpu_count, pod_cgroup
 from shim.policy.static import IsolatedMode
@@ -36,6 +40,10 @@ _ISOLATED_MODES: Final[Mapping[str, IsolatedMode]] = {
 
 class AnnotationError(ValueError):
     """A ``cpushim.io/`` annotation with a value cpushim does not know."""
+
+
+class MemoryNodesError(ValueError):
+    """A request's ``cpuset_mems`` that cpushim cannot honour."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +128,27 @@ def plan_container(
         isolated=isolated,
         keep_quota=quota is not None and quota.strip().lower() == "keep",
     )
+
+
+def kubelet_memory_nodes(
+    resources: pb.LinuxContainerResources, numa_nodes: Collection[int]
+) -> CPUSet | None:
+    """The NUMA nodes kubelet's memory manager chose for the container (``cpuset_mems``,
+    set by its ``Static`` policy only), or None when it chose none. MemoryNodesError when
+    they do not parse or name a node that is not among ``numa_nodes``."""
+    text = resources.cpuset_mems.strip()
+    if not text:
+        return None
+    try:
+        nodes = CPUSet.parse(text)
+    except ValueError as exc:
+        raise MemoryNodesError(f"cpuset_mems {resources.cpuset_mems!r}: {exc}") from exc
+    if not nodes:
+        return None
+    unknown = nodes - CPUSet(numa_nodes)
+    if unknown:
+        raise MemoryNodesError(
+            f"cpuset_mems {resources.cpuset_mems!r} names NUMA nodes {unknown}, which this"
+            f" machine does not have (it has {CPUSet(numa_nodes)})"
+        )
+    return nodes

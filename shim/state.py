@@ -64,6 +64,9 @@ class Assignment:
     attempt: int = 0
     # "namespace/name", for messages and the status map.
     pod: str = ""
+    # The NUMA nodes kubelet's memory manager chose for the container's memory; None: those
+    # of its CPUs.
+    mems: CPUSet | None = None
 
 
 def topology_fingerprint(topology: Topology) -> str:
@@ -178,6 +181,11 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
             problems.append(f"{key} holds CPUs {cpus & held} that another container also holds")
         if cpus & state.reserved:
             problems.append(f"{key} holds reserved CPUs {cpus & state.reserved}")
+        if assignment.mems is not None and not assignment.mems:
+            problems.append(f"{key} has an empty list of memory nodes")
+        elif assignment.mems is not None and assignment.mems - CPUSet(topology.numa_nodes):
+            unknown = assignment.mems - CPUSet(topology.numa_nodes)
+            problems.append(f"{key} has memory nodes {unknown} this machine does not have")
         held |= cpus
     if state.shared & held:
         overlap = state.shared & held
@@ -228,13 +236,17 @@ def replan(state: CPUState, policy: CPUPolicy) -> tuple[CPUState, list[Container
 def _body(state: CPUState) -> dict[str, Any]:
     pods: dict[str, dict[str, dict[str, Any]]] = {}
     for key, a in sorted(state.assignments.items()):
-        pods.setdefault(key.pod_uid, {})[key.name] = {
+        entry = pods.setdefault(key.pod_uid, {})[key.name] = {
             "cpus": str(a.cpus),
             "container_id": a.container_id,
             "sandbox_id": a.sandbox_id,
             "attempt": a.attempt,
             "pod": a.pod,
         }
+        if a.mems is not None:
+            # Only when kubelet chose them: a checkpoint without is what earlier versions
+            # wrote and read (they ignore the key, so a rollback keeps working).
+            entry["mems"] = str(a.mems)
     return {
         "policy": state.policy,
         "options": sorted(state.options),
@@ -297,12 +309,14 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
             attempt = entry["attempt"]
             if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
                 raise ValueError(f"{pod_uid}/{name}: attempt must be a non-negative integer")
+            mems = entry.get("mems")
             assignments[ContainerKey(pod_uid, name)] = Assignment(
                 cpus=CPUSet.parse(_text(entry["cpus"], f"{pod_uid}/{name} cpus")),
                 container_id=_text(entry["container_id"], "container_id"),
                 sandbox_id=_text(entry["sandbox_id"], "sandbox_id"),
                 attempt=attempt,
                 pod=_text(entry.get("pod", ""), "pod"),
+                mems=CPUSet.parse(_text(mems, "mems")) if mems is not None else None,
             )
     options = body["options"]
     if not isinstance(options, list):

@@ -41,7 +41,14 @@ from shim.engine.moves import Mover
 from shim.engine.projecting import Cpuset, Projector
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import kubelet_cfs_quota
-from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
+from shim.pods import (
+    AnnotationError,
+    ContainerPlan,
+    MemoryNodesError,
+    Pod,
+    kubelet_memory_nodes,
+    plan_container,
+)
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.projection.writer import ProjectionWriter
@@ -422,7 +429,17 @@ class Engine:
                 self._mark_exited(tracked)
         if plan.exclusive is None or self.policy.name == "none":
             return await self._create_shared(forward, request, key, plan)
-        return await self._create_exclusive(forward, request, pod, key, plan, plan.exclusive)
+        topology = self.policy.topology
+        try:
+            memory_nodes = kubelet_memory_nodes(request.config.linux.resources, topology.numa_nodes)
+        except MemoryNodesError as exc:
+            self.counters["bad_memory_nodes"] += 1
+            return Reply.error(
+                Status.INVALID_ARGUMENT, f"cpushim: pod {pod.label} container {meta.name}: {exc}"
+            )
+        return await self._create_exclusive(
+            forward, request, pod, key, plan, plan.exclusive, memory_nodes
+        )
 
     async def _create_shared(
         self,
@@ -462,7 +479,10 @@ class Engine:
         key: ContainerKey,
         plan: ContainerPlan,
         count: int,
+        memory_nodes: CPUSet | None,
     ) -> Reply:
+        """``memory_nodes``: those kubelet's memory manager chose; the CPUs come from them as
+        far as they can, and the container's memory stays there."""
         attempt = request.config.metadata.attempt
         async with self.lock:
             self.counters["pinning_requests"] += 1
@@ -474,12 +494,12 @@ class Engine:
             else:
                 if held is not None:
                     self.state = self.state.release([key], self.policy)
-                chosen = self._choose(key, count, plan)
+                chosen = self._choose(key, count, plan, memory_nodes)
                 if isinstance(chosen, Reply):
                     return chosen
                 cpus = chosen
-            assignment = Assignment(cpus, "", pod.sandbox_id, attempt, pod.label)
-            mems = rq.mems_of(self.policy.topology.numa_nodes_of(cpus))
+            assignment = Assignment(cpus, "", pod.sandbox_id, attempt, pod.label, memory_nodes)
+            mems = self._mems_of(assignment)
             # The projection does not wait for the decision's fsync: until the container
             # exists nobody reads it, and a failed decision leaves it to the pod's removal.
             projecting = self._spawn(
@@ -566,7 +586,9 @@ class Engine:
             },
         )
 
-    def _choose(self, key: ContainerKey, count: int, plan: ContainerPlan) -> CPUSet | Reply:
+    def _choose(
+        self, key: ContainerKey, count: int, plan: ContainerPlan, memory_nodes: CPUSet | None
+    ) -> CPUSet | Reply:
         exclusive = self.state.exclusive()
         held = CPUSet().union(*exclusive.values())
         free = self.policy.exclusive_candidates - held
@@ -579,7 +601,9 @@ class Engine:
         ):
             return preferred
         try:
-            return self.policy.allocate(exclusive, ExclusiveRequest(count, isolated=plan.isolated))
+            hint = frozenset(memory_nodes) if memory_nodes is not None else None
+            request = ExclusiveRequest(count, isolated=plan.isolated, numa_affinity=hint)
+            return self.policy.allocate(exclusive, request)
         except AllocationError as exc:
             self.counters["pinning_errors"] += 1
             pod = self.pods.get(self._sandbox_of(key), None)
@@ -882,15 +906,20 @@ class Engine:
         it is) a container should have now."""
         assignment = self._assignment_of(tracked)
         if assignment is not None:
-            nodes = self.policy.topology.numa_nodes_of(assignment.cpus)
             quota = None if tracked.keep_quota else rq.NO_QUOTA
-            return assignment.cpus, rq.mems_of(nodes), quota
+            return assignment.cpus, self._mems_of(assignment), quota
         if tracked.exclusive:
             # It lost its exclusive CPUs (a new policy or reserved set): it shares now, so
             # it gets every memory node and kubelet's quota back, as a shared container has.
             everything = rq.mems_of(self.policy.topology.numa_nodes)
             return self.state.shared, everything, tracked.kubelet_quota or None
         return self.state.shared, "", None
+
+    def _mems_of(self, assignment: Assignment) -> str:
+        """An exclusive container's memory nodes: kubelet's choice, else its CPUs' nodes."""
+        if assignment.mems is not None:
+            return str(assignment.mems)
+        return rq.mems_of(self.policy.topology.numa_nodes_of(assignment.cpus))
 
     def _lost(self, tracked: Tracked) -> bool:
         """Whether it carries an exclusive container's settings without its CPUs."""

@@ -295,35 +295,36 @@ def _reconcile(
 
     # Containers that lost their CPUs to a policy change, then unknown ones, get CPUs again.
     holding_ids = {a.container_id for a in state.assignments.values()}
-    candidates: list[tuple[LiveContainer, int, ContainerPlan]] = []
+    # Each with the memory nodes kubelet chose for it, as far as cpushim knows them.
+    candidates: list[tuple[LiveContainer, int, ContainerPlan, CPUSet | None]] = []
     for key in displaced:
         old = previous[key]
         container = live.get(old.container_id)
         if container is not None:
             plan = _plan(pods.get(container.sandbox_id), container)
-            candidates.append((container, len(old.cpus), plan))
+            candidates.append((container, len(old.cpus), plan, old.mems))
             report.replanned.append(str(key))
     for container in sorted(live.values(), key=lambda c: c.id):
-        if container.id in holding_ids or any(c is container for c, _, _ in candidates):
+        if container.id in holding_ids or any(c[0] is container for c in candidates):
             continue
         plan = _plan(pods.get(container.sandbox_id), container)
         if plan.exclusive is None or policy.name == "none":
             report.adopted_shared.append(container.id)
             continue
-        candidates.append((container, plan.exclusive, plan))
+        candidates.append((container, plan.exclusive, plan, None))
 
-    for container, count, plan in candidates:
+    for container, count, plan, memory_nodes in candidates:
         pod = pods.get(container.sandbox_id)
         adopted_key = key_of(container)
         if adopted_key is None or pod is None or adopted_key in state.assignments:
             report.adopted_shared.append(container.id)
             continue
-        cpus = _adopted_cpus(engine, state, container, count, plan)
+        cpus = _adopted_cpus(engine, state, container, count, plan, memory_nodes)
         if cpus is None:
             report.refused.append(str(adopted_key))
             continue
         assignment = Assignment(
-            cpus, container.id, container.sandbox_id, container.attempt, pod.label
+            cpus, container.id, container.sandbox_id, container.attempt, pod.label, memory_nodes
         )
         state = state.assign(adopted_key, assignment, policy)
         report.adopted_exclusive.append(str(adopted_key))
@@ -336,9 +337,11 @@ def _adopted_cpus(
     container: LiveContainer,
     count: int,
     plan: ContainerPlan,
+    memory_nodes: CPUSet | None,
 ) -> CPUSet | None:
-    """The container's current cpuset when it is a valid free choice, else a new allocation;
-    None (the container shares) when the policy cannot satisfy it."""
+    """The container's current cpuset when it is a valid free choice, else a new allocation
+    (from ``memory_nodes`` as far as it can); None (the container shares) when the policy
+    cannot satisfy it."""
     policy = engine.policy
     exclusive = state.exclusive()
     free = policy.exclusive_candidates - CPUSet().union(*exclusive.values())
@@ -354,7 +357,9 @@ def _adopted_cpus(
     ):
         return current
     try:
-        return policy.allocate(exclusive, ExclusiveRequest(count, isolated=plan.isolated))
+        hint = frozenset(memory_nodes) if memory_nodes is not None else None
+        request = ExclusiveRequest(count, isolated=plan.isolated, numa_affinity=hint)
+        return policy.allocate(exclusive, request)
     except AllocationError as exc:
         engine.counters["adoptions_refused"] += 1
         log.error(

@@ -168,6 +168,39 @@ def test_a_container_that_loses_its_cpu_to_a_new_policy_gets_kubelets_quota_back
     # Its memory nodes go back too; this machine has one, so the unit tests check that.
 
 
+def test_kubelets_memory_nodes_are_checked_then_kept(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """kubelet's Static memory manager sends the NUMA nodes of a Guaranteed container in
+    ``cpuset_mems``. A node this machine lacks is refused before anything is created; the
+    ones it has stay the container's. (The VM guests check that they steer the CPUs.)"""
+    shim.start()
+    kubelet = via()
+    nodes = Path("/sys/devices/system/node/online").read_text().strip()
+    missing = str(max(int(n) for n in nodes.replace("-", ",").split(",")) + 1)
+    pod = kubelet.run_pod_sandbox("numa", "default", new_pod_uid(), "guaranteed")
+    error = rpc_error(
+        lambda: kubelet.create_container(
+            pod, "main", TEST_IMAGE, WORKLOAD, resources=ONE_CPU, cpuset_mems=missing
+        )
+    )
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"pod default/numa container main: cpuset_mems '{missing}'" in (error.details() or "")
+    assert list(direct.list_containers(sandbox_id=pod.id).containers) == []
+    assert shim.assignments() == {}
+
+    container_id = kubelet.create_container(
+        pod, "main", TEST_IMAGE, WORKLOAD, resources=ONE_CPU, cpuset_mems=nodes
+    )
+    kubelet.start_container(container_id)
+    pinned = kubelet.kernel_cpus(container_id)
+    assert_kernel(pinned, "1")
+    assert cgroup_file("cpuset", pinned.cgroup_path, "cpuset.mems") == nodes
+    assert shim.assignments() == {pod.uid: {"main": "1"}}
+    saved = json.loads(shim.state_file.read_text())["body"]["assignments"][pod.uid]["main"]
+    assert saved["mems"] == nodes
+
+
 def test_a_corrupt_checkpoint_stops_start_up_until_recovered_from_the_runtime(
     shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
 ) -> None:

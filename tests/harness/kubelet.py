@@ -429,10 +429,12 @@ class KubeletClient:
         envs: Mapping[str, str] | None = None,
         timeout: float | None = None,
         cpuset_cpus: str = "",
+        cpuset_mems: str = "",
     ) -> str:
         """CreateContainer as kubelet sends it; returns the container id. ``cpuset_cpus``: what
         kubelet's own static CPU manager policy would put in the request for an exclusive
-        container (cpushim's tests leave it to cpushim)."""
+        container (cpushim's tests leave it to cpushim); ``cpuset_mems``: the NUMA nodes its
+        Static memory manager policy chose for a Guaranteed container."""
         # kubelet's EnsureImageExists: the image must be present (no pulls here).
         status = self.image_status(image)
         if not status.HasField("image"):
@@ -451,6 +453,7 @@ class KubeletClient:
         termination_log.touch()
         linux_resources = self.linux_resources(sandbox.qos, resources)
         linux_resources.cpuset_cpus = cpuset_cpus
+        linux_resources.cpuset_mems = cpuset_mems
         config = pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=name, attempt=attempt),
             # kubelet names the image by the id ImageStatus gave and keeps what the user wrote.

@@ -161,11 +161,17 @@ class Node:
         return self.client
 
     def run(
-        self, name: str, cpus: int | None, qos: QoSClass | None = None, pod: Sandbox | None = None
+        self,
+        name: str,
+        cpus: int | None,
+        qos: QoSClass | None = None,
+        pod: Sandbox | None = None,
+        memory_nodes: CPUSet | None = None,
     ) -> Running:
         """A container named ``name``: Guaranteed with ``cpus`` whole CPUs, or a shared one
         (BestEffort, or Burstable with half a CPU), in a pod of its own unless ``pod`` is
-        given (of the same QoS class)."""
+        given (of the same QoS class); ``memory_nodes``: what kubelet's Static memory
+        manager would send in ``cpuset_mems``."""
         if cpus is not None:
             qos = "guaranteed"
             milli, memory = cpus * 1000, 32 * MIB
@@ -182,6 +188,7 @@ class Node:
             TEST_IMAGE,
             WORKLOAD,
             resources=resources,
+            cpuset_mems=",".join(map(str, memory_nodes or ())),
         )
         self.kubelet.start_container(container_id)
         pid = self.kubelet.container_pid(container_id)
@@ -399,6 +406,29 @@ def test_three_cpus_pack_into_one_numa_node(node: Node, topology: Topology) -> N
     cores = {topology.core_of(cpu) for cpu in cpus}
     assert len(cores) == -(-3 // topology.threads_per_core), f"{cpus} use cores {cores}"
     assert_invariants(node)
+
+
+def test_kubelets_memory_nodes_steer_the_cpus_and_hold_the_memory(
+    node: Node, topology: Topology
+) -> None:
+    """kubelet's Static memory manager names the last NUMA node (the farthest from the
+    reserved CPUs, where packing alone would not go): the CPUs come from it and the memory
+    stays on it; when it has no CPU left to give, the memory still does."""
+    last = topology.numa_node_count - 1
+    here = topology.numa_node_cpus(last) - topology.reserved
+    node.start()
+    seen = observe(node.run("near", 1, memory_nodes=CPUSet([last])))
+    assert seen.cpus_allowed == seen.cgroup_cpus, seen
+    assert seen.cpus_allowed.issubset(here), seen
+    assert seen.mems_allowed == seen.cgroup_mems == CPUSet([last]), seen
+    if topology.numa_node_count > 1:
+        # Fill the node (the shared pool keeps the CPUs of the others), then ask again.
+        rest = observe(node.run("rest", len(here) - 1, memory_nodes=CPUSet([last])))
+        assert rest.cpus_allowed == here - seen.cpus_allowed, rest
+        assert_invariants(node)  # so far memory is where the CPUs are
+        away = observe(node.run("away", 1, memory_nodes=CPUSet([last])))
+        assert away.cpus_allowed.isdisjoint(topology.numa_node_cpus(last)), away
+        assert away.mems_allowed == away.cgroup_mems == CPUSet([last]), away
 
 
 def test_shared_containers_never_touch_exclusive_cpus(node: Node, topology: Topology) -> None:

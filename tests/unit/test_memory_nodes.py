@@ -1,0 +1,175 @@
+"""kubelet's memory manager: the NUMA nodes its Static policy puts in a CreateContainer's
+``cpuset_mems`` steer an exclusive container's CPUs and stay its memory nodes, through the
+checkpoint, a restart and a re-plan. The fake machine's node 0 holds CPUs 0,1,4,5 and node 1
+holds CPUs 2,3,6,7 (tests/unit/engine_env.py)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Status
+from shim.pods import MemoryNodesError, kubelet_memory_nodes
+from shim.state import (
+    Assignment,
+    ContainerKey,
+    CPUState,
+    decode_checkpoint,
+    encode_checkpoint,
+    integrity_problems,
+)
+from tests.unit.engine_env import (
+    FIRST_SINGLE,
+    TOPOLOGY,
+    Env,
+    Pod,
+    assert_consistent,
+    env,
+    static_policy,
+)
+
+pytestmark = pytest.mark.anyio
+__all__ = ["env"]  # the fixture
+
+NODE_1 = CPUSet.parse("2-3,6-7")
+
+
+# --- what kubelet sent ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mems", "nodes"), [("", None), ("  ", None), ("1", "1"), ("0,1", "0-1"), ("0-1", "0-1")]
+)
+def test_kubelets_memory_nodes_are_read_from_cpuset_mems(mems: str, nodes: str | None) -> None:
+    resources = pb.LinuxContainerResources(cpuset_mems=mems)
+    found = kubelet_memory_nodes(resources, TOPOLOGY.numa_nodes)
+    assert found == (CPUSet.parse(nodes) if nodes is not None else None)
+
+
+@pytest.mark.parametrize(
+    ("mems", "message"),
+    [("one", "cpuset_mems 'one'"), ("1-0", "cpuset_mems '1-0'"), ("0-3", "NUMA nodes 2-3")],
+)
+def test_memory_nodes_that_do_not_parse_or_exist_are_refused(mems: str, message: str) -> None:
+    resources = pb.LinuxContainerResources(cpuset_mems=mems)
+    with pytest.raises(MemoryNodesError, match=message):
+        kubelet_memory_nodes(resources, TOPOLOGY.numa_nodes)
+
+
+# --- the checkpoint ------------------------------------------------------------------------
+
+
+def state_with(mems: CPUSet | None) -> CPUState:
+    policy = static_policy()
+    assignment = Assignment(CPUSet.parse("2"), "c1", "s1", 0, "default/db", mems)
+    return CPUState.empty(policy).assign(ContainerKey("uid", "main"), assignment, policy)
+
+
+def test_the_checkpoint_keeps_kubelets_memory_nodes() -> None:
+    state = state_with(CPUSet.parse("1"))
+    data = encode_checkpoint(state)
+    assert orjson.loads(data)["body"]["assignments"]["uid"]["main"]["mems"] == "1"
+    assert decode_checkpoint(data) == state
+
+
+def test_a_checkpoint_without_memory_nodes_is_written_as_before() -> None:
+    """No key at all when kubelet chose none: what earlier versions wrote, and can read back
+    after a rollback."""
+    data = encode_checkpoint(state_with(None))
+    assert "mems" not in orjson.loads(data)["body"]["assignments"]["uid"]["main"]
+    assert decode_checkpoint(data).assignments[ContainerKey("uid", "main")].mems is None
+
+
+def test_memory_nodes_this_machine_lacks_are_an_integrity_problem() -> None:
+    assert integrity_problems(state_with(CPUSet.parse("1")), TOPOLOGY) == []
+    assert integrity_problems(state_with(CPUSet.parse("1,3")), TOPOLOGY) == [
+        "uid/main has memory nodes 3 this machine does not have"
+    ]
+
+
+# --- the engine ----------------------------------------------------------------------------
+
+
+async def create(env: Env, pod: Pod, mems: str, name: str = "main", attempt: int = 0) -> str:
+    """kubelet's CreateContainer for a 1-CPU container with its memory manager's nodes."""
+    request = env.kubelet.create_request(pod, name, 1000, attempt)
+    request.config.linux.resources.cpuset_mems = mems
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK, reply.status_message
+    return pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+
+
+async def test_an_exclusive_container_gets_cpus_and_memory_on_kubelets_node(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "1")
+    resources = env.fake.containers[container_id].resources
+    assert CPUSet.parse(resources.cpuset_cpus).issubset(NODE_1)
+    assert len(CPUSet.parse(resources.cpuset_cpus)) == 1
+    assert resources.cpuset_mems == "1"
+    await env.engine.checkpoint_written()
+    assert env.engine.checkpoint.load() == env.engine.state
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].mems == CPUSet.parse("1")
+    assert_consistent(env)
+
+
+async def test_without_kubelets_nodes_memory_follows_the_cpus(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "")
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == (FIRST_SINGLE, "0")
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].mems is None
+
+
+async def test_a_full_node_gives_cpus_elsewhere_and_memory_stays_where_kubelet_put_it(
+    env: Env,
+) -> None:
+    """The nodes are a hint for the CPUs (as the topology manager's is to kubelet's CPU
+    manager), and the memory manager's decision for the memory."""
+    filler = await env.kubelet.run_pod("filler", "guaranteed")
+    ids = [await create(env, filler, "1", name=f"c{index}") for index in range(4)]
+    assert CPUSet().union(*(CPUSet.parse(env.cpus(i)) for i in ids)) == NODE_1
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "1")
+    resources = env.fake.containers[container_id].resources
+    assert CPUSet.parse(resources.cpuset_cpus).issubset(CPUSet.parse("1,4-5"))
+    assert resources.cpuset_mems == "1"
+    assert_consistent(env)
+
+
+async def test_memory_nodes_the_machine_lacks_are_refused_and_nothing_is_created(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000)
+    request.config.linux.resources.cpuset_mems = "0-3"
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.INVALID_ARGUMENT
+    assert "pod default/db container main" in reply.status_message
+    assert "NUMA nodes 2-3" in reply.status_message
+    assert env.fake.calls_of("CreateContainer") == []
+    assert env.engine.state.assignments == {}
+    assert env.engine.counters["bad_memory_nodes"] == 1
+
+
+async def test_kubelets_nodes_survive_a_restart_and_steer_a_replan(env: Env) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "1")
+    await env.engine.checkpoint_written()
+    held = env.cpus(container_id)
+    # Its CPU becomes reserved: the re-plan gives it another, from node 1 again.
+    await env.restart(static_policy(reserved=f"0,{held}"))
+    resources = env.fake.containers[container_id].resources
+    assert resources.cpuset_cpus != held
+    assert CPUSet.parse(resources.cpuset_cpus).issubset(NODE_1)
+    assert resources.cpuset_mems == "1"
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].mems == CPUSet.parse("1")
+    assert env.cpus(shared_id) == str(env.engine.state.shared)
+    assert_consistent(env)
+    # And a plain restart keeps them as they are.
+    await env.restart()
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].mems == CPUSet.parse("1")
+    tracked = env.engine.containers[container_id]
+    assert env.engine._desired(tracked)[1] == "1"
