@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# One read takes a whole cgroupfs or procfs file (they are generated at once, in a page).
+# A regular file is read in as few calls as this allows; procfs and cgroupfs hand out at most
+# a page per read(2) whatever is asked, and say they are done only with an empty read.
 _CHUNK = 65536
 
 
@@ -20,13 +21,12 @@ def read_file(path: str | Path) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         chunk = os.read(fd, _CHUNK)
-        if len(chunk) < _CHUNK:
+        if not chunk:
             return chunk
-        # Only a regular file (the state file of a large node) gets here.
         chunks = [chunk]
         while chunk := os.read(fd, _CHUNK):
             chunks.append(chunk)
-        return b"".join(chunks)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
 

@@ -26,6 +26,18 @@ def test_read_file_of_procfs_and_a_missing_file(tmp_path: Path) -> None:
         fileio.read_file(tmp_path / "missing")
 
 
+def test_read_file_reads_a_generated_file_longer_than_a_page() -> None:
+    """procfs and cgroupfs give at most a page per read(2): a cgroup.procs of a container with
+    many processes is such a file. /proc/self/maps of this interpreter is one too."""
+    with open("/proc/self/maps", "rb") as stream:
+        expected = stream.read()
+    assert len(expected) > 2 * 4096
+    found = fileio.read_file("/proc/self/maps")
+    # The mappings may change between the two reads (an allocation); compare their starts.
+    assert len(found) > 2 * 4096
+    assert found.splitlines()[:20] == expected.splitlines()[:20]
+
+
 def test_read_file_closes_its_descriptor(tmp_path: Path) -> None:
     path = tmp_path / "file"
     path.write_bytes(b"x")
