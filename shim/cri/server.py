@@ -241,6 +241,7 @@ class ClientConnection(asyncio.Protocol):
         self._shutting_down = False
         # Told to go away, its last call done: writing has ended (see _finish).
         self._finishing = False
+        # What ends a closing connection whose client does not (see _finish and abort).
         self._linger: asyncio.TimerHandle | None = None
         self._closed = False
         self._blocks_self_contained = False
@@ -496,7 +497,7 @@ class ClientConnection(asyncio.Protocol):
         write with EPIPE, and a client may then fail a call whose whole reply it holds
         (grpcio: "Stream removed"). So writing ends here (EOF after what is queued) and the
         socket closes when the client closes its end, or after ``_LINGER`` seconds
-        (:meth:`_stop_lingering`)."""
+        (:meth:`abort`)."""
         if self._finishing:
             return
         client = self.client
@@ -507,20 +508,19 @@ class ClientConnection(asyncio.Protocol):
         if self.upstream is not None:
             self.upstream.close()
         client.write_eof()
-        self._linger = asyncio.get_running_loop().call_later(_LINGER, self._stop_lingering)
-
-    def _stop_lingering(self) -> None:
-        """The client kept its end open past ``_LINGER``: close this end once what is
-        queued is written, and outright if it is still queued ``_STALLED_CLIENT`` seconds on.
-        A client that reads nothing would otherwise hold the socket and its queued replies
-        for as long as it lives, outside shutdown too (the runtime's connection lost)."""
-        self.abort()
-        self._linger = asyncio.get_running_loop().call_later(_STALLED_CLIENT, self.drop)
+        self._linger = asyncio.get_running_loop().call_later(_LINGER, self.abort)
 
     def abort(self) -> None:
-        """Close both sides after what is queued has been written."""
+        """Close both sides after what is queued has been written, and drop the client's
+        side with it if it is still queued ``_STALLED_CLIENT`` seconds on: a client that reads
+        nothing would otherwise hold the socket and its replies for as long as it lives,
+        outside shutdown too (the runtime's connection lost, a connection that failed)."""
         if self.client is not None:
             self.client.close()
+            if not self._closed:
+                if self._linger is not None:
+                    self._linger.cancel()
+                self._linger = asyncio.get_running_loop().call_later(_STALLED_CLIENT, self.drop)
         if self.upstream is not None:
             self.upstream.close()
 
@@ -534,7 +534,7 @@ class ClientConnection(asyncio.Protocol):
 
 # How long a client told to go away may keep its end open after its last reply.
 _LINGER = 1.0
-# How long after that the replies it has not read may stay queued before it is dropped.
+# How long a closing connection's replies may stay queued for a client that reads nothing.
 _STALLED_CLIENT = 10.0
 # How long shutdown waits for the connections it dropped to be gone.
 _DROP_WAIT = 1.0

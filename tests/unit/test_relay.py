@@ -445,6 +445,25 @@ def test_a_client_that_stops_reading_is_dropped_when_its_runtime_connection_ends
             assert unary(ch, SPLICED, b"echo:after", timeout=10).endswith(b"echo:after")
 
 
+def test_a_client_that_stops_reading_is_dropped_when_its_connection_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection closed for a protocol error while replies wait for a client that reads
+    nothing is dropped ``_STALLED_CLIENT`` seconds on, not held for as long as the client
+    lives."""
+    monkeypatch.setattr(server, "_STALLED_CLIENT", 0.3)
+    with relay_env() as env:
+        relay = env.relay
+        assert relay is not None
+        with raw_client(env) as (raw, client):
+            ask_and_read_nothing(relay, raw, client)
+            # A CONTINUATION frame with no header block open fails the connection.
+            raw.sendall(fr.frame(fr.CONTINUATION, 4, 99, b"\x82"))
+            wait_for(lambda: not relay.connections, 10, "the failed connection dropped")
+        with env.channel() as ch:
+            assert unary(ch, SPLICED, b"echo:after", timeout=10).endswith(b"echo:after")
+
+
 def test_runtime_crash_fails_fast_then_recovers() -> None:
     loop = LoopThread()
     runtime: subprocess.Popen[str] | None = None
