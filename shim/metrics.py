@@ -55,8 +55,8 @@ ENGINE_COUNTERS: dict[str, str] = {
     ),
     "bad_annotations": "CreateContainer calls refused for invalid cpushim pod annotations",
     "bad_names": "CreateContainer calls refused because the projection directory was unusable",
-    "bad_memory_nodes": "CreateContainer calls refused for memory nodes (cpuset_mems) this"
-    " machine does not have",
+    "bad_memory_nodes": "CreateContainer calls refused for a cpuset_mems that is not a list"
+    " of NUMA nodes",
     "cgroup_writes": "Cpusets written straight into a container's cgroup",
     "cgroups_derived": (
         "Started containers whose cgroup and process were found from containerd's layout"

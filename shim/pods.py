@@ -16,7 +16,7 @@ container's memory comes from in the request's ``cpuset_mems``: :func:`kubelet_m
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
@@ -100,18 +100,25 @@ def _flag(annotations: Mapping[str, str], name: str) -> bool | None:
     return parsed
 
 
+def isolated_mode(pod: Pod) -> IsolatedMode:
+    """How the pod's exclusive CPUs may use the kernel's isolated ones; AnnotationError for
+    a value cpushim does not know."""
+    value = pod.annotations.get(ANNOTATION_ISOLATED, "avoid")
+    isolated = _ISOLATED_MODES.get(value.strip().lower())
+    if isolated is None:
+        raise AnnotationError(
+            f"annotation {ANNOTATION_ISOLATED}: {value!r} is not prefer or require"
+        )
+    return isolated
+
+
 def plan_container(
     pod: Pod, container_name: str, resources: pb.LinuxContainerResources
 ) -> ContainerPlan:
     """Exclusive or shared, from the pod's QoS class, the container's CPU resources and the
     pod's annotations; AnnotationError for an annotation value cpushim does not know."""
     annotations = pod.annotations
-    isolated = _ISOLATED_MODES.get(annotations.get(ANNOTATION_ISOLATED, "avoid").strip().lower())
-    if isolated is None:
-        raise AnnotationError(
-            f"annotation {ANNOTATION_ISOLATED}: {annotations[ANNOTATION_ISOLATED]!r}"
-            " is not prefer or require"
-        )
+    isolated = isolated_mode(pod)
     quota = annotations.get(ANNOTATION_CFS_QUOTA)
     if quota is not None and quota.strip().lower() not in ("keep", "remove"):
         raise AnnotationError(f"annotation {ANNOTATION_CFS_QUOTA}: {quota!r} is not keep")
@@ -130,25 +137,18 @@ def plan_container(
     )
 
 
-def kubelet_memory_nodes(
-    resources: pb.LinuxContainerResources, numa_nodes: Collection[int]
-) -> CPUSet | None:
+def kubelet_memory_nodes(resources: pb.LinuxContainerResources) -> CPUSet | None:
     """The NUMA nodes kubelet's memory manager chose for the container (``cpuset_mems``,
-    set by its ``Static`` policy only), or None when it chose none. MemoryNodesError when
-    they do not parse or name a node that is not among ``numa_nodes``."""
+    set by its ``Static`` policy only), or None when it chose none; MemoryNodesError when
+    they do not parse. Which nodes exist is the kernel's to say: a node with memory and no
+    CPU (CXL memory, HBM) is one kubelet may name, and the CPU topology does not list it."""
     text = resources.cpuset_mems.strip()
     if not text:
         return None
     try:
         nodes = CPUSet.parse(text)
     except ValueError as exc:
-        raise MemoryNodesError(f"cpuset_mems {resources.cpuset_mems!r}: {exc}") from exc
-    if not nodes:
-        return None
-    unknown = nodes - CPUSet(numa_nodes)
-    if unknown:
         raise MemoryNodesError(
-            f"cpuset_mems {resources.cpuset_mems!r} names NUMA nodes {unknown}, which this"
-            f" machine does not have (it has {CPUSet(numa_nodes)})"
-        )
-    return nodes
+            f"cpuset_mems {resources.cpuset_mems!r} is not a list of NUMA nodes: {exc}"
+        ) from exc
+    return nodes or None

@@ -183,9 +183,6 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
             problems.append(f"{key} holds reserved CPUs {cpus & state.reserved}")
         if assignment.mems is not None and not assignment.mems:
             problems.append(f"{key} has an empty list of memory nodes")
-        elif assignment.mems is not None and assignment.mems - CPUSet(topology.numa_nodes):
-            unknown = assignment.mems - CPUSet(topology.numa_nodes)
-            problems.append(f"{key} has memory nodes {unknown} this machine does not have")
         held |= cpus
     if state.shared & held:
         overlap = state.shared & held
@@ -310,13 +307,18 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
             if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
                 raise ValueError(f"{pod_uid}/{name}: attempt must be a non-negative integer")
             mems = entry.get("mems")
+            if mems is not None:
+                try:
+                    mems = CPUSet.parse(_text(mems, f"{pod_uid}/{name} mems"))
+                except ValueError as exc:
+                    raise ValueError(f"{pod_uid}/{name} mems: {exc}") from exc
             assignments[ContainerKey(pod_uid, name)] = Assignment(
                 cpus=CPUSet.parse(_text(entry["cpus"], f"{pod_uid}/{name} cpus")),
                 container_id=_text(entry["container_id"], "container_id"),
                 sandbox_id=_text(entry["sandbox_id"], "sandbox_id"),
                 attempt=attempt,
                 pod=_text(entry.get("pod", ""), "pod"),
-                mems=CPUSet.parse(_text(mems, "mems")) if mems is not None else None,
+                mems=mems,
             )
     options = body["options"]
     if not isinstance(options, list):

@@ -46,6 +46,7 @@ from shim.pods import (
     ContainerPlan,
     MemoryNodesError,
     Pod,
+    isolated_mode,
     kubelet_memory_nodes,
     plan_container,
 )
@@ -429,9 +430,8 @@ class Engine:
                 self._mark_exited(tracked)
         if plan.exclusive is None or self.policy.name == "none":
             return await self._create_shared(forward, request, key, plan)
-        topology = self.policy.topology
         try:
-            memory_nodes = kubelet_memory_nodes(request.config.linux.resources, topology.numa_nodes)
+            memory_nodes = kubelet_memory_nodes(request.config.linux.resources)
         except MemoryNodesError as exc:
             self.counters["bad_memory_nodes"] += 1
             return Reply.error(
@@ -771,7 +771,7 @@ class Engine:
                 try:
                     if policy.name == "none":
                         raise AllocationError("the none policy pins nothing")
-                    cpus = policy.allocate(planned.exclusive(), ExclusiveRequest(len(old.cpus)))
+                    cpus = policy.allocate(planned.exclusive(), self._request_again(old))
                 except AllocationError as exc:
                     lost.append(key)
                     self.counters["pinning_errors"] += 1
@@ -788,6 +788,17 @@ class Engine:
                 self.projector.topology = policy.topology
             await self._apply()
         return lost
+
+    def _request_again(self, assignment: Assignment) -> ExclusiveRequest:
+        """What a container that must move asks for: as many CPUs, isolated as its pod says,
+        from the memory nodes kubelet chose for it."""
+        pod = self.pods.get(assignment.sandbox_id)
+        try:
+            isolated = isolated_mode(pod) if pod is not None else "avoid"
+        except AnnotationError:
+            isolated = "avoid"
+        hint = frozenset(assignment.mems) if assignment.mems is not None else None
+        return ExclusiveRequest(len(assignment.cpus), isolated=isolated, numa_affinity=hint)
 
     # --- decisions shared by the calls (the lock is held) --------------------------------------
 

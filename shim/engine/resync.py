@@ -418,16 +418,21 @@ def _carries_exclusive_settings(
 ) -> bool:
     """Whether the runtime shows what cpushim gives an exclusive container: kubelet's quota
     replaced by -1 (kubelet with its CPU manager off never writes -1), or, for a container
-    that could be exclusive, memory nodes narrower than all of them (the annotation that
-    keeps the quota leaves only those). One that holds no CPUs after the resync lost them
-    while cpushim was down; its shared settings are written back. Settings equal to what a
-    restore writes are not a mark, so a restored container is not restored again."""
+    that could be exclusive, memory nodes narrower than all of them and exactly those of its
+    CPUs (the annotation that keeps the quota leaves only those). One that holds no CPUs
+    after the resync lost them while cpushim was down; its shared settings are written back.
+    Settings equal to what a restore writes are not a mark, so a restored container is not
+    restored again; nor are the nodes kubelet's memory manager chose for a container on the
+    shared pool, which spans more nodes than they."""
     if resources.cpu_quota == rq.NO_QUOTA and kubelet_quota > 0:
         return True
     if plan.exclusive is None or not resources.cpuset_mems:
         return False
+    topology = engine.policy.topology
     try:
         mems = CPUSet.parse(resources.cpuset_mems)
+        cpus = CPUSet.parse(resources.cpuset_cpus)
     except ValueError:
         return False
-    return mems != CPUSet(engine.policy.topology.numa_nodes)
+    nodes_of_cpus = CPUSet(topology.numa_nodes_of(cpus))
+    return mems != CPUSet(topology.numa_nodes) and mems == nodes_of_cpus

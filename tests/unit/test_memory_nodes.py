@@ -5,13 +5,17 @@ holds CPUs 2,3,6,7 (tests/unit/engine_env.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
 import pytest
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
-from shim.pods import MemoryNodesError, kubelet_memory_nodes
+from shim.pods import ANNOTATION_ISOLATED, MemoryNodesError, kubelet_memory_nodes
+from shim.policy.none import NonePolicy
+from shim.policy.static import StaticPolicy
 from shim.state import (
     Assignment,
     ContainerKey,
@@ -20,13 +24,17 @@ from shim.state import (
     encode_checkpoint,
     integrity_problems,
 )
+from tests.fake_runtime import FakeRuntime
+from tests.harness.sysfs import MachineSpec, expected_topology
 from tests.unit.engine_env import (
     FIRST_SINGLE,
+    GIB,
     TOPOLOGY,
     Env,
     Pod,
     assert_consistent,
     env,
+    make_env,
     static_policy,
 )
 
@@ -40,22 +48,22 @@ NODE_1 = CPUSet.parse("2-3,6-7")
 
 
 @pytest.mark.parametrize(
-    ("mems", "nodes"), [("", None), ("  ", None), ("1", "1"), ("0,1", "0-1"), ("0-1", "0-1")]
+    ("mems", "nodes"),
+    [("", None), ("  ", None), ("1", "1"), ("0,1", "0-1"), ("0-1", "0-1"), ("0,2", "0,2")],
 )
 def test_kubelets_memory_nodes_are_read_from_cpuset_mems(mems: str, nodes: str | None) -> None:
+    """Node 2 has no CPU on the fake machine: a memory-only node (CXL memory, HBM) is one
+    kubelet may name, and the kernel, not the CPU topology, knows which exist."""
     resources = pb.LinuxContainerResources(cpuset_mems=mems)
-    found = kubelet_memory_nodes(resources, TOPOLOGY.numa_nodes)
+    found = kubelet_memory_nodes(resources)
     assert found == (CPUSet.parse(nodes) if nodes is not None else None)
 
 
-@pytest.mark.parametrize(
-    ("mems", "message"),
-    [("one", "cpuset_mems 'one'"), ("1-0", "cpuset_mems '1-0'"), ("0-3", "NUMA nodes 2-3")],
-)
-def test_memory_nodes_that_do_not_parse_or_exist_are_refused(mems: str, message: str) -> None:
+@pytest.mark.parametrize("mems", ["one", "1-0", "0,,1", "-1"])
+def test_memory_nodes_that_do_not_parse_are_refused(mems: str) -> None:
     resources = pb.LinuxContainerResources(cpuset_mems=mems)
-    with pytest.raises(MemoryNodesError, match=message):
-        kubelet_memory_nodes(resources, TOPOLOGY.numa_nodes)
+    with pytest.raises(MemoryNodesError, match=f"cpuset_mems '{mems}' is not a list of NUMA"):
+        kubelet_memory_nodes(resources)
 
 
 # --- the checkpoint ------------------------------------------------------------------------
@@ -82,10 +90,10 @@ def test_a_checkpoint_without_memory_nodes_is_written_as_before() -> None:
     assert decode_checkpoint(data).assignments[ContainerKey("uid", "main")].mems is None
 
 
-def test_memory_nodes_this_machine_lacks_are_an_integrity_problem() -> None:
+def test_an_empty_list_of_memory_nodes_is_an_integrity_problem() -> None:
     assert integrity_problems(state_with(CPUSet.parse("1")), TOPOLOGY) == []
-    assert integrity_problems(state_with(CPUSet.parse("1,3")), TOPOLOGY) == [
-        "uid/main has memory nodes 3 this machine does not have"
+    assert integrity_problems(state_with(CPUSet()), TOPOLOGY) == [
+        "uid/main has an empty list of memory nodes"
     ]
 
 
@@ -138,16 +146,15 @@ async def test_a_full_node_gives_cpus_elsewhere_and_memory_stays_where_kubelet_p
     assert_consistent(env)
 
 
-async def test_memory_nodes_the_machine_lacks_are_refused_and_nothing_is_created(
+async def test_memory_nodes_that_do_not_parse_are_refused_and_nothing_is_created(
     env: Env,
 ) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     request = env.kubelet.create_request(pod, "main", 1000)
-    request.config.linux.resources.cpuset_mems = "0-3"
+    request.config.linux.resources.cpuset_mems = "one"
     reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
     assert reply.status is Status.INVALID_ARGUMENT
-    assert "pod default/db container main" in reply.status_message
-    assert "NUMA nodes 2-3" in reply.status_message
+    assert "pod default/db container main: cpuset_mems 'one'" in reply.status_message
     assert env.fake.calls_of("CreateContainer") == []
     assert env.engine.state.assignments == {}
     assert env.engine.counters["bad_memory_nodes"] == 1
@@ -173,3 +180,84 @@ async def test_kubelets_nodes_survive_a_restart_and_steer_a_replan(env: Env) -> 
     assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].mems == CPUSet.parse("1")
     tracked = env.engine.containers[container_id]
     assert env.engine._desired(tracked)[1] == "1"
+
+
+async def test_a_memory_only_node_is_passed_on_and_does_not_steer_the_cpus(env: Env) -> None:
+    """Node 2 has memory and no CPU (the fake machine's CPUs are on nodes 0 and 1)."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "2")
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == (FIRST_SINGLE, "2")
+
+
+async def test_a_reload_replan_is_steered_by_kubelets_nodes(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "1")
+    held = env.cpus(container_id)
+    lost = await env.engine.change_policy(static_policy(reserved=f"0,{held}"))
+    assert lost == []
+    resources = env.fake.containers[container_id].resources
+    assert resources.cpuset_cpus != held
+    assert CPUSet.parse(resources.cpuset_cpus).issubset(NODE_1)
+    assert resources.cpuset_mems == "1"
+    assert_consistent(env)
+
+
+async def test_a_reload_replan_keeps_an_isolated_container_on_isolated_cpus(
+    tmp_path: Path,
+) -> None:
+    topology = expected_topology(
+        MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2, isolated=frozenset({3, 7}))
+    )
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, StaticPolicy.create(topology, reserved=CPUSet([0])))
+        pod = await env.kubelet.run_pod("rt", "guaranteed", {ANNOTATION_ISOLATED: "prefer"})
+        container_id = await env.kubelet.start_new(pod, "main", 1000)
+        held = env.cpus(container_id)
+        assert held in ("3", "7")
+        await env.engine.change_policy(
+            StaticPolicy.create(topology, reserved=CPUSet.parse(f"0,{held}"))
+        )
+        assert env.cpus(container_id) in ("3", "7")
+        assert env.cpus(container_id) != held
+        env.channel.close()
+
+
+async def test_kubelets_update_keeps_its_memory_nodes(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "1")
+    request = pb.UpdateContainerResourcesRequest(
+        container_id=container_id,
+        linux=pb.LinuxContainerResources(
+            cpu_shares=1024, memory_limit_in_bytes=2 * GIB, cpuset_cpus="0-7", cpuset_mems="0-1"
+        ),
+    )
+    await env.kubelet.ok("UpdateContainerResources", request.SerializeToString())
+    resources = env.fake.containers[container_id].resources
+    assert resources.memory_limit_in_bytes == 2 * GIB
+    assert CPUSet.parse(resources.cpuset_cpus).issubset(NODE_1)
+    assert resources.cpuset_mems == "1"
+
+
+async def test_the_next_attempt_keeps_its_cpus_and_takes_the_new_requests_nodes(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    first = await create(env, pod, "1")
+    await env.kubelet.stop(first)
+    again = await create(env, pod, "0-1", attempt=1)
+    assert env.cpus(again) == env.cpus(first)
+    assert env.fake.containers[again].resources.cpuset_mems == "0-1"
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].mems == CPUSet.parse("0-1")
+
+
+async def test_under_the_none_policy_kubelets_nodes_survive_a_restart(env: Env) -> None:
+    """Narrowed memory nodes are no mark of cpushim's when the cpuset spans more nodes: kubelet's
+    memory manager chose them for a container on the shared pool."""
+    await env.restart(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "1")
+    assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+    await env.restart()
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")

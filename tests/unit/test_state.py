@@ -647,6 +647,7 @@ def states(draw: st.DrawFn) -> CPUState:
             sandbox_id=draw(text),
             attempt=draw(st.integers(0, 2**32 - 1)),
             pod=draw(text),
+            mems=draw(st.none() | st.sets(st.integers(0, 7), min_size=1).map(CPUSet)),
         )
         state = state.assign(key, assignment, policy)
     return state
@@ -793,6 +794,16 @@ def entry_del(name: str) -> Any:
             entry_set(pod=7), "TypeError: pod must be a string, not int", id="pod not a string"
         ),
         pytest.param(entry_del("cpus"), "KeyError: 'cpus'", id="no cpus"),
+        pytest.param(
+            entry_set(mems=1),
+            "TypeError: 0f1e2d3c-uid/app mems must be a string, not int",
+            id="mems not a string",
+        ),
+        pytest.param(
+            entry_set(mems="x"),
+            "ValueError: 0f1e2d3c-uid/app mems: invalid CPU list 'x'",
+            id="bad mems list",
+        ),
         pytest.param(entry_del("sandbox_id"), "KeyError: 'sandbox_id'", id="no sandbox id"),
         pytest.param(
             body_set(assignments=[]),
