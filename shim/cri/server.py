@@ -241,8 +241,12 @@ class ClientConnection(asyncio.Protocol):
         self._shutting_down = False
         # Told to go away, its last call done: writing has ended (see _finish).
         self._finishing = False
-        # What ends a closing connection whose client does not (see _finish and abort).
+        # Closes a connection told to go away whose client keeps its end open (_finish).
         self._linger: asyncio.TimerHandle | None = None
+        # Closed by this side (abort): what follows is not news to log.
+        self._aborting = False
+        # Drops a closed connection whose client does not read what is queued (abort).
+        self._stalled: asyncio.TimerHandle | None = None
         self._closed = False
         self._blocks_self_contained = False
         self.unavailable_reason = ""  # why the runtime could not be reached, if it could not
@@ -294,8 +298,9 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        if self._linger is not None:
-            self._linger.cancel()
+        for timer in (self._linger, self._stalled):
+            if timer is not None:
+                timer.cancel()
         for task in self._calls.values():
             task.cancel()
         for forward in list(self._forwards.values()):
@@ -319,7 +324,7 @@ class ClientConnection(asyncio.Protocol):
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
-        if self._closed or self._finishing:
+        if self._closed or self._finishing or self._aborting:
             return  # closed by this side
         reason = str(exc) if exc else "connection closed by the runtime"
         log.warning("runtime connection lost", extra={"fields": {"error": reason}})
@@ -512,17 +517,26 @@ class ClientConnection(asyncio.Protocol):
 
     def abort(self) -> None:
         """Close both sides after what is queued has been written, and drop the client's
-        side with it if it is still queued ``_STALLED_CLIENT`` seconds on: a client that reads
-        nothing would otherwise hold the socket and its replies for as long as it lives,
-        outside shutdown too (the runtime's connection lost, a connection that failed)."""
+        side with it if it is still queued ``_STALLED_CLIENT`` seconds after the first close:
+        a client that reads nothing would otherwise hold the socket and its replies for as
+        long as it lives, outside shutdown too (the runtime's connection lost, a connection
+        that failed)."""
+        self._aborting = True
         if self.client is not None:
             self.client.close()
-            if not self._closed:
-                if self._linger is not None:
-                    self._linger.cancel()
-                self._linger = asyncio.get_running_loop().call_later(_STALLED_CLIENT, self.drop)
+            if not self._closed and self._stalled is None:
+                loop = asyncio.get_running_loop()
+                self._stalled = loop.call_later(_STALLED_CLIENT, self._drop_stalled)
         if self.upstream is not None:
             self.upstream.close()
+
+    def _drop_stalled(self) -> None:
+        queued = self.client.get_write_buffer_size() if self.client is not None else 0
+        log.warning(
+            "dropping a closed client connection that did not read its last replies",
+            extra={"fields": {"queued_bytes": queued, "waited_s": _STALLED_CLIENT}},
+        )
+        self.drop()
 
     def drop(self) -> None:
         """Close both sides now, dropping whatever is still queued for them."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import stat
@@ -446,12 +447,13 @@ def test_a_client_that_stops_reading_is_dropped_when_its_runtime_connection_ends
 
 
 def test_a_client_that_stops_reading_is_dropped_when_its_connection_fails(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A connection closed for a protocol error while replies wait for a client that reads
     nothing is dropped ``_STALLED_CLIENT`` seconds on, not held for as long as the client
-    lives."""
+    lives; the log says so, and does not call the close of its runtime connection a loss."""
     monkeypatch.setattr(server, "_STALLED_CLIENT", 0.3)
+    caplog.set_level(logging.WARNING, logger="shim.cri.server")
     with relay_env() as env:
         relay = env.relay
         assert relay is not None
@@ -462,6 +464,8 @@ def test_a_client_that_stops_reading_is_dropped_when_its_connection_fails(
             wait_for(lambda: not relay.connections, 10, "the failed connection dropped")
         with env.channel() as ch:
             assert unary(ch, SPLICED, b"echo:after", timeout=10).endswith(b"echo:after")
+    assert "did not read its last replies" in caplog.text
+    assert "runtime connection lost" not in caplog.text
 
 
 def test_runtime_crash_fails_fast_then_recovers() -> None:
