@@ -526,7 +526,7 @@ class Engine:
                 if response is None:
                     return False
                 self._record_created(
-                    request, pod, key, plan, cpus, mems, kubelet_quota, response.container_id
+                    request, pod, key, plan, assignment, mems, kubelet_quota, response.container_id
                 )
                 recorded = True
                 return True
@@ -550,7 +550,7 @@ class Engine:
         pod: Pod,
         key: ContainerKey,
         plan: ContainerPlan,
-        cpus: CPUSet,
+        assignment: Assignment,
         mems: str,
         kubelet_quota: int,
         container_id: str,
@@ -560,6 +560,7 @@ class Engine:
         # Off the reply's path: a checkpoint without the id is squared at start-up (the
         # container is found by pod and name), so this write need not be waited for.
         self._record_soon(self.state.update(key, container_id=container_id))
+        cpus = assignment.cpus
         self.containers[container_id] = Tracked(
             id=container_id,
             key=key,
@@ -568,6 +569,7 @@ class Engine:
             exclusive=True,
             keep_quota=plan.keep_quota,
             kubelet_quota=kubelet_quota,
+            kubelet_mems=assignment.mems,
             phase=Phase.CREATED,
             applied=cpus,
             recorded=cpus,
@@ -920,10 +922,14 @@ class Engine:
             quota = None if tracked.keep_quota else rq.NO_QUOTA
             return assignment.cpus, self._mems_of(assignment), quota
         if tracked.exclusive:
-            # It lost its exclusive CPUs (a new policy or reserved set): it shares now, so
-            # it gets every memory node and kubelet's quota back, as a shared container has.
-            everything = rq.mems_of(self.policy.topology.numa_nodes)
-            return self.state.shared, everything, tracked.kubelet_quota or None
+            # It lost its exclusive CPUs (a new policy or reserved set): it shares now, so it
+            # gets kubelet's settings back: its quota, and the memory nodes kubelet's memory
+            # manager chose (when cpushim knows them), else every node, as a shared one has.
+            if tracked.kubelet_mems is not None:
+                mems = str(tracked.kubelet_mems)
+            else:
+                mems = rq.mems_of(self.policy.topology.numa_nodes)
+            return self.state.shared, mems, tracked.kubelet_quota or None
         return self.state.shared, "", None
 
     def _mems_of(self, assignment: Assignment) -> str:

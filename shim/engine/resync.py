@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -92,7 +93,8 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
         except OSError as exc:
             raise StartupError(f"cannot write {engine.checkpoint.path}: {exc}") from exc
         engine.state = state
-        engine.containers = {c.id: _tracked(engine, c, pods) for c in live.values()}
+        remembered = loaded.assignments if loaded is not None else {}
+        engine.containers = {c.id: _tracked(engine, c, pods, remembered) for c in live.values()}
         await engine._apply()
         for tracked in engine.containers.values():
             if tracked.cgroup is not None and tracked.applied != tracked.recorded:
@@ -369,10 +371,18 @@ def _adopted_cpus(
         return None
 
 
-def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> Tracked:
+def _tracked(
+    engine: Engine,
+    container: LiveContainer,
+    pods: dict[str, Pod],
+    remembered: Mapping[ContainerKey, Assignment],
+) -> Tracked:
+    """``remembered``: the checkpoint's assignments, which say what kubelet's memory manager
+    chose for containers that lose their CPUs in this resync (a new policy)."""
     pod = pods.get(container.sandbox_id)
     key = ContainerKey(pod.uid if pod else container.sandbox_id, container.name)
     assignment = engine.state.assignments.get(key)
+    known = assignment or remembered.get(key)
     resources = container.resources
     plan = _plan(pod, container)
     kubelet_quota = kubelet_cfs_quota(
@@ -404,6 +414,7 @@ def _tracked(engine: Engine, container: LiveContainer, pods: dict[str, Pod]) -> 
         exclusive=exclusive,
         keep_quota=plan.keep_quota,
         kubelet_quota=kubelet_quota,
+        kubelet_mems=known.mems if known is not None else None,
         phase=Phase.RUNNING if running else Phase.CREATED,
         applied=applied,
         cgroup=cgroup,

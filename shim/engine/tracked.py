@@ -33,6 +33,9 @@ class Tracked:
     applied: CPUSet | None
     # The CFS quota kubelet gave it (0: none), restored when it loses its exclusive CPUs.
     kubelet_quota: int = 0
+    # The NUMA nodes kubelet's memory manager gave it, when cpushim knows them: restored,
+    # instead of every node, when it loses its exclusive CPUs.
+    kubelet_mems: CPUSet | None = None
     # The container's cgroup directory, once located (after start).
     cgroup: Path | None = None
     # Its pod's cgroup parent (from the sandbox config), where the runtime puts its cgroup.

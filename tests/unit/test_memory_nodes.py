@@ -261,3 +261,32 @@ async def test_under_the_none_policy_kubelets_nodes_survive_a_restart(env: Env) 
     await env.restart()
     resources = env.fake.containers[container_id].resources
     assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")
+
+
+@pytest.mark.parametrize("keep_quota", [False, True], ids=["quota removed", "quota kept"])
+async def test_a_switch_to_none_gives_back_kubelets_nodes_not_every_node(
+    env: Env, keep_quota: bool
+) -> None:
+    """A container that loses its exclusive CPUs gets kubelet's settings back: the memory
+    manager's nodes among them, known from the checkpoint; and they stay at the next restart
+    (narrowed nodes on the whole shared pool are no mark of cpushim's)."""
+    annotations = {"cpushim.io/cfs-quota": "keep"} if keep_quota else {}
+    pod = await env.kubelet.run_pod("db", "guaranteed", annotations)
+    container_id = await create(env, pod, "1")
+    await env.engine.checkpoint_written()
+    await env.restart(NonePolicy(TOPOLOGY))
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")
+    assert resources.cpu_quota == 100_000
+    await env.restart()
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")
+
+
+async def test_a_reload_to_none_gives_back_kubelets_nodes(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "1")
+    lost = await env.engine.change_policy(NonePolicy(TOPOLOGY))
+    assert lost == [ContainerKey(pod.uid, "main")]
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")
