@@ -36,8 +36,9 @@ for none).
     assignments       one object per exclusive assignment, by lowest CPU: {"tag", "pod_uid",
                       "pod" ("namespace/name", may be ""), "container", "container_id" ("" while
                       its CreateContainer is in flight), "sandbox_id", "attempt", "cpus",
-                      "numa_nodes", "sockets"}; "tag" is null when none of its CPUs is
-                      online
+                      "numa_nodes", "sockets", "mems" (the memory nodes kubelet's memory
+                      manager chose, a list string; null: those of its CPUs)}; "tag" is
+                      null when none of its CPUs is online
     cpus[i]           gains "owner" (container, reserved, isolated, shared or free), "tag",
                       "pod_uid" and "container" (null unless owner is container) and
                       "in_shared_pool" (reserved CPUs run shared containers too unless
@@ -607,6 +608,15 @@ def render_assignments(
         _Column("ATTEMPT", [str(a.attempt) for _, a in order], droppable=True),
         _Column("NUMA", [_ids(topology.numa_nodes_of(a.cpus)) or "-" for _, a in order]),
     ]
+    if any(
+        a.mems is not None and a.mems != CPUSet(topology.numa_nodes_of(a.cpus)) for _, a in order
+    ):
+        # Only when kubelet's memory manager put some container's memory elsewhere.
+        mems = [
+            _ids(a.mems if a.mems is not None else topology.numa_nodes_of(a.cpus)) or "-"
+            for _, a in order
+        ]
+        columns.append(_Column("MEMS", mems))
     if live is not None:
         columns.append(_Column("STATE", [live.state_of(a.container_id) for _, a in order]))
     cpus = _Column("CPUS", [str(a.cpus) for _, a in order])
@@ -799,6 +809,7 @@ def status_json(
                 "cpus": str(a.cpus),
                 "numa_nodes": sorted(topology.numa_nodes_of(a.cpus)),
                 "sockets": sorted(topology.sockets_of(a.cpus)),
+                "mems": None if a.mems is None else str(a.mems),
             }
             for key, a in _by_lowest_cpu(state)
         ],

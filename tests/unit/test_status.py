@@ -522,6 +522,27 @@ def test_a_narrow_table_drops_columns_before_names_become_unreadable() -> None:
     assert "de../web-7f9c8d6b5-x2k4q" in render_assignments(state, topology, width=60)
 
 
+def test_memory_kubelet_put_elsewhere_gets_a_column_of_its_own() -> None:
+    """Only when some container's memory nodes are not those of its CPUs (kubelet's memory
+    manager chose them, and its CPUs had to come from elsewhere)."""
+    topology = expected_topology(BIG)
+    state = big_state(topology)
+    key, first = next(iter(state.assignments.items()))
+    own_nodes = CPUSet(topology.numa_nodes_of(first.cpus))
+    same = state.update(key, mems=own_nodes)
+    assert "MEMS" not in render_assignments(same, topology).splitlines()[0]
+    other = next(n for n in topology.numa_nodes if n not in own_nodes)
+    moved = state.update(key, mems=CPUSet([other]))
+    header, *lines = render_assignments(moved, topology).splitlines()
+    columns = re.split(r"\s{2,}", header)
+    assert columns[-2:] == ["MEMS", "CPUS"]
+    row = next(line for line in lines if key.name in line.split())
+    assert row.split()[-2] == str(other)
+    document = round_trip(status_json(topology, moved))
+    entry = next(a for a in document["assignments"] if a["container"] == key.name)
+    assert entry["mems"] == str(other)
+
+
 def test_an_empty_state_has_no_table() -> None:
     topology = expected_topology(SMALL)
     state = CPUState.empty(StaticPolicy.create(topology, reserved=P("0")))
@@ -559,6 +580,7 @@ ASSIGNMENT_KEYS = [
     "cpus",
     "numa_nodes",
     "sockets",
+    "mems",
 ]
 
 
@@ -615,7 +637,12 @@ def test_status_json_round_trips(case: Case) -> None:
         shared=P(document["shared"]),
         assignments={
             ContainerKey(a["pod_uid"], a["container"]): Assignment(
-                P(a["cpus"]), a["container_id"], a["sandbox_id"], a["attempt"], a["pod"]
+                P(a["cpus"]),
+                a["container_id"],
+                a["sandbox_id"],
+                a["attempt"],
+                a["pod"],
+                None if a["mems"] is None else P(a["mems"]),
             )
             for a in document["assignments"]
         },
