@@ -365,13 +365,27 @@ class KubeletClient:
         return response
 
     def teardown_pod(self, sandbox_id: str) -> None:
-        """Stop and remove a pod the way kubelet does when it is deleted: containers first."""
+        """Stop and remove a pod the way kubelet does when it is deleted: containers first,
+        the pod's cgroup last (also for a pod another client ran)."""
+        cgroup = "" if sandbox_id in self._sandboxes else self._sandbox_cgroup(sandbox_id)
         for container in self.list_containers(sandbox_id=sandbox_id).containers:
             if container.state == pb.CONTAINER_RUNNING:
                 self.stop_container(container.id, timeout=0)
             self._remove_stopped(container.id)
         self.stop_pod_sandbox(sandbox_id)
         self.remove_pod_sandbox(sandbox_id)
+        if cgroup:
+            remove_cgroup(cgroup, with_empty_pod_parent=True)
+
+    def _sandbox_cgroup(self, sandbox_id: str) -> str:
+        """The sandbox's cgroup path as the runtime's spec names it (cgroupfs driver:
+        ``<pod cgroup>/<sandbox id>``); "" when the runtime does not say."""
+        try:
+            info = self.pod_sandbox_status(sandbox_id, verbose=True).info.get("info", "")
+            path = json.loads(info)["runtimeSpec"]["linux"]["cgroupsPath"]
+        except (grpc.RpcError, ValueError, KeyError, TypeError):
+            return ""
+        return path if isinstance(path, str) and path.startswith("/") else ""
 
     def _remove_stopped(self, container_id: str, budget: float = 10.0) -> None:
         """RemoveContainer, stopping again while containerd says the container still runs:
