@@ -24,7 +24,7 @@ from typing import Final
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.kube import CgroupParentError, QOSClass, exclusive_cpu_count, pod_cgroup
-from shim.policy.static import IsolatedMode
+from shim.policy.static import ExclusiveRequest, IsolatedMode
 
 ANNOTATION_ISOLATED: Final = "cpushim.io/isolated-cpus"
 ANNOTATION_CFS_QUOTA: Final = "cpushim.io/cfs-quota"
@@ -152,3 +152,11 @@ def kubelet_memory_nodes(resources: pb.LinuxContainerResources) -> CPUSet | None
             f"cpuset_mems {resources.cpuset_mems!r} is not a list of NUMA nodes: {exc}"
         ) from exc
     return nodes or None
+
+
+def exclusive_request(
+    count: int, isolated: IsolatedMode, memory_nodes: CPUSet | None
+) -> ExclusiveRequest:
+    """What a container asks the policy for; kubelet's memory nodes are its NUMA hint."""
+    hint = frozenset(memory_nodes) if memory_nodes is not None else None
+    return ExclusiveRequest(count, isolated=isolated, numa_affinity=hint)

@@ -46,6 +46,7 @@ from shim.pods import (
     ContainerPlan,
     MemoryNodesError,
     Pod,
+    exclusive_request,
     isolated_mode,
     kubelet_memory_nodes,
     plan_container,
@@ -526,7 +527,7 @@ class Engine:
                 if response is None:
                     return False
                 self._record_created(
-                    request, pod, key, plan, assignment, mems, kubelet_quota, response.container_id
+                    request, pod, key, plan, assignment, kubelet_quota, response.container_id
                 )
                 recorded = True
                 return True
@@ -551,7 +552,6 @@ class Engine:
         key: ContainerKey,
         plan: ContainerPlan,
         assignment: Assignment,
-        mems: str,
         kubelet_quota: int,
         container_id: str,
     ) -> None:
@@ -582,7 +582,7 @@ class Engine:
                     "container": key.name,
                     "container_id": container_id,
                     "cpus": str(cpus),
-                    "mems": mems,
+                    "mems": self._mems_of(assignment),
                     "shared": str(self.state.shared),
                 }
             },
@@ -603,8 +603,7 @@ class Engine:
         ):
             return preferred
         try:
-            hint = frozenset(memory_nodes) if memory_nodes is not None else None
-            request = ExclusiveRequest(count, isolated=plan.isolated, numa_affinity=hint)
+            request = exclusive_request(count, plan.isolated, memory_nodes)
             return self.policy.allocate(exclusive, request)
         except AllocationError as exc:
             self.counters["pinning_errors"] += 1
@@ -799,8 +798,7 @@ class Engine:
             isolated = isolated_mode(pod) if pod is not None else "avoid"
         except AnnotationError:
             isolated = "avoid"
-        hint = frozenset(assignment.mems) if assignment.mems is not None else None
-        return ExclusiveRequest(len(assignment.cpus), isolated=isolated, numa_affinity=hint)
+        return exclusive_request(len(assignment.cpus), isolated, assignment.mems)
 
     # --- decisions shared by the calls (the lock is held) --------------------------------------
 

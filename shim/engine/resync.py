@@ -26,8 +26,8 @@ from shim.engine.core import Engine
 from shim.engine.moves import pid_of
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import kubelet_cfs_quota
-from shim.pods import AnnotationError, ContainerPlan, Pod, plan_container
-from shim.policy.static import AllocationError, ExclusiveRequest
+from shim.pods import AnnotationError, ContainerPlan, Pod, exclusive_request, plan_container
+from shim.policy.static import AllocationError
 from shim.state import (
     Assignment,
     CheckpointError,
@@ -359,9 +359,7 @@ def _adopted_cpus(
     ):
         return current
     try:
-        hint = frozenset(memory_nodes) if memory_nodes is not None else None
-        request = ExclusiveRequest(count, isolated=plan.isolated, numa_affinity=hint)
-        return policy.allocate(exclusive, request)
+        return policy.allocate(exclusive, exclusive_request(count, plan.isolated, memory_nodes))
     except AllocationError as exc:
         engine.counters["adoptions_refused"] += 1
         log.error(
