@@ -40,13 +40,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
 def cgroup_cpus_of(client: KubeletClient, container_id: str) -> str:
     """The container's cgroup cpuset.cpus, whether or not its process runs yet."""
-    info = json.loads(client.container_status(container_id, verbose=True).info["info"])
-    path = info["runtimeSpec"]["linux"]["cgroupsPath"]
+    path = client.container_info(container_id)["runtimeSpec"]["linux"]["cgroupsPath"]
     cgroup = Path("/sys/fs/cgroup/cpuset", path.lstrip("/"), "cpuset.cpus")
     if cgroup.exists():
         return cgroup.read_text().strip()
     # Created, not started: runc makes the cgroup at start from the spec.
-    return str(info["runtimeSpec"]["linux"]["resources"]["cpu"].get("cpus", ""))
+    return client.recorded_cpuset_cpus(container_id)
 
 
 def test_pinning_moves_shared_containers_before_create_and_back_before_stop_returns(

@@ -28,10 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
+from shim.cgroups import CGROUP_EVENTS, expand_slice, populated
 from tests.harness.images import BuiltImage, import_image
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# kubelet's --cgroup-driver, which must be containerd's too: cgroup paths, or systemd slices
+# and scopes (systemd must then be PID 1).
+CgroupDriver = Literal["cgroupfs", "systemd"]
 CRI_NAMESPACE = "k8s.io"
 
 # Plugins this harness never uses; disabling them makes startup quicker and its log quieter.
@@ -136,7 +141,8 @@ class _InDir:
 class PrivateContainerd:
     """A containerd process of its own, with the CRI plugin configured for these tests.
 
-    The CRI plugin uses the cgroupfs driver, host networking only (no CNI), ``sandbox_image``
+    The CRI plugin uses the cgroupfs driver (or systemd's, when asked), host networking only
+    (no CNI), ``sandbox_image``
     set to a locally imported image (nothing can be pulled here) and
     ``restrict_oom_score_adj = true``: without CAP_SYS_RESOURCE, containerd may not lower a
     process's oom_score_adj below its own, and sandboxes fail to start unless it clamps.
@@ -153,8 +159,10 @@ class PrivateContainerd:
         ctr_binary: str = "ctr",
         runc_binary: str = "runc",
         log_level: str = "info",
+        cgroup_driver: CgroupDriver = "cgroupfs",
     ) -> None:
         self.sandbox_image = sandbox_image
+        self.cgroup_driver = cgroup_driver
         self._base_dir_parent = base_dir
         self._requested_snapshotter = snapshotter
         self.start_timeout = start_timeout
@@ -292,7 +300,7 @@ class PrivateContainerd:
                 f"  BinaryName = {_toml_string(shutil.which(self._runc) or self._runc)}",
                 # runc's own state under this instance, so cleanup can find (only) its containers.
                 f"  Root = {_toml_string(str(self.runc_root))}",
-                "  SystemdCgroup = false",
+                f"  SystemdCgroup = {str(self.cgroup_driver == 'systemd').lower()}",
                 "",
                 f"{cri[:-1]}.cni]",
                 f"  bin_dir = {_toml_string(str(self.dir / 'cni'))}",
@@ -457,8 +465,16 @@ def remove_cgroup(cgroup_path: str, *, with_empty_pod_parent: bool = False) -> N
     """Best effort: rmdir ``cgroup_path`` in every hierarchy (only empty cgroups go).
 
     With ``with_empty_pod_parent``, also its parent when that is a pod cgroup (``pod<uid>``)
-    and empty, which is what kubelet would remove once the pod is gone.
+    and empty, which is what kubelet would remove once the pod is gone. systemd's names (a
+    pod's ``<slice>``, a container's ``<slice>:<prefix>:<id>``) go through systemd instead.
     """
+    if cgroup_path.endswith(".slice") or (
+        not cgroup_path.startswith("/") and cgroup_path.count(":") == 2
+    ):
+        slice_name, _, scope = cgroup_path.partition(":")
+        if with_empty_pod_parent or not scope:
+            stop_empty_pod_slice(slice_name)
+        return
     relative = cgroup_path.strip("/")
     if not relative:
         return
@@ -470,6 +486,19 @@ def remove_cgroup(cgroup_path: str, *, with_empty_pod_parent: bool = False) -> N
         if with_empty_pod_parent and parent.name.startswith("pod") and parent != hierarchy:
             with contextlib.suppress(OSError):
                 parent.rmdir()
+
+
+def stop_empty_pod_slice(slice_name: str) -> None:
+    """What kubelet does with the systemd driver once a pod is gone: stop its slice. A scope
+    goes by itself when its last process exits; a slice stays until it is stopped. Only an
+    empty pod slice is stopped (stopping a slice kills what runs in it)."""
+    if "-pod" not in slice_name or not Path("/run/systemd/system").is_dir():
+        return
+    with contextlib.suppress(OSError, ValueError):
+        events = CGROUP_ROOT / expand_slice(slice_name) / CGROUP_EVENTS
+        if events.exists() and populated(events.read_text()):
+            return
+    subprocess.run(["systemctl", "stop", slice_name], capture_output=True, timeout=30, check=False)
 
 
 # -- a relay in front of containerd -----------------------------------------------------------

@@ -1,8 +1,9 @@
 """A CRI client that speaks the way kubelet does, over grpcio (an independent gRPC stack).
 
-Requests carry what kubelet puts in them for a pod on a node with the cgroupfs driver and
-``cpuManagerPolicy: none``: sandbox cgroup parents per QoS class, kubelet's labels and
-annotations, and kubelet's resource arithmetic (shares, CFS period and quota, oom_score_adj).
+Requests carry what kubelet puts in them for a pod on a node with the cgroupfs driver (or the
+systemd one, when asked) and ``cpuManagerPolicy: none``: sandbox cgroup parents per QoS class,
+kubelet's labels and annotations, and kubelet's resource arithmetic (shares, CFS period and
+quota, oom_score_adj).
 Pods use the host network, since the test machines have no CNI.
 
 Every call has a deadline. Calls are made through generic ``unary_unary`` / ``unary_stream``
@@ -19,14 +20,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.methods import BY_PATH, IMAGE_SERVICE, REQUEST_TYPES, RESPONSE_TYPES, RUNTIME_SERVICE
-from tests.harness.containerd import remove_cgroup, wait_for
+from tests.harness.containerd import CgroupDriver, remove_cgroup, wait_for
 
 QoSClass = Literal["guaranteed", "burstable", "besteffort"]
 
@@ -81,11 +82,13 @@ def oom_score_adj(qos: QoSClass, memory_request: int, memory_capacity: int) -> i
     return adjust
 
 
-def pod_cgroup_parent(qos: QoSClass, uid: str) -> str:
-    """The pod cgroup kubelet computes with the cgroupfs driver."""
-    if qos == "guaranteed":
-        return f"/kubepods/pod{uid}"
-    return f"/kubepods/{qos}/pod{uid}"
+def pod_cgroup_parent(qos: QoSClass, uid: str, driver: CgroupDriver = "cgroupfs") -> str:
+    """The pod cgroup kubelet computes: a path with the cgroupfs driver, a slice with the
+    systemd one (each level a dash-separated word, the UID's own dashes made underscores)."""
+    levels = ["kubepods"] + ([] if qos == "guaranteed" else [qos]) + [f"pod{uid}"]
+    if driver == "systemd":
+        return "-".join(level.replace("-", "_") for level in levels) + ".slice"
+    return "/" + "/".join(levels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +155,10 @@ class KubeletClient:
         *,
         log_root: Path,
         timeout: float = DEFAULT_TIMEOUT,
+        cgroup_driver: CgroupDriver = "cgroupfs",
     ) -> None:
         self.endpoint = endpoint
+        self.cgroup_driver = cgroup_driver
         self.log_root = log_root
         self.timeout = timeout
         # kubelet's gRPC client options: large messages (ListContainers on busy nodes).
@@ -278,7 +283,7 @@ class KubeletClient:
         }
         pod_annotations.update(annotations or {})
         linux = pb.LinuxPodSandboxConfig(
-            cgroup_parent=pod_cgroup_parent(qos, uid),
+            cgroup_parent=pod_cgroup_parent(qos, uid, self.cgroup_driver),
             security_context=pb.LinuxSandboxSecurityContext(
                 namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER, ipc=pb.POD),
             ),
@@ -606,12 +611,24 @@ class KubeletClient:
 
     # -- kernel truth -----------------------------------------------------------------------
 
-    def container_pid(self, container_id: str) -> int:
-        """The host pid of the container's main process, from ContainerStatus verbose info."""
+    def container_info(self, container_id: str) -> dict[str, Any]:
+        """The runtime's verbose ContainerStatus info (containerd: pid, OCI spec, ...)."""
         info = self.container_status(container_id, verbose=True).info
         if "info" not in info:
             raise LookupError(f"no verbose info for container {container_id}")
-        pid = json.loads(info["info"]).get("pid", 0)
+        decoded = json.loads(info["info"])
+        assert isinstance(decoded, dict), decoded
+        return decoded
+
+    def recorded_cpuset_cpus(self, container_id: str) -> str:
+        """The container's cpuset as the runtime records it: its OCI spec, which containerd
+        rewrites on UpdateContainerResources (and runc's ``update`` applies)."""
+        spec = self.container_info(container_id)["runtimeSpec"]
+        return str(spec["linux"]["resources"]["cpu"].get("cpus", ""))
+
+    def container_pid(self, container_id: str) -> int:
+        """The host pid of the container's main process, from ContainerStatus verbose info."""
+        pid = self.container_info(container_id).get("pid", 0)
         if not isinstance(pid, int) or pid <= 0:
             raise LookupError(f"container {container_id} has no running process (pid {pid!r})")
         return pid

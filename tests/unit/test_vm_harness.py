@@ -1,5 +1,6 @@
-"""The VM harness's pure parts: the topologies' CPU numbering, QEMU's arguments for them, and
-the initramfs archive format (the guests themselves run in tests/vm/)."""
+"""The VM harness's pure parts: the topologies' CPU numbering, QEMU's arguments for them, the
+kernel command line, the initramfs archive format (the guests themselves run in tests/vm/),
+and the pod cgroup parents the kubelet-shaped client sends with either cgroup driver."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import lzma
 
 import pytest
 
+from shim.cgroups import containerd_cgroups_path, relative_cgroup_path
 from shim.cpuset import CPUSet
+from shim.kube import QOSClass, pod_cgroup
+from tests.harness.kubelet import QoSClass, pod_cgroup_parent
 from tests.vm import machine
 from tests.vm.assets import AssetError, cpio_newc, extract_vmlinux
 from tests.vm.topologies import TOPOLOGIES, Topology
@@ -43,6 +47,67 @@ def test_numa_nodes_must_hold_whole_cores() -> None:
 def test_topology_survives_the_trip_to_the_guest() -> None:
     for topology in TOPOLOGIES.values():
         assert Topology.from_json(topology.to_json()) == topology
+
+
+def test_an_unknown_cgroup_driver_is_refused() -> None:
+    with pytest.raises(ValueError, match="cgroup driver 'openrc'"):
+        Topology("odd", "", 1, 2, 1, 1, P("0"), cgroup_driver="openrc")  # type: ignore[arg-type]
+    data = TOPOLOGIES["flat-8"].to_json() | {"cgroup_driver": "openrc"}
+    with pytest.raises(ValueError, match="cgroup driver 'openrc'"):
+        Topology.from_json(data)
+
+
+def test_the_kernel_command_line_hands_pid_1_to_systemd_only_for_its_driver() -> None:
+    systemd = machine.kernel_command_line(TOPOLOGIES["flat-8"]).split()
+    assert "cpushim.init=systemd" in systemd
+    assert "systemd.unified_cgroup_hierarchy=1" in systemd
+    assert "cpushim.cgroup=2" in systemd
+    v1 = Topology("v1", "", 1, 2, 1, 1, P("0"), cgroup_driver="systemd")
+    assert "systemd.unified_cgroup_hierarchy=0" in machine.kernel_command_line(v1).split()
+    for name, version in (("xeon-2s", 1), ("snc-2s", 2)):
+        cgroupfs = machine.kernel_command_line(TOPOLOGIES[name]).split()
+        assert f"cpushim.cgroup={version}" in cgroupfs
+        assert not [word for word in cgroupfs if "systemd" in word]
+
+
+UID = "4f3c2a1b-0d9e-4c8b-a7f6-5e4d3c2b1a09"
+SYSTEMD_UID = UID.replace("-", "_")
+
+
+@pytest.mark.parametrize(
+    ("qos", "expected", "cgroupfs", "slices"),
+    [
+        (
+            "guaranteed",
+            QOSClass.GUARANTEED,
+            f"/kubepods/pod{UID}",
+            f"kubepods.slice/kubepods-pod{SYSTEMD_UID}.slice",
+        ),
+        (
+            "burstable",
+            QOSClass.BURSTABLE,
+            f"/kubepods/burstable/pod{UID}",
+            f"kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{SYSTEMD_UID}.slice",
+        ),
+        (
+            "besteffort",
+            QOSClass.BEST_EFFORT,
+            f"/kubepods/besteffort/pod{UID}",
+            f"kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{SYSTEMD_UID}.slice",
+        ),
+    ],
+)
+def test_pod_cgroup_parents_are_kubelets_with_either_driver(
+    qos: QoSClass, expected: QOSClass, cgroupfs: str, slices: str
+) -> None:
+    assert pod_cgroup_parent(qos, UID) == cgroupfs
+    systemd = pod_cgroup_parent(qos, UID, "systemd")
+    assert systemd == slices.rsplit("/", 1)[-1]
+    for parent in (cgroupfs, systemd):
+        assert pod_cgroup(parent).qos == expected
+        assert pod_cgroup(parent).pod_uid == UID
+    scope = relative_cgroup_path(containerd_cgroups_path(systemd, "c0ffee"))
+    assert str(scope) == f"{slices}/cri-containerd-c0ffee.scope"
 
 
 def parse_newc(archive: bytes) -> list[tuple[str, int, bytes]]:

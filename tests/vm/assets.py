@@ -37,8 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 GUEST_DIR = Path(__file__).resolve().parent
 
 # The guest's own packages; python3 runs cpushim and the scenarios, busybox-static the
-# initramfs and the test image.
-GUEST_PACKAGES = ("containerd", "runc", "busybox-static", "python3")
+# initramfs and the test image, systemd is PID 1 of the guests with the systemd cgroup driver.
+GUEST_PACKAGES = ("containerd", "runc", "busybox-static", "python3", "systemd")
 # What the initramfs loads before it can mount the root over virtio-9p, and overlay for
 # containerd's snapshotter. Their dependencies are found from each module's modinfo.
 GUEST_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay")

@@ -1,7 +1,7 @@
 """Scenarios that run inside an emulated multi-socket guest (tests/vm/guest_runner.py), each
 checked by what the guest kernel reports: ``Cpus_allowed_list`` and ``Mems_allowed_list`` of
 the container's process and its cgroup's ``cpuset.cpus`` and ``cpuset.mems`` (cgroup v1 or
-v2, as the topology says).
+v2, with the cgroupfs or the systemd driver, as the topology says).
 
 The file is not named ``test_*.py`` on purpose: the host's pytest never collects it. Every
 scenario runs on every topology; what it expects is computed from the topology the host
@@ -17,6 +17,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from shim.cgroups import expand_slice
 from shim.cpuset import CPUSet
 from shim.topology import Topology as SysfsTopology
 from tests.harness.containerd import (
@@ -70,9 +72,11 @@ def topology() -> Topology:
 
 
 @pytest.fixture(scope="session")
-def containerd() -> Iterator[PrivateContainerd]:
+def containerd(topology: Topology) -> Iterator[PrivateContainerd]:
     image = build_image(TEST_IMAGE)
-    with PrivateContainerd(sandbox_image=image.ref, start_timeout=90.0) as instance:
+    with PrivateContainerd(
+        sandbox_image=image.ref, start_timeout=90.0, cgroup_driver=topology.cgroup_driver
+    ) as instance:
         instance.import_image(image, timeout=120.0)
         with KubeletClient(instance.address, log_root=instance.dir / "pod-logs") as probe:
             probe.wait_ready(timeout=90.0)
@@ -151,7 +155,10 @@ class Node:
         except ServingProcessError as error:
             pytest.fail(str(error), pytrace=False)
         self.client = KubeletClient(
-            f"unix://{self.socket_path}", log_root=self.containerd.dir / "pod-logs", timeout=60
+            f"unix://{self.socket_path}",
+            log_root=self.containerd.dir / "pod-logs",
+            timeout=60,
+            cgroup_driver=self.containerd.cgroup_driver,
         )
         return self.client
 
@@ -235,6 +242,14 @@ class Node:
             log = self.process.log()
             self.process = None
             assert code == 0, f"cpushim exited {code}; its log:\n{log}"
+
+    def repaired(self, running: Running) -> bool:
+        """cpushim logged that it wrote back the container's cpuset, changed by another."""
+        assert self.process is not None
+        return any(
+            "behind cpushim's back" in line and running.container_id in line
+            for line in self.process.log().splitlines()
+        )
 
     def checkpoint(self) -> dict[str, CPUSet]:
         """Container name -> exclusive CPUs, from cpushim's state.json."""
@@ -526,6 +541,95 @@ def test_an_overwritten_cpuset_and_a_killed_process_are_seen_in_this_hierarchy(
         on_timeout=lambda: f"{observe(shared)}, checkpoint {node.checkpoint()}",
     )
     assert_invariants(node)
+
+
+def systemctl(*arguments: str) -> str:
+    done = subprocess.run(
+        ["systemctl", *arguments], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, f"systemctl {' '.join(arguments)}: {done.stderr}"
+    return done.stdout
+
+
+def scope_of(running: Running) -> str:
+    return cpuset_directory(running.pid).name
+
+
+def systemd_record(running: Running, name: str) -> CPUSet:
+    """A property (``AllowedCPUs``, ``AllowedMemoryNodes``) of the container's scope, as
+    systemd holds it and writes it again into the cgroup at every daemon-reload."""
+    shown = systemctl("show", "--value", "--property", name, scope_of(running))
+    return CPUSet.parse(shown.strip().replace(" ", ","))
+
+
+def records(node: Node, running: Running) -> dict[str, CPUSet]:
+    """Every record of the container's cpuset besides the kernel's: the runtime's (its OCI
+    spec) and, with the systemd driver, systemd's."""
+    held = {"runtime": CPUSet.parse(node.kubelet.recorded_cpuset_cpus(running.container_id))}
+    if node.topology.cgroup_driver == "systemd":
+        held["systemd"] = systemd_record(running, "AllowedCPUs")
+    return held
+
+
+def test_the_records_follow_every_move_and_re_applying_them_changes_nothing(
+    node: Node, topology: Topology
+) -> None:
+    """cpushim moves a shared container by writing its cgroup, then has the runtime record
+    the move (UpdateContainerResources; runc then sets the scope's AllowedCPUs when systemd
+    is the driver). A record left behind would undo the move whenever it is applied again:
+    systemd writes every unit's settings into its cgroup at each daemon-reload (package
+    upgrades and node set-up run one). With the cgroupfs driver only the runtime's record
+    exists, and nothing re-applies it."""
+    systemd = topology.cgroup_driver == "systemd"
+    node.start()
+    shared = node.run("besteffort", None, "besteffort")
+    pinned = node.run("pinned", 1)
+    cpus = assert_exclusive(topology, observe(pinned), 1)
+    assert observe(shared).cpus_allowed == topology.cpus - cpus
+
+    def settled(*expected: tuple[Running, CPUSet]) -> None:
+        """The kernel and every record say what ``expected`` pairs with each container, and
+        still do after a reload."""
+
+        def agreed() -> bool:
+            return all(
+                observe(running).cpus_allowed == want
+                and set(records(node, running).values()) == {want}
+                for running, want in expected
+            )
+
+        wait_for(
+            agreed,
+            REACTION_TIMEOUT,
+            "the kernel and the records to agree",
+            on_timeout=lambda: "; ".join(
+                f"{running.name}: {observe(running)}, records {records(node, running)}"
+                for running, _ in expected
+            ),
+        )
+        if systemd:
+            systemctl("daemon-reload")
+        assert agreed()
+        assert_invariants(node)
+
+    settled((shared, topology.cpus - cpus), (pinned, cpus))
+    if systemd:
+        # Really the systemd driver: a scope of the pod's slice, named as kubelet names it.
+        pod_slice = expand_slice(shared.sandbox.config.linux.cgroup_parent)
+        scope = f"cri-containerd-{shared.container_id}.scope"
+        assert cpuset_directory(shared.pid) == CGROUP_ROOT / pod_slice / scope
+        assert systemd_record(pinned, "AllowedMemoryNodes") == nodes_of(topology, cpus)
+        # systemd told from outside to put the shared container on every CPU, as a stale
+        # record re-applied would: the cgroup and systemd's record are put back.
+        systemctl("set-property", "--runtime", scope, f"AllowedCPUs={topology.cpus}")
+        wait_for(
+            lambda: node.repaired(shared),
+            REACTION_TIMEOUT,
+            "cpushim to see the shared container's cpuset changed by systemd",
+        )
+        settled((shared, topology.cpus - cpus), (pinned, cpus))
+    node.stop(pinned)
+    settled((shared, topology.cpus))
 
 
 # Scenarios with policy options last: each options set needs a cpushim of its own.

@@ -56,6 +56,16 @@ def missing_host_tools() -> list[str]:
     return missing
 
 
+def kernel_command_line(topology: Topology) -> str:
+    """Read by guest-init.sh: which cgroup hierarchy to mount, or, for the systemd driver,
+    that systemd is PID 1 (it mounts the hierarchy the ``systemd.`` switch names)."""
+    line = f"{KERNEL_COMMAND_LINE} cpushim.cgroup={topology.cgroup_version}"
+    if topology.cgroup_driver == "systemd":
+        unified = 1 if topology.cgroup_version == 2 else 0
+        line += f" cpushim.init=systemd systemd.unified_cgroup_hierarchy={unified}"
+    return line
+
+
 def qemu_command(
     topology: Topology, assets: GuestAssets, payload: Path, results: Path
 ) -> list[str]:
@@ -81,8 +91,7 @@ def qemu_command(
         "-initrd",
         str(assets.initramfs),
         "-append",
-        # Read by guest-init.sh, which mounts the cgroup hierarchies.
-        f"{KERNEL_COMMAND_LINE} cpushim.cgroup={topology.cgroup_version}",
+        kernel_command_line(topology),
         *share("root", assets.root, readonly=True),
         *share("deps", assets.deps, readonly=True),
         *share("payload", payload, readonly=True),
