@@ -111,6 +111,18 @@ def expand_slice(slice_name: str) -> PurePosixPath:
     return PurePosixPath(*("-".join(words[: i + 1]) + ".slice" for i in range(len(words))))
 
 
+def systemd_byte_reversed(cpus: CPUSet) -> CPUSet:
+    """The set systemd applies when a runc without the fix for opencontainers/runc#3611
+    (Debian bookworm's 1.1.5, for one) passes it ``cpus`` as ``AllowedCPUs`` with the
+    systemd cgroup driver: runc sends the mask's bytes most significant first, and systemd
+    reads the first byte as CPUs 0-7. A set within CPUs 0-7 comes through unchanged; beyond,
+    systemd records another set, and writes it into the cgroup whenever it applies the unit
+    again (a daemon-reload, the runtime's next update)."""
+    mask = cpus.mask
+    width = (mask.bit_length() + 7) // 8
+    return CPUSet.from_mask(int.from_bytes(mask.to_bytes(width, "big"), "little"))
+
+
 def populated(events_text: str) -> bool | None:
     """The ``populated`` flag of a v2 ``cgroup.events`` file; None when it has none."""
     for line in events_text.splitlines():

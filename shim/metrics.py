@@ -57,6 +57,10 @@ ENGINE_COUNTERS: dict[str, str] = {
     "bad_names": "CreateContainer calls refused because the projection directory was unusable",
     "bad_memory_nodes": "CreateContainer calls refused for a cpuset_mems that is not a list"
     " of NUMA nodes",
+    "byte_reversed_cpusets": (
+        "Drift repairs of a cpuset systemd applied with its bytes reversed (a runc without"
+        " the fix for opencontainers/runc#3611)"
+    ),
     "cgroup_writes": "Cpusets written straight into a container's cgroup",
     "cgroups_derived": (
         "Started containers whose cgroup and process were found from containerd's layout"

@@ -277,21 +277,32 @@ class Watcher:
         if gone:
             await self.engine.container_exited(container_id)
 
-    async def _repair(self, tracked: Tracked, found: object) -> None:
+    async def _repair(self, tracked: Tracked, found: CPUSet) -> None:
         """Write the cpuset back (held: the container's write lock)."""
         cpus, mems, quota = self.engine._desired(tracked)
         assert tracked.cgroup is not None
         self.counters["drift_repairs"] += 1
+        fields = {
+            "container_id": tracked.id,
+            "container": str(tracked.key),
+            "found": str(found),
+            "cpus": str(cpus),
+        }
+        # What the runtime itself gave systemd: recording it again would only have systemd
+        # write the same wrong set again.
+        reversed_by_runtime = found == cgroups.systemd_byte_reversed(cpus)
+        if reversed_by_runtime:
+            self.counters["byte_reversed_cpusets"] += 1
+            if self.counters["byte_reversed_cpusets"] == 1:
+                log.warning(
+                    "a cgroup holds its cpuset with the mask's bytes reversed, as systemd"
+                    " records it from a runc without the fix for opencontainers/runc#3611;"
+                    " systemd writes that set again on every daemon-reload and runtime"
+                    " update, and cpushim writes it back each time: upgrade runc",
+                    extra={"fields": fields},
+                )
         log.warning(
-            "cpuset changed behind cpushim's back; writing it back",
-            extra={
-                "fields": {
-                    "container_id": tracked.id,
-                    "container": str(tracked.key),
-                    "found": str(found),
-                    "cpus": str(cpus),
-                }
-            },
+            "cpuset changed behind cpushim's back; writing it back", extra={"fields": fields}
         )
         try:
             cgroups.write_cpus(tracked.cgroup, cpus)
@@ -301,6 +312,10 @@ class Watcher:
                 "direct repair failed; the runtime repairs it",
                 extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
             )
+        else:
+            if reversed_by_runtime:
+                self.engine.project(tracked)
+                return
         # Through the runtime too, so its own record (and systemd's) says the same.
         if (await self.engine.mover.update_locked(tracked, cpus, mems, quota)).ok:
             self.engine._restored(tracked)
@@ -390,7 +405,7 @@ class Watcher:
         await self.check_state()
 
 
-def _look(directory: Path, v2: bool) -> tuple[bool, object]:
+def _look(directory: Path, v2: bool) -> tuple[bool, CPUSet | None]:
     """Whether the cgroup still holds a process, and its cpuset (None when unreadable). Run
     on every change the watches see (each move of a shared container, twice a pod under
     churn): plain reads, no pathlib."""

@@ -16,6 +16,7 @@ from shim.cgroups import (
     populated,
     read_cpus,
     relative_cgroup_path,
+    systemd_byte_reversed,
     write_cpus,
 )
 from shim.cpuset import CPUSet
@@ -140,6 +141,29 @@ def test_populated_reads_the_v2_events_file() -> None:
     assert populated("populated 1\nfrozen 0\n") is True
     assert populated("populated 0\nfrozen 0\n") is False
     assert populated("frozen 0\n") is None
+
+
+@pytest.mark.parametrize(
+    ("given", "applied"),
+    [
+        # Seen in a guest with Debian bookworm's runc 1.1.5 and the systemd driver.
+        ("0-1,6-15", "0-9,14-15"),
+        # The example of opencontainers/runc#3611.
+        ("10-23", "0-7,10-15"),
+        ("8", "0"),
+        ("0,63", "7,56"),
+        ("1,62", "6,57"),
+    ],
+)
+def test_systemd_gets_the_mask_with_its_bytes_reversed_from_an_unfixed_runc(
+    given: str, applied: str
+) -> None:
+    assert systemd_byte_reversed(CPUSet.parse(given)) == CPUSet.parse(applied)
+
+
+def test_a_set_within_the_first_eight_cpus_comes_through_unchanged() -> None:
+    for mask in range(256):
+        assert systemd_byte_reversed(CPUSet.from_mask(mask)) == CPUSet.from_mask(mask)
 
 
 def test_cpus_are_read_and_written_in_the_kernel_list_format(tmp_path: Path) -> None:

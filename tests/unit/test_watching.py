@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from shim.cgroups import CgroupLayout, CgroupVersion
+from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
+from shim.cpuset import CPUSet
 from shim.engine import EngineOptions
 from shim.engine.watching import Watcher
+from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeRuntime
+from tests.harness.sysfs import MachineSpec, expected_topology
 from tests.unit.engine_env import (
     FIRST_SINGLE,
     SHARED_AFTER_FIRST_SINGLE,
@@ -51,9 +54,12 @@ class Watched:
 
 
 async def watched_env(
-    tmp_path: Path, fake: FakeRuntime, resync_period: float = 0.0
+    tmp_path: Path,
+    fake: FakeRuntime,
+    resync_period: float = 0.0,
+    policy: StaticPolicy | None = None,
 ) -> AsyncIterator[Watched]:
-    env = await make_env(fake, tmp_path / "state", options=EngineOptions(record_delay=3600))
+    env = await make_env(fake, tmp_path / "state", policy, options=EngineOptions(record_delay=3600))
     watcher = Watcher(env.engine, resync_period=resync_period)
     watcher.start()
     try:
@@ -101,6 +107,44 @@ async def test_an_exclusive_containers_cpuset_is_written_back(w: Watched) -> Non
     update = w.env.fake.calls_of("UpdateContainerResources")[-1]
     assert update.linux.cpuset_cpus == FIRST_SINGLE  # type: ignore[attr-defined]
     assert update.linux.cpu_quota == -1  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def w16(tmp_path: Path) -> AsyncIterator[Watched]:
+    """A watcher on 16 CPUs (2 sockets x 4 cores x 2 threads), CPU 0 reserved."""
+    sixteen = expected_topology(MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2))
+    policy = StaticPolicy.create(sixteen, reserved=CPUSet.parse("0"))
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        async for watched in watched_env(tmp_path, fake, policy=policy):
+            yield watched
+
+
+async def test_a_cpuset_systemd_got_byte_reversed_from_runc_is_written_back_directly(
+    w16: Watched,
+) -> None:
+    """With the systemd driver, a runc without the fix for opencontainers/runc#3611 hands
+    systemd every set past CPU 7 with its bytes reversed, and systemd writes that set into
+    the cgroup whenever it applies the unit. The cgroup is put right; the runtime is not
+    asked again, since what it would tell systemd is the very set that came back."""
+    w = w16
+    shared_id = await w.started("web")
+    await w.started("db", "guaranteed", 1000)
+    pool = CPUSet.parse(w.env.kernel_cpus(shared_id) or "")
+    reversed_pool = systemd_byte_reversed(pool)
+    assert reversed_pool != pool
+    updates = len(w.env.fake.calls_of("UpdateContainerResources"))
+    cpuset_file(w.env, shared_id).write_text(f"{reversed_pool}\n")
+
+    await until(lambda: w.env.kernel_cpus(shared_id) == str(pool), "cpuset restored")
+    await w.settled()
+    assert w.counters["drift_repairs"] == 1
+    assert w.counters["byte_reversed_cpusets"] == 1
+    assert len(w.env.fake.calls_of("UpdateContainerResources")) == updates
+    # Any other foreign set still goes through the runtime as well.
+    cpuset_file(w.env, shared_id).write_text("3\n")
+    await until(lambda: updates_to(w.env.fake, shared_id)[-1:] == [str(pool)], "recorded")
+    assert w.env.kernel_cpus(shared_id) == str(pool)
+    assert w.counters["byte_reversed_cpusets"] == 1
 
 
 async def test_cpushims_own_moves_are_not_drift(w: Watched) -> None:
