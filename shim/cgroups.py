@@ -112,8 +112,8 @@ def expand_slice(slice_name: str) -> PurePosixPath:
 
 
 def systemd_byte_reversed(cpus: CPUSet) -> CPUSet:
-    """The set systemd applies when a runc without the fix for opencontainers/runc#3611
-    (Debian bookworm's 1.1.5, for one) passes it ``cpus`` as ``AllowedCPUs`` with the
+    """The set systemd applies when a runc older than 1.1.6 (opencontainers/runc#3611;
+    Debian bookworm's 1.1.5, for one) passes it ``cpus`` as ``AllowedCPUs`` with the
     systemd cgroup driver: runc sends the mask's bytes most significant first, and systemd
     reads the first byte as CPUs 0-7. A set within CPUs 0-7 comes through unchanged; beyond,
     systemd records another set, and writes it into the cgroup whenever it applies the unit

@@ -58,8 +58,8 @@ ENGINE_COUNTERS: dict[str, str] = {
     "bad_memory_nodes": "CreateContainer calls refused for a cpuset_mems that is not a list"
     " of NUMA nodes",
     "byte_reversed_cpusets": (
-        "Drift repairs of a cpuset systemd applied with its bytes reversed (a runc without"
-        " the fix for opencontainers/runc#3611)"
+        "Drift repairs of a cpuset systemd applied with its bytes reversed (from a runc"
+        " older than 1.1.6)"
     ),
     "cgroup_writes": "Cpusets written straight into a container's cgroup",
     "cgroups_derived": (

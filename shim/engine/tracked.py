@@ -43,6 +43,9 @@ class Tracked:
     # The cpuset the runtime's own record holds (its spec), when known: a cgroup written
     # directly is told to the runtime afterwards.
     recorded: CPUSet | None = None
+    # The cpuset whose byte-reversed copy (systemd's, from an unfixed runc) was last written
+    # back with the runtime told again; a repeat of that reversal is only written back.
+    reversal_recorded: CPUSet | None = None
     # The container's first process on this host, as the runtime reports it; 0 when unknown.
     pid: int = 0
     # When cpushim last wrote the cgroup directly (the loop's clock); the runtime is told once

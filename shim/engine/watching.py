@@ -288,17 +288,16 @@ class Watcher:
             "found": str(found),
             "cpus": str(cpus),
         }
-        # What the runtime itself gave systemd: recording it again would only have systemd
-        # write the same wrong set again.
-        reversed_by_runtime = found == cgroups.systemd_byte_reversed(cpus)
-        if reversed_by_runtime:
+        reversal = self._reversed_by_runtime(tracked, found, cpus)
+        if reversal:
+            fields["cause"] = "systemd applied the runtime's mask byte-reversed"
             self.counters["byte_reversed_cpusets"] += 1
             if self.counters["byte_reversed_cpusets"] == 1:
                 log.warning(
                     "a cgroup holds its cpuset with the mask's bytes reversed, as systemd"
-                    " records it from a runc without the fix for opencontainers/runc#3611;"
-                    " systemd writes that set again on every daemon-reload and runtime"
-                    " update, and cpushim writes it back each time: upgrade runc",
+                    " records it from a runc older than 1.1.6 (opencontainers/runc#3611);"
+                    " systemd writes that set again when it applies the unit (every"
+                    " daemon-reload), and cpushim writes it back each time: upgrade runc",
                     extra={"fields": fields},
                 )
         log.warning(
@@ -313,13 +312,29 @@ class Watcher:
                 extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
             )
         else:
-            if reversed_by_runtime:
+            # The runtime is told once per set, which mends systemd's copy once runc is
+            # fixed; again and again, each update would hand systemd the same reversed mask.
+            if reversal and tracked.reversal_recorded == cpus:
                 self.engine.project(tracked)
                 return
+        if reversal:
+            tracked.reversal_recorded = cpus
         # Through the runtime too, so its own record (and systemd's) says the same.
         if (await self.engine.mover.update_locked(tracked, cpus, mems, quota)).ok:
             self.engine._restored(tracked)
         self.engine.project(tracked)
+
+    def _reversed_by_runtime(self, tracked: Tracked, found: CPUSet, cpus: CPUSet) -> bool:
+        """Whether ``found`` is ``cpus`` as an unfixed runc hands it to systemd (which keeps
+        a cgroup v2 unit's cpuset only): another set, that a stale record cannot explain."""
+        layout = self.engine.mover.layout
+        return (
+            layout is not None
+            and layout.version is CgroupVersion.V2
+            and found != cpus
+            and found == cgroups.systemd_byte_reversed(cpus)
+            and not self.engine._lost(tracked)
+        )
 
     # --- the state file ---------------------------------------------------------------------
 

@@ -109,42 +109,55 @@ async def test_an_exclusive_containers_cpuset_is_written_back(w: Watched) -> Non
     assert update.linux.cpu_quota == -1  # type: ignore[attr-defined]
 
 
-@pytest.fixture
-async def w16(tmp_path: Path) -> AsyncIterator[Watched]:
-    """A watcher on 16 CPUs (2 sockets x 4 cores x 2 threads), CPU 0 reserved."""
+@pytest.fixture(params=[2, 1], ids=["v2", "v1"])
+async def w16(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Watched]:
+    """A watcher on 16 CPUs (2 sockets x 4 cores x 2 threads, CPU 0 reserved), on cgroup v2
+    (where systemd keeps units' cpusets) and on v1."""
     sixteen = expected_topology(MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2))
     policy = StaticPolicy.create(sixteen, reserved=CPUSet.parse("0"))
-    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+    version = CgroupVersion(request.param)
+    root = tmp_path / "cgroup"
+    async with FakeRuntime(cgroup_root=root, cgroup_version=version) as fake:
         async for watched in watched_env(tmp_path, fake, policy=policy):
+            watched.env.engine.mover.layout = CgroupLayout(version, root)
             yield watched
 
 
-async def test_a_cpuset_systemd_got_byte_reversed_from_runc_is_written_back_directly(
+async def test_a_cpuset_systemd_got_byte_reversed_from_runc_is_told_to_the_runtime_once(
     w16: Watched,
 ) -> None:
-    """With the systemd driver, a runc without the fix for opencontainers/runc#3611 hands
-    systemd every set past CPU 7 with its bytes reversed, and systemd writes that set into
-    the cgroup whenever it applies the unit. The cgroup is put right; the runtime is not
-    asked again, since what it would tell systemd is the very set that came back."""
+    """With the systemd driver, a runc older than 1.1.6 hands systemd every set past CPU 7
+    with its bytes reversed, and systemd writes that set into the cgroup whenever it applies
+    the unit. The cgroup is put right each time; the runtime is told once per set (which
+    mends systemd's copy after a runc upgrade), not at every repeat, since each update would
+    hand systemd the same reversed mask. Only cgroup v2 units hold a cpuset in systemd."""
     w = w16
+    v2 = w.env.engine.mover.layout is not None and (
+        w.env.engine.mover.layout.version is CgroupVersion.V2
+    )
     shared_id = await w.started("web")
     await w.started("db", "guaranteed", 1000)
     pool = CPUSet.parse(w.env.kernel_cpus(shared_id) or "")
     reversed_pool = systemd_byte_reversed(pool)
     assert reversed_pool != pool
-    updates = len(w.env.fake.calls_of("UpdateContainerResources"))
-    cpuset_file(w.env, shared_id).write_text(f"{reversed_pool}\n")
 
-    await until(lambda: w.env.kernel_cpus(shared_id) == str(pool), "cpuset restored")
-    await w.settled()
-    assert w.counters["drift_repairs"] == 1
-    assert w.counters["byte_reversed_cpusets"] == 1
-    assert len(w.env.fake.calls_of("UpdateContainerResources")) == updates
-    # Any other foreign set still goes through the runtime as well.
+    async def repaired(times: int) -> None:
+        await until(lambda: w.counters["drift_repairs"] == times, "repaired")
+        await w.settled()
+
+    for repeat in range(1, 4):
+        told = len(updates_to(w.env.fake, shared_id))
+        cpuset_file(w.env, shared_id).write_text(f"{reversed_pool}\n")
+        await repaired(repeat)
+        assert w.env.kernel_cpus(shared_id) == str(pool)
+        assert w.counters["byte_reversed_cpusets"] == (repeat if v2 else 0)
+        expected = 1 if repeat == 1 or not v2 else 0
+        assert updates_to(w.env.fake, shared_id)[told:] == [str(pool)] * expected
+    # Any other foreign set still goes through the runtime.
     cpuset_file(w.env, shared_id).write_text("3\n")
-    await until(lambda: updates_to(w.env.fake, shared_id)[-1:] == [str(pool)], "recorded")
-    assert w.env.kernel_cpus(shared_id) == str(pool)
-    assert w.counters["byte_reversed_cpusets"] == 1
+    await repaired(4)
+    assert updates_to(w.env.fake, shared_id)[-1] == str(pool)
+    assert w.counters["byte_reversed_cpusets"] == (3 if v2 else 0)
 
 
 async def test_cpushims_own_moves_are_not_drift(w: Watched) -> None:
