@@ -490,15 +490,19 @@ def remove_cgroup(cgroup_path: str, *, with_empty_pod_parent: bool = False) -> N
 
 def stop_empty_pod_slice(slice_name: str) -> None:
     """What kubelet does with the systemd driver once a pod is gone: stop its slice. A scope
-    goes by itself when its last process exits; a slice stays until it is stopped. Only an
-    empty pod slice is stopped (stopping a slice kills what runs in it)."""
+    goes by itself when its last process exits; a slice stays until it is stopped. Only a
+    pod slice that cgroup v2 reports empty is stopped: stopping a slice kills what runs in
+    it, and elsewhere (cgroup v1, an unreadable file) emptiness cannot be told."""
     if "-pod" not in slice_name or not Path("/run/systemd/system").is_dir():
         return
-    with contextlib.suppress(OSError, ValueError):
-        events = CGROUP_ROOT / expand_slice(slice_name) / CGROUP_EVENTS
-        if events.exists() and populated(events.read_text()):
-            return
-    subprocess.run(["systemctl", "stop", slice_name], capture_output=True, timeout=30, check=False)
+    try:
+        events = (CGROUP_ROOT / expand_slice(slice_name) / CGROUP_EVENTS).read_text()
+    except (OSError, ValueError):
+        return
+    if populated(events) is False:
+        subprocess.run(
+            ["systemctl", "stop", slice_name], capture_output=True, timeout=30, check=False
+        )
 
 
 # -- a relay in front of containerd -----------------------------------------------------------

@@ -384,13 +384,16 @@ class KubeletClient:
 
     def _sandbox_cgroup(self, sandbox_id: str) -> str:
         """The sandbox's cgroup path as the runtime's spec names it (cgroupfs driver:
-        ``<pod cgroup>/<sandbox id>``); "" when the runtime does not say."""
+        ``<pod cgroup>/<sandbox id>``, systemd's: ``<pod slice>:cri-containerd:<sandbox
+        id>``); "" when the runtime does not say."""
         try:
             info = self.pod_sandbox_status(sandbox_id, verbose=True).info.get("info", "")
             path = json.loads(info)["runtimeSpec"]["linux"]["cgroupsPath"]
         except (grpc.RpcError, ValueError, KeyError, TypeError):
             return ""
-        return path if isinstance(path, str) and path.startswith("/") else ""
+        if not isinstance(path, str):
+            return ""
+        return path if path.startswith("/") or path.count(":") == 2 else ""
 
     def _remove_stopped(self, container_id: str, budget: float = 10.0) -> None:
         """RemoveContainer, stopping again while containerd says the container still runs:

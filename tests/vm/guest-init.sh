@@ -64,6 +64,11 @@ StandardError=inherit
 TTYPath=/dev/console
 ExecStart=/bin/sh /mnt/payload/guest-init.sh scenarios
 UNIT
+    if [ ! -x /lib/systemd/systemd ]; then
+        # A failed exec would end PID 1 in a panic; say why first.
+        echo "guest-init: no /lib/systemd/systemd in the root" > /dev/console
+        echo b > /proc/sysrq-trigger
+    fi
     exec /lib/systemd/systemd --unit=cpushim-guest.target
 fi
 
