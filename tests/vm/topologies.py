@@ -181,14 +181,13 @@ TOPOLOGIES: dict[str, Topology] = {
         Topology(
             name="snc-2s",
             description="2 sockets x 4 cores x 2 threads, two NUMA nodes per socket"
-            " (sub-NUMA clustering), cgroup v2",
+            " (sub-NUMA clustering)",
             sockets=2,
             cores_per_socket=4,
             threads_per_core=2,
             numa_nodes_per_socket=2,
             reserved=CPUSet.parse("0-1"),
             memory_mib_per_node=512,
-            cgroup_version=2,
         ),
     )
 }
