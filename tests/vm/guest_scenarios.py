@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -77,10 +78,16 @@ def containerd(topology: Topology) -> Iterator[PrivateContainerd]:
     with PrivateContainerd(
         sandbox_image=image.ref, start_timeout=90.0, cgroup_driver=topology.cgroup_driver
     ) as instance:
-        instance.import_image(image, timeout=120.0)
-        with KubeletClient(instance.address, log_root=instance.dir / "pod-logs") as probe:
-            probe.wait_ready(timeout=90.0)
-        yield instance
+        try:
+            instance.import_image(image, timeout=120.0)
+            with KubeletClient(instance.address, log_root=instance.dir / "pod-logs") as probe:
+                probe.wait_ready(timeout=90.0)
+            yield instance
+        finally:
+            # containerd's directory goes when it stops; its log goes home with the results.
+            logs = Path(os.environ["CPUSHIM_VM_RESULTS"]) / "logs"
+            logs.mkdir(exist_ok=True)
+            shutil.copyfile(instance.log_path, logs / "containerd.log")
 
 
 @dataclass(frozen=True, slots=True)
