@@ -326,7 +326,9 @@ class Watcher:
 
     def _reversed_by_runtime(self, tracked: Tracked, found: CPUSet, cpus: CPUSet) -> bool:
         """Whether ``found`` is ``cpus`` as an unfixed runc hands it to systemd (which keeps
-        a cgroup v2 unit's cpuset only): another set, that a stale record cannot explain."""
+        a cgroup v2 unit's cpuset only), for a container that still holds its own settings.
+        Another set that happens to match (``8`` reads as ``0``) is taken for it too: it is
+        written back all the same, and the runtime is told the first time."""
         layout = self.engine.mover.layout
         return (
             layout is not None
