@@ -1,7 +1,8 @@
 """Fixtures for end-to-end tests against a real containerd, directly and through cpushim.
 
-Prerequisites: root, ``containerd``, ``runc`` and ``ctr`` on PATH, and a static busybox to build
-the test image from. Off CI a missing prerequisite skips the e2e tests with the reason; with
+Prerequisites: root, ``containerd``, ``runc`` and ``ctr`` on PATH, a static busybox to build the
+test image from, and cgroup v1's cpuset hierarchy (the tests read v1 files; the VM tests cover
+cgroup v2). Off CI a missing prerequisite skips the e2e tests with the reason; with
 ``CI=true`` it is an error, so a CI machine that lost containerd cannot pass by skipping.
 """
 
@@ -32,6 +33,8 @@ from tests.harness.prerequisites import on_ci, require
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPUSHIM_START_TIMEOUT = 20.0
 CPUSHIM_STOP_TIMEOUT = 20.0
+# What the tests read the kernel's cpusets from (tests.harness.kubelet.cgroup_file and others).
+CPUSET_HIERARCHY = Path("/sys/fs/cgroup/cpuset")
 
 
 def missing_prerequisites() -> list[str]:
@@ -45,6 +48,11 @@ def missing_prerequisites() -> list[str]:
         find_busybox()
     except ImageBuildError as error:
         missing.append(str(error))
+    if not (CPUSET_HIERARCHY / "cpuset.cpus").is_file():
+        missing.append(
+            f"cgroup v1's cpuset hierarchy at {CPUSET_HIERARCHY} (these tests read v1 files;"
+            " on a cgroup v2 host the VM tests, tests/vm, run cpushim end to end)"
+        )
     return missing
 
 
