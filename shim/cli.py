@@ -55,14 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     _option(
         run,
         "upstreamWait",
-        type=float,
         metavar="SECONDS",
         help="how long to wait for the runtime at start before giving up (default 60)",
     )
     _option(
         run,
         "shutdownGrace",
-        type=float,
         metavar="SECONDS",
         help="how long calls in flight may take to finish on SIGTERM (default 10; a second"
         " signal ends the wait)",
@@ -86,7 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     _option(
         reserved,
         "reservedCPUCount",
-        type=int,
         metavar="N",
         help="reserve N CPUs, lowest-numbered physical cores first (default 1)",
     )
@@ -101,14 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     _option(
         policy,
         "stateDir",
-        type=Path,
         metavar="DIR",
         help="where state.json, the checkpoint, lives (default /var/lib/cpushim)",
     )
     _option(
         policy,
         "sysfsRoot",
-        type=Path,
         metavar="DIR",
         help="where to read the CPU topology from (default /sys; for tests)",
     )
@@ -129,7 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     _option(
         policy,
         "resyncPeriod",
-        type=flag_type("resyncPeriod"),
         metavar="SECONDS",
         help="how often the safety-net resync compares every cgroup with the state"
         " (default 300; 0: never)",
@@ -138,7 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     _option(
         projection,
         "projectionDir",
-        type=flag_type("projectionDir"),
         metavar="DIR",
         help="where each container's projected files are written on the host"
         " (default /run/cpushim/projection)",
@@ -146,14 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     _option(
         projection,
         "projectionMountPath",
-        type=flag_type("projectionMountPath"),
         metavar="PATH",
         help="where those files appear inside the container (default /run/cpushim)",
     )
     _option(
         projection,
         "metricsAddress",
-        type=flag_type("metricsAddress"),
         metavar="HOST:PORT",
         help="where Prometheus metrics are served (default 127.0.0.1:9464; '' switches them off)",
     )
@@ -170,8 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _option(group: argparse._ActionsContainer, key_name: str, **kwargs: Any) -> None:
     """The flag of config key ``key_name``, stored under its RunOptions field, so that flags
-    and keys cannot drift apart."""
+    and keys cannot drift apart (names, and the values each accepts)."""
     key = KEYS_BY_NAME[key_name]
+    if "action" not in kwargs:
+        # The flag takes what the key takes: a value the file refuses is refused here too.
+        kwargs["type"] = flag_type(key_name)
     help_text = kwargs.pop("help", None)
     config_help = f"config key {key.name}"
     help_text = f"{help_text}; {config_help}" if help_text else config_help

@@ -147,6 +147,13 @@ def _cpu_count(value: object) -> int:
     return value
 
 
+def _count_text(text: str) -> object:
+    try:
+        return int(text)
+    except ValueError:
+        raise _Invalid(f"want a whole number of CPUs, got {text!r}") from None
+
+
 def _cpu_list(value: object) -> str:
     text = _string(value)
     try:
@@ -258,7 +265,7 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("shutdownGrace", "shutdown_grace", "--shutdown-grace", _seconds, _seconds_text),
     Key("cpuManagerPolicy", "policy", "--policy", _choice(*POLICIES)),
     Key("reservedSystemCPUs", "reserved_cpus", "--reserved-cpus", _cpu_list),
-    Key("reservedCPUCount", "reserved_cpu_count", "--reserved-cpu-count", _cpu_count),
+    Key("reservedCPUCount", "reserved_cpu_count", "--reserved-cpu-count", _cpu_count, _count_text),
     Key("cpuManagerPolicyOptions", "policy_options", "--policy-option", _policy_options),
     Key("stateDir", "state_dir", "--state-dir", _path),
     Key("sysfsRoot", "sysfs_root", "--sysfs-root", _path),

@@ -72,8 +72,15 @@ ENGINE_COUNTERS: dict[str, str] = {
     "cpuset_update_errors": "UpdateContainerResources calls (cpuset moves) the runtime refused",
     "cpuset_updates": "Cpuset moves made through UpdateContainerResources",
     "drift_repairs": "Container cpusets found changed behind cpushim's back and written back",
-    "exits_seen": "Containers seen exiting on their own (their exclusive CPUs released)",
+    "exits_seen": (
+        "Container exits seen before any StopContainer reply (crashes, completed containers"
+        " and most of kubelet's stops); their exclusive CPUs released"
+    ),
     "fail_open_forwards": "Calls forwarded unchanged after an internal error (fail-open policy)",
+    "failed_exclusive_creates": (
+        "Exclusive CreateContainer calls the runtime failed after CPUs were chosen (the CPUs"
+        " were returned)"
+    ),
     "full_resyncs": "Full comparisons of every container's cpuset and the state file",
     "inotify_overflows": "inotify queue overflows (each one triggers a full resync)",
     "unread_requests": (

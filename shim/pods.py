@@ -107,7 +107,7 @@ def isolated_mode(pod: Pod) -> IsolatedMode:
     isolated = _ISOLATED_MODES.get(value.strip().lower())
     if isolated is None:
         raise AnnotationError(
-            f"annotation {ANNOTATION_ISOLATED}: {value!r} is not prefer or require"
+            f"annotation {ANNOTATION_ISOLATED}: {value!r} is not avoid, prefer or require"
         )
     return isolated
 
@@ -121,7 +121,7 @@ def plan_container(
     isolated = isolated_mode(pod)
     quota = annotations.get(ANNOTATION_CFS_QUOTA)
     if quota is not None and quota.strip().lower() not in ("keep", "remove"):
-        raise AnnotationError(f"annotation {ANNOTATION_CFS_QUOTA}: {quota!r} is not keep")
+        raise AnnotationError(f"annotation {ANNOTATION_CFS_QUOTA}: {quota!r} is not keep or remove")
     per_container = _flag(annotations, f"{ANNOTATION_EXCLUSIVE}.{container_name}")
     pod_wide = _flag(annotations, ANNOTATION_EXCLUSIVE)
     wanted = per_container if per_container is not None else pod_wide

@@ -84,12 +84,19 @@ def build_policy(options: RunOptions) -> CPUPolicy:
     topology = Topology.from_sysfs(options.sysfs_root)
     if options.policy == "none":
         if options.policy_options:
-            raise ValueError("--policy-option needs --policy static")
+            # Named both ways: the same check refuses a flag and a reloaded config file.
+            raise ValueError(
+                "policy options ([cpuManagerPolicyOptions], --policy-option) need the static"
+                " policy; empty them to switch to none"
+            )
         return NonePolicy(topology)
     if options.policy != "static":
         raise ValueError(f"unknown policy {options.policy!r}: want none or static")
     if options.reserved_cpus is not None and options.reserved_cpu_count is not None:
-        raise ValueError("give --reserved-cpus or --reserved-cpu-count, not both")
+        raise ValueError(
+            "give reservedSystemCPUs (--reserved-cpus) or reservedCPUCount"
+            " (--reserved-cpu-count), not both"
+        )
     reserved = CPUSet.parse(options.reserved_cpus) if options.reserved_cpus is not None else None
     count = options.reserved_cpu_count
     if reserved is None and count is None:

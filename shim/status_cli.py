@@ -50,7 +50,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="draw the CPU map from the checkpoint: who holds which CPU",
         description="Draw every CPU where it sits (sockets, NUMA nodes, cores, threads) with"
         " its owner: a pinned container, the shared pool, reserved, isolated. Reads the"
-        " checkpoint and sysfs only.",
+        " checkpoint and sysfs, and asks cpushim's socket for the containers' states when"
+        " it exists.",
     )
     status.add_argument(
         "--socket",

@@ -537,7 +537,9 @@ class Engine:
             # where the forwarded reply stands (Engine._dispatch), rather than rolling back
             # the CPUs of a container that exists.
             if not recorded and not record(reply):
-                self.counters["pinning_errors"] += 1
+                # Not a pinning error: the CPUs were there, the runtime failed the create
+                # (kubelet's counter, too, counts only what its policy could not allocate).
+                self.counters["failed_exclusive_creates"] += 1
                 log.info(
                     "create failed; CPUs returned",
                     extra={"fields": {"container": str(key), "cpus": str(cpus)}},
@@ -769,9 +771,15 @@ class Engine:
             lost: list[ContainerKey] = []
             for key in displaced:
                 old = self.state.assignments[key]
+                if policy.name == "none":
+                    # Asked for by the operator: nothing failed, and no alert should fire.
+                    lost.append(key)
+                    log.info(
+                        "the none policy pins nothing; the container shares",
+                        extra={"fields": {"container": str(key)}},
+                    )
+                    continue
                 try:
-                    if policy.name == "none":
-                        raise AllocationError("the none policy pins nothing")
                     cpus = policy.allocate(planned.exclusive(), self._request_again(old))
                 except AllocationError as exc:
                     lost.append(key)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
-from shim.config import ConfigError, reload_options
+from shim.config import KEYS, ConfigError, reload_options
 from shim.inotify import (
     FILE_CHANGES,
     Event,
@@ -44,6 +44,8 @@ POLICY_FIELDS = frozenset(
 LIVE_FIELDS = frozenset({"failure_policy", "log_level", "resync_period"})
 # Where the options came from, not what they say.
 _PROVENANCE = frozenset({"config_path", "cli_overrides"})
+# The log names the keys an operator edits, not the fields they fill.
+_KEY_OF_FIELD = {key.field: key.name for key in KEYS}
 
 
 class ConfigReloader:
@@ -133,12 +135,12 @@ class ConfigReloader:
             extra={
                 "fields": {
                     "config": self.path,
-                    "changed": changed,
+                    "changed": sorted(_KEY_OF_FIELD.get(name, name) for name in changed),
                     "reserved": str(self.engine.policy.reserved),
                     "options": sorted(self.engine.policy.option_names),
                     "shared": str(self.engine.state.shared),
                     "lost_exclusive": [str(k) for k in lost],
-                    "need_restart": restart,
+                    "need_restart": sorted(_KEY_OF_FIELD.get(name, name) for name in restart),
                 }
             },
         )

@@ -103,6 +103,13 @@ def test_every_run_flag_has_a_key() -> None:
     assert flags == {key.flag: key.field for key in KEYS}
 
 
+def test_the_readmes_flag_table_names_every_flag_with_its_key() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = re.findall(r"^\| `(--[a-z-]+)` \| `([A-Za-z]+)` \|", readme, re.MULTILINE)
+    assert dict(rows) == {key.flag: key.name for key in KEYS}
+    assert len(rows) == len(KEYS)
+
+
 def test_failure_policies_are_the_engines() -> None:
     assert set(FAILURE_POLICIES) == set(get_args(FailurePolicy))
 
@@ -250,6 +257,17 @@ def test_a_bad_new_flag_is_refused_by_the_parser(capsys: pytest.CaptureFixture[s
         ["--resync-period", "soon"],
         ["--metrics-address", "9464"],
         ["--projection-mount-path", "relative"],
+        # Each flag takes what its key takes, not merely what its Python type parses.
+        ["--upstream-wait", "-1"],
+        ["--upstream-wait", "inf"],
+        ["--shutdown-grace", "nan"],
+        ["--reserved-cpu-count", "0"],
+        ["--reserved-cpu-count", "two"],
+        ["--listen", "tcp://0.0.0.0:1"],
+        ["--runtime-endpoint", "containerd.sock"],
+        ["--socket-group", ""],
+        ["--state-dir", ""],
+        ["--reserved-cpus", "3-1"],
     ):
         with pytest.raises(SystemExit) as exited:
             build_parser().parse_args(["run", *argv])

@@ -195,6 +195,9 @@ async def test_a_failed_create_is_rolled_back(env: Env) -> None:
     reply = await kubelet.create(pod, "main", 2000)
     assert reply.status is Status.UNKNOWN
     assert reply.status_message == "disk full"
+    # The CPUs were there: a failed create, not a pinning error.
+    assert env.engine.counters["failed_exclusive_creates"] == 1
+    assert env.engine.counters["pinning_errors"] == 0
     assert env.engine.state.assignments == {}
     assert env.saved() == {}
     assert env.cpus(shared_id) == "0-7"

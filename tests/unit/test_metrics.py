@@ -338,3 +338,23 @@ def test_grpc_status_is_read_from_trailer_blocks(huffman: bool) -> None:
     assert grpc_status(hpack.Encoder().encode([(b"grpc-message", b"x")], huffman=huffman)) is None
     assert grpc_status(b"\xbe") is None  # a dynamic table index
     assert grpc_status(b"\x00\x0bgrpc-status\x7f") is None  # truncated
+
+
+async def test_every_metric_in_the_operations_guide_is_exported(env: Env) -> None:
+    guide = (SHIM.parent / "docs" / "operations.md").read_text()
+    # The metric table's rows: | `name{labels}` | type | meaning |
+    row = r"^\| `((?:cpu_manager|cpushim)_\w+)(?:\{[^}]*\})?` \|"
+    documented = set(re.findall(row, guide, re.MULTILINE))
+    assert {"cpu_manager_pinning_errors_total", "cpushim_exits_seen_total"} <= documented
+    metrics = Metrics(env.engine)
+    metrics.relay.call_finished(VERSION, 0, 0.001)  # labelled families show once they count
+    exported = {
+        sample.name
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples
+    }
+    # A histogram is documented by its family name; its samples carry suffixes.
+    missing = {
+        name for name in documented if name not in exported and f"{name}_count" not in exported
+    }
+    assert not missing, f"docs/operations.md names metrics cpushim does not export: {missing}"

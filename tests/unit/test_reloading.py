@@ -119,11 +119,32 @@ async def test_a_container_that_loses_its_cpus_to_a_reload_gets_kubelets_setting
     r.write('cpuManagerPolicy = "none"\nreservedSystemCPUs = "0"\n')
     await r.reloaded("config_reloads")
     assert env.engine.policy.name == "none"
+    # Asked for, so no pinning error: kubelet's counter would fire the operator's alert.
+    assert env.engine.counters["pinning_errors"] == 0
     restored = env.fake.containers[pinned_id].resources
     assert restored.cpu_quota == milli_cpu_to_quota(1000)
     assert restored.cpuset_mems == "0-1"
     assert env.kernel_cpus(pinned_id) == env.kernel_cpus(shared_id) == str(ALL)
     assert not env.engine.containers[pinned_id].exclusive
+
+
+async def test_switching_to_none_with_policy_options_on_is_refused_naming_the_table(
+    r: Reloading, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = r.env
+    _, pinned_id = await pinned_and_shared(env)
+    before = env.engine.state
+    with caplog.at_level(logging.ERROR):
+        r.write(
+            'cpuManagerPolicy = "none"\nreservedSystemCPUs = "0"\n'
+            "[cpuManagerPolicyOptions]\nfull-pcpus-only = true\n"
+        )
+        await r.reloaded("config_errors")
+    assert env.engine.policy.name == "static"
+    assert env.engine.state == before
+    assert env.kernel_cpus(pinned_id) == FIRST_SINGLE
+    refusals = [rec for rec in caplog.records if "refused" in rec.getMessage()]
+    assert "[cpuManagerPolicyOptions]" in refusals[-1].__dict__["fields"]["error"]
 
 
 async def test_a_file_that_does_not_parse_is_refused_and_nothing_changes(
@@ -181,11 +202,16 @@ async def test_reserving_every_cpu_is_refused_and_nothing_changes(
 async def test_keys_that_need_a_restart_are_named_not_applied(
     r: Reloading, caplog: pytest.LogCaptureFixture
 ) -> None:
-    r.write('reservedSystemCPUs = "0"\nlisten = "unix:///tmp/elsewhere.sock"\n')
+    r.write(
+        'reservedSystemCPUs = "0"\nlisten = "unix:///tmp/elsewhere.sock"\n'
+        'metricsAddress = "127.0.0.1:9999"\nlogLevel = "debug"\n'
+    )
     with caplog.at_level(logging.INFO):
         await r.reloaded("config_reloads")
     (record,) = [rec for rec in caplog.records if rec.getMessage() == "config reloaded"]
-    assert record.__dict__["fields"]["need_restart"] == ["listen"]
+    # Named as in the file, so that the log leads to the line to look at.
+    assert record.__dict__["fields"]["changed"] == ["listen", "logLevel", "metricsAddress"]
+    assert record.__dict__["fields"]["need_restart"] == ["listen", "metricsAddress"]
     assert r.reloader.options.listen == "unix:///tmp/elsewhere.sock"
 
 
