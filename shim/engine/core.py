@@ -80,6 +80,8 @@ class EngineOptions:
     record_delay: float = 1.0
     # A container whose cpuset keeps moving is recorded with the runtime at least this often.
     record_max_delay: float = 10.0
+    # A move the runtime refused is tried again after this long, doubling up to a minute.
+    move_retry_delay: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class Engine:
         # every later one too).
         self._persist_now = asyncio.Event()
         self._draining = False
+        self._drain_started = asyncio.Event()
+        # Tries the moves the runtime refused again (see _retry_moves); None when none failed.
+        self._move_retry: asyncio.Task[None] | None = None
         # Set by the watcher when it starts (shim/engine/watching.py); None without one.
         self.watcher: Watcher | None = None
         self.mover = Mover(
@@ -264,6 +269,7 @@ class Engine:
         runtime to be told of every cpuset written straight into a cgroup, and the checkpoint
         of every change (including work those calls start meanwhile)."""
         self._draining = True
+        self._drain_started.set()
         self._persist_now.set()
         self.mover.flush()
         deadline = asyncio.get_running_loop().time() + grace
@@ -430,7 +436,7 @@ class Engine:
                 # kubelet makes the next attempt only once the previous one has exited.
                 self._mark_exited(tracked)
         if plan.exclusive is None or self.policy.name == "none":
-            return await self._create_shared(forward, request, key, plan)
+            return await self._create_shared(forward, request, pod, key, plan)
         try:
             memory_nodes = kubelet_memory_nodes(request.config.linux.resources)
         except MemoryNodesError as exc:
@@ -446,9 +452,15 @@ class Engine:
         self,
         forward: Forward,
         request: pb.CreateContainerRequest,
+        pod: Pod,
         key: ContainerKey,
         plan: ContainerPlan,
     ) -> Reply:
+        if any(held.pod_uid == pod.uid for held in self.state.assignments):
+            # A pod's exited init containers give their CPUs back before its next container
+            # is created, whether that one is exclusive or not.
+            async with self.lock:
+                await self._release_exited_in_pod(pod.uid, keep=key)
         pool = self.state.shared
         rq.pin(request.config.linux.resources, pool)
         await self._project_new(request, key, Cpuset(pool, "", exclusive=False))
@@ -484,67 +496,88 @@ class Engine:
     ) -> Reply:
         """``memory_nodes``: those kubelet's memory manager chose; the CPUs come from them as
         far as they can, and the container's memory stays there."""
-        attempt = request.config.metadata.attempt
         async with self.lock:
-            self.counters["pinning_requests"] += 1
-            await self._release_exited_in_pod(pod.uid, keep=key)
-            held = self.state.assignments.get(key)
-            if held is not None and len(held.cpus) == count:
-                # A restart of the same container (next attempt): its CPUs follow it.
-                cpus = held.cpus
-            else:
-                if held is not None:
-                    self.state = self.state.release([key], self.policy)
-                chosen = self._choose(key, count, plan, memory_nodes)
-                if isinstance(chosen, Reply):
-                    return chosen
-                cpus = chosen
-            assignment = Assignment(cpus, "", pod.sandbox_id, attempt, pod.label, memory_nodes)
-            mems = self._mems_of(assignment)
-            # The projection does not wait for the decision's fsync: until the container
-            # exists nobody reads it, and a failed decision leaves it to the pod's removal.
-            projecting = self._spawn(
-                self._project_new(request, key, Cpuset(cpus, mems, exclusive=True))
-            )
-            try:
-                await self._commit(self.state.assign(key, assignment, self.policy))
-                await self._apply()
-            finally:
-                await projecting
-            resources = request.config.linux.resources
-            kubelet_quota = kubelet_cfs_quota(
-                resources.cpu_shares, resources.cpu_quota, resources.cpu_period
-            )
-            rq.pin(resources, cpus, mems, quota=None if plan.keep_quota else rq.NO_QUOTA)
-            recorded = False
-
-            def record(reply: Reply) -> bool:
-                """Learn the new container: done as the reply comes in (``seen``), so
-                kubelet has the reply without waiting for this coroutine to be resumed, and
-                knows the container no sooner than cpushim does."""
-                nonlocal recorded
-                response = _response(reply, pb.CreateContainerResponse)
-                if response is None:
-                    return False
-                self._record_created(
-                    request, pod, key, plan, assignment, kubelet_quota, response.container_id
+            if self.policy.name != "none":
+                return await self._create_exclusive_locked(
+                    forward, request, pod, key, plan, count, memory_nodes
                 )
-                recorded = True
-                return True
+        # A reload to the none policy took the lock first: the container shares.
+        return await self._create_shared(forward, request, pod, key, plan)
 
-            reply = await forward(request.SerializeToString(), seen=record)
-            # Looked at again unless the hook recorded it: a hook that failed fails here too,
-            # where the forwarded reply stands (Engine._dispatch), rather than rolling back
-            # the CPUs of a container that exists.
-            if not recorded and not record(reply):
-                # Not a pinning error: the CPUs were there, the runtime failed the create
-                # (kubelet's counter, too, counts only what its policy could not allocate).
-                self.counters["failed_exclusive_creates"] += 1
-                log.info(
-                    "create failed; CPUs returned",
-                    extra={"fields": {"container": str(key), "cpus": str(cpus)}},
-                )
+    async def _create_exclusive_locked(
+        self,
+        forward: Forward,
+        request: pb.CreateContainerRequest,
+        pod: Pod,
+        key: ContainerKey,
+        plan: ContainerPlan,
+        count: int,
+        memory_nodes: CPUSet | None,
+    ) -> Reply:
+        """The exclusive create, under the engine lock."""
+        attempt = request.config.metadata.attempt
+        self.counters["pinning_requests"] += 1
+        await self._release_exited_in_pod(pod.uid, keep=key)
+        held = self.state.assignments.get(key)
+        if held is not None and len(held.cpus) == count:
+            # A restart of the same container (next attempt): its CPUs follow it.
+            cpus = held.cpus
+        else:
+            if held is not None:
+                # The next attempt asks for another count: the old CPUs go back first,
+                # persisted and with the shared containers grown, so that a refusal
+                # below leaves memory, the checkpoint and the cgroups agreeing.
                 await self._release([key])
+            chosen = self._choose(key, count, plan, memory_nodes)
+            if isinstance(chosen, Reply):
+                return chosen
+            cpus = chosen
+        assignment = Assignment(cpus, "", pod.sandbox_id, attempt, pod.label, memory_nodes)
+        mems = self._mems_of(assignment)
+        # The projection does not wait for the decision's fsync: until the container
+        # exists nobody reads it, and a failed decision leaves it to the pod's removal.
+        projecting = self._spawn(
+            self._project_new(request, key, Cpuset(cpus, mems, exclusive=True))
+        )
+        try:
+            await self._commit(self.state.assign(key, assignment, self.policy))
+            await self._apply()
+        finally:
+            await projecting
+        resources = request.config.linux.resources
+        kubelet_quota = kubelet_cfs_quota(
+            resources.cpu_shares, resources.cpu_quota, resources.cpu_period
+        )
+        rq.pin(resources, cpus, mems, quota=None if plan.keep_quota else rq.NO_QUOTA)
+        recorded = False
+
+        def record(reply: Reply) -> bool:
+            """Learn the new container: done as the reply comes in (``seen``), so
+            kubelet has the reply without waiting for this coroutine to be resumed, and
+            knows the container no sooner than cpushim does."""
+            nonlocal recorded
+            response = _response(reply, pb.CreateContainerResponse)
+            if response is None:
+                return False
+            self._record_created(
+                request, pod, key, plan, assignment, kubelet_quota, response.container_id
+            )
+            recorded = True
+            return True
+
+        reply = await forward(request.SerializeToString(), seen=record)
+        # Looked at again unless the hook recorded it: a hook that failed fails here too,
+        # where the forwarded reply stands (Engine._dispatch), rather than rolling back
+        # the CPUs of a container that exists.
+        if not recorded and not record(reply):
+            # Not a pinning error: the CPUs were there, the runtime failed the create
+            # (kubelet's counter, too, counts only what its policy could not allocate).
+            self.counters["failed_exclusive_creates"] += 1
+            log.info(
+                "create failed; CPUs returned",
+                extra={"fields": {"container": str(key), "cpus": str(cpus)}},
+            )
+            await self._release([key])
         return reply
 
     def _record_created(
@@ -963,8 +996,16 @@ class Engine:
             return None
         return assignment
 
-    async def _apply(self) -> None:
-        """Write the cpuset of every live container whose cpuset is not what it should be."""
+    async def reapply(self) -> None:
+        """Move every container that is not where it should be (a safety net for the
+        watcher's full look: a refused move leaves the cgroup equal to what was applied, so
+        comparing the two finds nothing)."""
+        async with self.lock:
+            await self._apply()
+
+    def _out_of_place(self) -> list[tuple[Tracked, CPUSet, str, int | None]]:
+        """Every live container whose cpuset is not what it should be, with what it should
+        be (CPUs, mems, CFS quota)."""
         moves: list[tuple[Tracked, CPUSet, str, int | None]] = []
         for tracked in self.containers.values():
             if tracked.phase is Phase.EXITED:
@@ -972,6 +1013,11 @@ class Engine:
             cpus, mems, quota = self._desired(tracked)
             if cpus != tracked.applied or self._lost(tracked):
                 moves.append((tracked, cpus, mems, quota))
+        return moves
+
+    async def _apply(self) -> None:
+        """Write the cpuset of every live container whose cpuset is not what it should be."""
+        moves = self._out_of_place()
         if not moves:
             return
         # Cgroup writes complete without suspending: done first, so other work on the loop
@@ -1003,7 +1049,34 @@ class Engine:
         if result.gone:
             # Removed behind our back (directly on the runtime): stop tracking it.
             self._untrack(tracked.id)
-        # When it failed otherwise, tracked.applied is unchanged: the next decision retries.
+        elif not result.ok:
+            # tracked.applied is unchanged. Without a retry the container would stay where
+            # it was (a shared one on CPUs just given out exclusively) until the next
+            # decision: the watches compare the cgroup with what was applied.
+            self._retry_moves_soon()
+
+    def _retry_moves_soon(self) -> None:
+        if self._move_retry is None and not self._draining:
+            self._move_retry = self._spawn(self._retry_moves())
+
+    async def _retry_moves(self) -> None:
+        """Apply again what the runtime refused, after ``move_retry_delay``, doubling the
+        wait up to a minute while it keeps refusing; stops when every container is in place
+        or cpushim drains (the next start's resync squares what is left)."""
+        delay = self.options.move_retry_delay
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drain_started.wait(), delay)
+                if self._draining:
+                    return
+                async with self.lock:
+                    await self._apply()
+                    if not self._out_of_place():
+                        return
+                delay = min(delay * 2, 60.0)
+        finally:
+            self._move_retry = None
 
 
 def _response(reply: Reply, message_type: type[_M]) -> _M | None:

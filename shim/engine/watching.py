@@ -405,9 +405,10 @@ class Watcher:
     # --- everything -------------------------------------------------------------------------
 
     async def look_everywhere(self) -> None:
-        """One full look: every running container (placing watches that are missing), then
-        the state file."""
+        """One full look: moves the runtime refused tried again, every running container
+        (placing watches that are missing), then the state file."""
         self.counters["full_resyncs"] += 1
+        await self.engine.reapply()
         for tracked in list(self.engine.containers.values()):
             if tracked.phase is not Phase.RUNNING:
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from grpclib.const import Status as GrpcStatus
@@ -45,6 +46,7 @@ from tests.unit.engine_env import (
     env,
     make_env,
     static_policy,
+    until,
     updates_to,
 )
 
@@ -279,6 +281,45 @@ async def test_cpus_of_exited_init_containers_are_reused(env: Env) -> None:
     assert_consistent(env)
 
 
+async def test_cpus_of_exited_init_containers_go_back_when_a_shared_container_follows(
+    env: Env,
+) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("app", "guaranteed")
+    init_id = await kubelet.start_new(pod, "init", 2000)
+    env.fake.exit_container(init_id, 0)  # ran to completion; kubelet sends no StopContainer
+    app_id = await kubelet.start_new(pod, "app", 1500)  # a fraction of a CPU: it shares
+    assert ContainerKey(pod.uid, "init") not in env.engine.state.assignments
+    assert env.saved() == {}
+    assert env.cpus(shared_id) == env.cpus(app_id) == "0-7"
+    assert_consistent(env)
+
+
+async def test_a_next_attempt_asking_for_more_than_is_free_gives_its_old_cpus_back(
+    env: Env,
+) -> None:
+    # An in-place resize with resizePolicy RestartContainer: the next attempt asks for
+    # another count. Refused, the old attempt's CPUs must not stay held in the checkpoint
+    # while memory has let them go, nor stay out of the shared containers' pool.
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    await kubelet.start_new(await kubelet.run_pod("big", "guaranteed"), "main", 5000)
+    pod = await kubelet.run_pod("app", "guaranteed")
+    first = await kubelet.start_new(pod, "main", 1000)
+    env.fake.exit_container(first, 1)
+    reply = await kubelet.create(pod, "main", 3000, attempt=1)
+    assert reply.status is Status.RESOURCE_EXHAUSTED
+    assert ContainerKey(pod.uid, "main") not in env.engine.state.assignments
+    await env.engine.checkpoint_written()
+    saved = env.engine.checkpoint.load()
+    assert saved is not None
+    assert saved.assignments == env.engine.state.assignments
+    assert env.cpus(shared_id) == str(env.engine.state.shared)
+    assert len(env.engine.state.shared) == 3  # CPU 0 and the two the attempts did not hold
+    assert_consistent(env)
+
+
 async def test_stop_and_remove_pod_sandbox_release_the_pod(env: Env) -> None:
     kubelet = env.kubelet
     shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
@@ -430,6 +471,69 @@ async def test_a_pod_is_remembered_from_its_run_pod_sandbox_through_the_relay(en
     pod = env.engine.pods[sandbox_id]
     assert (pod.uid, pod.label, pod.qos) == ("uid-1", "shop/web", QOSClass.GUARANTEED)
     assert env.engine.counters["internal_errors"] == 0
+
+
+class ObservedLock(asyncio.Lock):
+    """The engine's lock, counting who waits for it: a test can tell when a call has made
+    its choice and queued, without sleeping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+
+    async def acquire(self) -> Literal[True]:
+        self.waiting += 1
+        try:
+            return await super().acquire()
+        finally:
+            self.waiting -= 1
+
+
+async def test_a_create_queued_behind_a_reload_to_the_none_policy_shares(env: Env) -> None:
+    kubelet = env.kubelet
+    lock = env.engine.lock = ObservedLock()
+    pod = await kubelet.run_pod("db", "guaranteed")
+    async with lock:
+        # The create sees the static policy, chooses exclusive CPUs and queues for the lock
+        # behind a reload to the none policy.
+        reload = asyncio.create_task(env.engine.change_policy(NonePolicy(TOPOLOGY)))
+        await until(lambda: lock.waiting == 1, "the reload queued")
+        create = asyncio.create_task(kubelet.create(pod, "main", 1000))
+        await until(lambda: lock.waiting == 2, "the create queued")
+    await reload
+    reply = await create
+    assert reply.status is Status.OK, reply.status_message
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    assert env.cpus(container_id) == "0-7"
+    assert env.engine.state.assignments == {}
+    assert env.engine.counters["pinning_errors"] == 0
+
+
+async def test_a_shared_container_whose_move_was_refused_is_moved_on_a_retry(
+    tmp_path: Path,
+) -> None:
+    # Created, not started: it moves through the runtime, which refuses once. The watches
+    # compare its cgroup with what was applied, so only a retry takes it off the CPU just
+    # handed out exclusively.
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path / "state", options=EngineOptions(move_retry_delay=0.01))
+        try:
+            kubelet = env.kubelet
+            reply = await kubelet.create(await kubelet.run_pod("web", "besteffort"), "main")
+            assert reply.status is Status.OK
+            shared_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+            fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE, "busy")
+            pinned_id = await kubelet.start_new(
+                await kubelet.run_pod("db", "guaranteed"), "main", 1000
+            )
+            assert env.cpus(shared_id) == "0-7"  # refused: still on the exclusive CPU
+            await until(lambda: env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE, "the retry")
+            assert env.cpus(pinned_id) == FIRST_SINGLE
+            assert env.engine.counters["cpuset_update_errors"] == 1
+            assert_consistent(env)
+        finally:
+            await env.engine.drain(5.0)
+            env.channel.close()
 
 
 # --- failures inside cpushim -----------------------------------------------------------------

@@ -7,13 +7,15 @@ import asyncio
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from grpclib.const import Status as GrpcStatus
 
 from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
 from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions
 from shim.engine.watching import Watcher
 from shim.policy.static import StaticPolicy
@@ -301,6 +303,28 @@ async def test_an_overflow_leads_to_one_full_look(w: Watched) -> None:
     assert w.counters["inotify_overflows"] == 1
     assert w.counters["full_resyncs"] == 1
     assert shared_id in w.watcher._containers  # watched again
+
+
+async def test_a_full_look_moves_a_container_whose_move_the_runtime_refused(w: Watched) -> None:
+    env = w.env
+    env.engine.options = replace(env.engine.options, move_retry_delay=3600)  # no retry soon
+    kubelet = env.kubelet
+    reply = await kubelet.create(await kubelet.run_pod("web", "besteffort"), "main")
+    shared_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    # Created, not started: its move goes through the runtime, which refuses it.
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE, "busy")
+    pinned_id = await kubelet.start_new(await kubelet.run_pod("db", "guaranteed"), "main", 1000)
+    await kubelet.ok(
+        "StartContainer", pb.StartContainerRequest(container_id=shared_id).SerializeToString()
+    )
+    await until(lambda: shared_id in w.watcher._containers, "watched")
+    await w.settled()
+    # Its cgroup equals what was applied, so no watch sees anything wrong.
+    assert env.kernel_cpus(shared_id) == "0-7"
+
+    await w.watcher.look_everywhere()
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert env.kernel_cpus(pinned_id) == FIRST_SINGLE
 
 
 async def test_a_watch_that_cannot_be_placed_leads_to_a_full_look(w: Watched) -> None:
