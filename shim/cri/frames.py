@@ -128,6 +128,11 @@ def goaway(last_stream_id: int, error_code: int, debug: bytes = b"") -> bytes:
     return frame(GOAWAY, 0, 0, _U32.pack(last_stream_id) + _U32.pack(error_code) + debug)
 
 
+def goaway_last_stream(payload: bytes | bytearray | memoryview) -> int:
+    """The last-stream-id of a GOAWAY payload (8 bytes or more; the reserved bit dropped)."""
+    return int(_U32.unpack_from(payload, 0)[0]) & 0x7FFF_FFFF
+
+
 def ping_ack(payload: bytes) -> bytes:
     return frame(PING, FLAG_ACK, 0, payload)
 

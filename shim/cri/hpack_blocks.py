@@ -112,7 +112,11 @@ class RequestBlockReader:
         if self._decoder is not None:
             return self._path_stateful(block)
         self.last_headers = None
-        return self._scan_path(block)
+        try:
+            return self._scan_path(block)
+        except (IndexError, hpack.HPACKDecodingError) as exc:
+            # A bad Huffman string or a block cut short: the client's, a connection error.
+            raise HeaderBlockError(f"cannot read header block: {exc}") from exc
 
     def _path_stateful(self, block: bytes) -> str | None:
         assert self._decoder is not None

@@ -323,6 +323,10 @@ class Splice:
         self._relayed_by_upstream = _RecentIds()
         self.highest_stream = 0
         self._goaway_last: int | None = None
+        # The lowest last-stream-id of the runtime's GOAWAYs, which pass to the client
+        # verbatim: the client takes both peers' GOAWAYs for one peer's, whose ids may
+        # never rise (RFC 9113, 6.8).
+        self._upstream_goaway_last: int | None = None
         self.failed = False
         self.upstream_absent = False
 
@@ -343,12 +347,16 @@ class Splice:
     @property
     def idle(self) -> bool:
         """No call in flight on this connection, and nothing waiting for the client's
-        flow-control credit: a reply the runtime has ended may still be held here."""
+        flow-control credit: a reply the runtime has ended may still be held here. An
+        amended call its client reset is in flight too: the runtime is acting on it and the
+        adapter must learn how it ended."""
         return (
             not self.open_streams
             and not self._local
             and not self._held_trailers
             and not self._held_for_client
+            and not self._following
+            and not self._amending
         )
 
     @property
@@ -816,6 +824,14 @@ class Splice:
                         _forward(self._out_client, buf, span, pos)
                         self._relayed_by_upstream.discard(sid)
                         span = end
+                    elif held:
+                        # Its stream's reply may wait for the client's credit: the reset
+                        # must not overtake it (the client would drop the reply).
+                        _forward(self._out_client, buf, span, pos)
+                        held.append((bytes(memoryview(buf)[pos:end]), 0))
+                        span = end
+                elif ftype == fr.GOAWAY and length >= 8:
+                    self._upstream_goaway(fr.goaway_last_stream(buf[pos + 9 : end]))
                 elif ftype == fr.WINDOW_UPDATE and sid == 0:
                     increment = fr.window_increment(buf[pos + 9 : end])
                     if (
@@ -1060,8 +1076,26 @@ class Splice:
     def goaway(self) -> None:
         """Tell the client to open no new call here (graceful shutdown); calls in flight end."""
         if self._goaway_last is None:
-            self._goaway_last = self.highest_stream
-            self._to_client(fr.goaway(self.highest_stream, fr.NO_ERROR), 0)
+            self._goaway_last = self._last_stream_to_announce()
+            self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
+
+    def _last_stream_to_announce(self) -> int:
+        if self._upstream_goaway_last is None:
+            return self.highest_stream
+        return min(self.highest_stream, self._upstream_goaway_last)
+
+    def _upstream_goaway(self, last: int) -> None:
+        """The runtime goes away: calls above ``last`` it will never answer, and the client,
+        which sees the GOAWAY, takes them for refused and retries them itself."""
+        if self._upstream_goaway_last is not None and last >= self._upstream_goaway_last:
+            return
+        self._upstream_goaway_last = last
+        for sid in [sid for sid in self.open_streams if sid > last]:
+            del self.open_streams[sid]
+            self._end_followed(sid, Status.UNAVAILABLE)
+            self._upstream_ended_held(sid)
+            if self._timing:
+                self._finished(sid, Status.UNAVAILABLE)
 
     def upstream_lost(self, reason: str) -> None:
         """The runtime connection is gone: end every spliced call with UNAVAILABLE (trailers
@@ -1076,7 +1110,9 @@ class Splice:
         for sid in [sid for sid, stream in self._local.items() if stream.upstream_open]:
             # Answered UNAVAILABLE below with the other calls open upstream.
             self._upstream_ended_held(sid)
-        self._held_for_client.clear()
+        # What waits for the client's credit stays: replies the runtime ended whole still
+        # reach the client, and a stream whose response headers wait there gets its
+        # UNAVAILABLE trailers after them, in order.
         message = f"cpushim: lost the connection to the runtime: {reason}"
         for sid, started in sorted(self.open_streams.items()):
             if self._timing:
@@ -1084,14 +1120,13 @@ class Splice:
             reply = Reply.error(Status.UNAVAILABLE, message)
             trailers = reply.trailers[2:] if started else reply.trailers
             block = encode_block(trailers)
-            self._out_client.extend(
-                fr.header_frames(sid, block, self._client_max_frame, end_stream=True)
-            )
+            for chunk in fr.header_frames(sid, block, self._client_max_frame, end_stream=True):
+                self._to_client(chunk, 0)
         self.open_streams.clear()
         self._relayed_by_upstream.clear()
         if self._goaway_last is None:
-            self._goaway_last = self.highest_stream
-            self._out_client.append(fr.goaway(self.highest_stream, fr.NO_ERROR))
+            self._goaway_last = self._last_stream_to_announce()
+            self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
 
     def _fail(self, reason: str) -> None:
         self.failed = True

@@ -14,8 +14,9 @@ import h2.events
 import h2.settings
 import pytest
 
+from shim.cri import frames as fr
 from shim.cri.calls import Reply, Status, frame_message
-from shim.cri.splice import CallCancelled, CallReceived, Splice
+from shim.cri.splice import CallCancelled, CallReceived, ConnectionFailed, Splice
 
 INTERCEPTED = "/runtime.v1.RuntimeService/CreateContainer"
 SPLICED = "/runtime.v1.RuntimeService/ListContainers"
@@ -310,6 +311,117 @@ def test_runtime_loss_ends_open_calls_with_unavailable() -> None:
             statuses[event.stream_id] = dict(event.headers)[b"grpc-status"]
     assert statuses == {waiting: b"14", started: b"14"}
     assert any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+
+
+def frames_on(chunks: list[bytes], stream_id: int) -> list[int]:
+    """The types of the whole frames on ``stream_id`` in ``chunks``, in order."""
+    buf, kinds, pos = b"".join(chunks), [], 0
+    while len(buf) - pos >= fr.FRAME_HEADER_LEN:
+        length, kind, _, sid = fr.parse_header(buf, pos)
+        if sid == stream_id:
+            kinds.append(kind)
+        pos += fr.FRAME_HEADER_LEN + length
+    return kinds
+
+
+def client_window_nearly_spent(pair: Pair) -> None:
+    """The relay answers a call itself with 60,000 bytes the client does not read yet: what
+    the runtime sends next waits in the relay for the client's credit."""
+    pair.auto_ack = False
+    sid = send_request(pair, INTERCEPTED, grpc_body(b"create"))
+    pair.splice.reply(sid, Reply.ok(b"r" * 60_000))
+    pair.pump()
+
+
+def reply_headers(pair: Pair, sid: int) -> None:
+    pair.server.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+
+
+def test_runtime_loss_keeps_a_whole_reply_that_waits_for_client_credit() -> None:
+    pair = make_pair()
+    client_window_nearly_spent(pair)
+    spliced = send_request(pair, SPLICED, grpc_body(b"list"))
+    respond(pair, spliced, grpc_body(b"s" * 15_000))  # ended by the runtime, held here
+    pair.splice.upstream_lost("connection reset")
+    pair.pump()
+    assert not pair.splice.idle
+    pair.read_everything(pair.client)
+    assert pair.received(pair.client_events, spliced) == grpc_body(b"s" * 15_000)
+    ended = {e.stream_id for e in pair.client_events if isinstance(e, h2.events.StreamEnded)}
+    assert spliced in ended
+    assert pair.splice.idle
+
+
+def test_runtime_loss_ends_a_call_whose_response_headers_wait_with_unavailable() -> None:
+    pair = make_pair()
+    client_window_nearly_spent(pair)
+    first = send_request(pair, SPLICED, grpc_body(b"one"))
+    second = send_request(pair, SPLICED, grpc_body(b"two"))
+    reply_headers(pair, first)
+    pair.server.send_data(first, grpc_body(b"a" * 15_000))  # waits for the client's credit
+    reply_headers(pair, second)  # waits behind it
+    pair.pump()
+    pair.splice.upstream_lost("connection reset")
+    pair.read_everything(pair.client)  # a malformed response would raise in h2 here
+    statuses = {
+        e.stream_id: dict(e.headers).get(b"grpc-status")
+        for e in pair.client_events
+        if isinstance(e, h2.events.TrailersReceived) and e.stream_id in (first, second)
+    }
+    assert statuses == {first: b"14", second: b"14"}
+
+
+def test_a_runtime_reset_does_not_overtake_a_reply_that_waits_for_client_credit() -> None:
+    # grpc-go resets (NO_ERROR) a stream it answered before the request ended; a client that
+    # sees the reset first drops the reply.
+    pair = make_pair()
+    client_window_nearly_spent(pair)
+    spliced = send_request(pair, SPLICED, grpc_body(b"list"))
+    reply_headers(pair, spliced)
+    pair.server.send_data(spliced, grpc_body(b"s" * 15_000))
+    pair.server.send_headers(spliced, [(b"grpc-status", b"0")], end_stream=True)
+    pair.splice.from_upstream(pair.server.data_to_send() + fr.rst_stream(spliced, fr.NO_ERROR))
+    now, _ = pair.splice.take_output()
+    pair.splice.from_client(fr.window_update(0, 1_000_000))  # the client reads at last
+    later, _ = pair.splice.take_output()
+    kinds = frames_on(now + later, spliced)
+    assert kinds == [fr.HEADERS, fr.DATA, fr.HEADERS, fr.RST_STREAM]
+
+
+def test_a_path_that_does_not_decode_fails_the_connection_with_goaway() -> None:
+    pair = make_pair()
+    send_request(pair, SPLICED, grpc_body(b"x"))
+    assert pair.splice.client_blocks_self_contained  # :path is read without a decoder
+    sid = pair.client.get_next_available_stream_id()
+    # :method POST (static 3), then :path (name index 4) with a 1-byte Huffman value that
+    # is all EOS padding of the wrong kind: no valid string.
+    block = b"\x83\x04\x81\x00"
+    pair.splice.from_client(fr.frame(fr.HEADERS, fr.FLAG_END_HEADERS, sid, block))
+    assert any(isinstance(e, ConnectionFailed) for e in pair.splice.take_events())
+    to_client, _ = pair.splice.take_output()
+    assert fr.GOAWAY in frames_on(to_client, 0)
+
+
+def test_the_relays_goaway_never_names_a_later_stream_than_the_runtimes() -> None:
+    # RFC 9113, 6.8: the client takes the runtime's GOAWAYs and the relay's for one peer's;
+    # grpc-go closes the whole connection on a GOAWAY whose id rose.
+    pair = make_pair()
+    first = send_request(pair, SPLICED, grpc_body(b"one"))
+    second = send_request(pair, SPLICED, grpc_body(b"two"))
+    pair.splice.from_upstream(fr.goaway(first, fr.NO_ERROR))  # the runtime drains
+    # The client retries the call the runtime will not answer: the relay forgets it.
+    assert set(pair.splice.open_streams) == {first}
+    pair.splice.goaway()
+    pair.splice.upstream_lost("closed")
+    to_client, _ = pair.splice.take_output()
+    buf, ids, pos = b"".join(to_client), [], 0
+    while len(buf) - pos >= fr.FRAME_HEADER_LEN:
+        length, kind, _, _ = fr.parse_header(buf, pos)
+        if kind == fr.GOAWAY:
+            ids.append(fr.goaway_last_stream(buf[pos + 9 : pos + 9 + length]))
+        pos += fr.FRAME_HEADER_LEN + length
+    assert second > first
+    assert ids == [first, first]  # the runtime's, passed on, then the relay's
 
 
 def test_malformed_grpc_body_on_an_intercepted_call_is_answered_not_forwarded() -> None:
