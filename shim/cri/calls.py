@@ -16,6 +16,9 @@ from urllib.parse import quote, unquote
 from shim.cri.hpack_blocks import Header, header_value
 
 _PREFIX = struct.Struct(">BI")
+# The most a compressed message may inflate to: kubelet's CRI client takes messages up to
+# 16 MiB, and a few bytes of gzip must not make the relay hold gigabytes.
+MAX_INFLATED = 16 * 1024 * 1024
 _HOP_HEADERS = frozenset(
     {b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
 )
@@ -95,10 +98,20 @@ def _inflate(payload: bytes, encoding: bytes | None) -> bytes:
         raise MessageError(
             Status.UNIMPLEMENTED, f"compressed message with unsupported grpc-encoding {encoding!r}"
         )
+    inflater = zlib.decompressobj(wbits)
     try:
-        return zlib.decompress(payload, wbits)
+        message = inflater.decompress(payload, MAX_INFLATED)
+        if inflater.unconsumed_tail:
+            raise MessageError(
+                Status.RESOURCE_EXHAUSTED,
+                f"{encoding!r} message inflates to more than {MAX_INFLATED} bytes",
+            )
+        message += inflater.flush()
     except zlib.error as exc:
         raise MessageError(Status.INTERNAL, f"cannot inflate {encoding!r} message: {exc}") from exc
+    if not inflater.eof:
+        raise MessageError(Status.INTERNAL, f"cannot inflate {encoding!r} message: it is cut short")
+    return message
 
 
 @dataclass(frozen=True)
