@@ -171,8 +171,16 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
         )
         return problems
     held = CPUSet()
+    holders: dict[str, ContainerKey] = {}
     for key, assignment in state.assignments.items():
         cpus = assignment.cpus
+        if assignment.container_id:
+            other = holders.setdefault(assignment.container_id, key)
+            if other != key:
+                # One container under two names: releasing it would free only one of them.
+                problems.append(
+                    f"{key} and {other} name the same container {assignment.container_id}"
+                )
         if not cpus:
             problems.append(f"{key} holds no CPUs")
         if not cpus.issubset(topology.online):

@@ -285,6 +285,15 @@ def test_isolation_change_is_another_topology() -> None:
             id="shared overlaps exclusive",
         ),
         pytest.param(
+            state_with(STATIC, a="1", b="2").assign(
+                ContainerKey("b", "app"),
+                Assignment(P("2"), "ctr-a", "sb-b", 0, "ns/b"),
+                STATIC,
+            ),
+            ["b/app and a/app name the same container ctr-a"],
+            id="one container under two keys",
+        ),
+        pytest.param(
             dataclasses.replace(state_with(STATIC, a="1,9"), policy="dynamic"),
             ["unknown policy 'dynamic'"],
             id="unknown policy",
