@@ -164,8 +164,9 @@ class _RecentIds:
     connection that lives for months must not remember every id it ever saw."""
 
     def __init__(self, capacity: int = _CLOSED_LOCAL_MEMORY) -> None:
-        self._ids: set[int] = set()
-        self._order: deque[int] = deque()
+        # Insertion-ordered: the oldest id is the first key. An id discarded and added again
+        # goes to the back, so it cannot be aged out by its earlier place.
+        self._ids: dict[int, None] = {}
         self._capacity = capacity
 
     def __contains__(self, sid: object) -> bool:
@@ -180,17 +181,15 @@ class _RecentIds:
     def add(self, sid: int) -> None:
         if sid in self._ids:
             return
-        self._ids.add(sid)
-        self._order.append(sid)
-        if len(self._order) > self._capacity:
-            self._ids.discard(self._order.popleft())
+        self._ids[sid] = None
+        if len(self._ids) > self._capacity:
+            del self._ids[next(iter(self._ids))]
 
     def discard(self, sid: int) -> None:
-        self._ids.discard(sid)  # its place in _order ages out harmlessly
+        self._ids.pop(sid, None)
 
     def clear(self) -> None:
         self._ids.clear()
-        self._order.clear()
 
 
 @dataclass

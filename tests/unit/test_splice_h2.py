@@ -16,7 +16,7 @@ import pytest
 
 from shim.cri import frames as fr
 from shim.cri.calls import Reply, Status, frame_message
-from shim.cri.splice import CallCancelled, CallReceived, ConnectionFailed, Splice
+from shim.cri.splice import CallCancelled, CallReceived, ConnectionFailed, Splice, _RecentIds
 
 INTERCEPTED = "/runtime.v1.RuntimeService/CreateContainer"
 SPLICED = "/runtime.v1.RuntimeService/ListContainers"
@@ -473,3 +473,17 @@ def test_memory_of_finished_calls_stays_bounded() -> None:
     assert len(pair.splice._local_closed) <= 1024
     assert len(pair.splice._relayed_by_upstream) <= 1024
     assert len(pair.splice.take_events()) == 0
+
+
+def test_remembered_ids_age_out_oldest_first_and_a_readded_id_starts_afresh() -> None:
+    recent = _RecentIds(capacity=3)
+    for sid in (1, 3, 5):
+        recent.add(sid)
+    recent.discard(1)
+    recent.add(1)  # remembered again: now the newest
+    recent.add(7)  # over capacity: 3, the oldest, goes
+    assert [sid for sid in (1, 3, 5, 7) if sid in recent] == [1, 5, 7]
+    recent.add(9)
+    recent.add(11)
+    assert [sid for sid in (1, 5, 7, 9, 11) if sid in recent] == [7, 9, 11]
+    assert len(recent) == 3
