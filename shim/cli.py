@@ -24,6 +24,7 @@ from shim.config import (
     resolve,
 )
 from shim.cri.server import AlreadyServingError
+from shim.policy.options import OptionsError, StaticPolicyOptions
 from shim.status_cli import add_commands as add_status_commands
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         policy,
         "cpuManagerPolicyOptions",
         action="append",
+        type=_policy_option_name,
         metavar="NAME",
         help="a static policy option by kubelet's name, e.g. full-pcpus-only (repeatable;"
         " replaces the config file's options)",
@@ -157,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     _option(run, "logLevel", choices=LOG_LEVELS, help="(default info)")
     add_status_commands(sub)
     return parser
+
+
+def _policy_option_name(text: str) -> str:
+    """One ``--policy-option``: a name the static policy knows, as the file's table wants."""
+    try:
+        StaticPolicyOptions.parse((text,))
+    except OptionsError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _option(group: argparse._ActionsContainer, key_name: str, **kwargs: Any) -> None:

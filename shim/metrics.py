@@ -78,8 +78,8 @@ ENGINE_COUNTERS: dict[str, str] = {
     ),
     "fail_open_forwards": "Calls forwarded unchanged after an internal error (fail-open policy)",
     "failed_exclusive_creates": (
-        "Exclusive CreateContainer calls the runtime failed after CPUs were chosen (the CPUs"
-        " were returned)"
+        "Exclusive CreateContainer calls that did not create a container after CPUs were"
+        " chosen: refused by the runtime, cancelled or cut off (the CPUs were returned)"
     ),
     "full_resyncs": "Full comparisons of every container's cpuset and the state file",
     "inotify_overflows": "inotify queue overflows (each one triggers a full resync)",

@@ -457,10 +457,13 @@ class Engine:
         plan: ContainerPlan,
     ) -> Reply:
         if any(held.pod_uid == pod.uid for held in self.state.assignments):
-            # A pod's exited init containers give their CPUs back before its next container
-            # is created, whether that one is exclusive or not.
             async with self.lock:
-                await self._release_exited_in_pod(pod.uid, keep=key)
+                # The previous attempt of this container, when it held exclusive CPUs (a
+                # resize from whole CPUs to a fraction), and the pod's exited init containers
+                # give their CPUs back before it is created, as before an exclusive one. A
+                # sibling whose state cannot be read keeps its CPUs: the create goes on.
+                await self._release([key])
+                await self._release_exited_in_pod(pod.uid, keep=key, unreadable_keep=True)
         pool = self.state.shared
         rq.pin(request.config.linux.resources, pool)
         await self._project_new(request, key, Cpuset(pool, "", exclusive=False))
@@ -917,9 +920,13 @@ class Engine:
         )
         await self._apply()
 
-    async def _release_exited_in_pod(self, pod_uid: str, keep: ContainerKey) -> None:
+    async def _release_exited_in_pod(
+        self, pod_uid: str, keep: ContainerKey, *, unreadable_keep: bool = False
+    ) -> None:
         """Release the CPUs of this pod's containers that have exited by themselves (init
-        containers run to completion without a StopContainer), so they can be reused."""
+        containers run to completion without a StopContainer), so they can be reused. A
+        container whose state the runtime does not give raises RuntimeError, or with
+        ``unreadable_keep`` is logged and keeps its CPUs."""
         candidates = [
             (key, a.container_id)
             for key, a in self.state.assignments.items()
@@ -931,7 +938,16 @@ class Engine:
             if tracked is not None and tracked.phase is Phase.EXITED:
                 exited.append(key)
                 continue
-            state = await self._container_state(container_id)
+            try:
+                state = await self._container_state(container_id)
+            except RuntimeError as exc:
+                if not unreadable_keep:
+                    raise
+                log.warning(
+                    "cannot tell whether a container exited; its CPUs stay held",
+                    extra={"fields": {"container": str(key), "error": str(exc)}},
+                )
+                continue
             if state in (None, pb.CONTAINER_EXITED):
                 if tracked is not None:
                     self._mark_exited(tracked)

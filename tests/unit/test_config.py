@@ -268,6 +268,7 @@ def test_a_bad_new_flag_is_refused_by_the_parser(capsys: pytest.CaptureFixture[s
         ["--socket-group", ""],
         ["--state-dir", ""],
         ["--reserved-cpus", "3-1"],
+        ["--policy-option", "full-pcpus"],
     ):
         with pytest.raises(SystemExit) as exited:
             build_parser().parse_args(["run", *argv])

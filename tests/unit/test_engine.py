@@ -320,6 +320,33 @@ async def test_a_next_attempt_asking_for_more_than_is_free_gives_its_old_cpus_ba
     assert_consistent(env)
 
 
+async def test_a_next_attempt_that_shares_gives_its_old_exclusive_cpus_back(env: Env) -> None:
+    # A resize from 1 CPU to 1.5 (resizePolicy RestartContainer): the next attempt shares.
+    # Attempt 0 crashed unseen (kubelet sends no StopContainer for a crash, and kubelet keeps
+    # the dead container, so no RemoveContainer comes either).
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("app", "guaranteed")
+    first = await kubelet.start_new(pod, "main", 1000)
+    env.fake.exit_container(first, 1)
+    app_id = await kubelet.start_new(pod, "main", 1500, attempt=1)
+    assert ContainerKey(pod.uid, "main") not in env.engine.state.assignments
+    assert env.saved() == {}
+    assert env.cpus(shared_id) == env.cpus(app_id) == "0-7"
+    assert_consistent(env)
+
+
+async def test_a_shared_create_goes_on_when_a_siblings_state_cannot_be_read(env: Env) -> None:
+    kubelet = env.kubelet
+    pod = await kubelet.run_pod("app", "guaranteed")
+    main_id = await kubelet.start_new(pod, "main", 1000)
+    env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "busy")
+    reply = await kubelet.create(pod, "sidecar", 500)
+    assert reply.status is Status.OK, reply.status_message
+    assert env.engine.state.holding(main_id) == ContainerKey(pod.uid, "main")  # kept
+    assert_consistent(env)
+
+
 async def test_stop_and_remove_pod_sandbox_release_the_pod(env: Env) -> None:
     kubelet = env.kubelet
     shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
@@ -526,8 +553,9 @@ async def test_a_shared_container_whose_move_was_refused_is_moved_on_a_retry(
             pinned_id = await kubelet.start_new(
                 await kubelet.run_pod("db", "guaranteed"), "main", 1000
             )
-            assert env.cpus(shared_id) == "0-7"  # refused: still on the exclusive CPU
+            # No later decision comes: only a retry moves it.
             await until(lambda: env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE, "the retry")
+            assert updates_to(fake, shared_id) == [SHARED_AFTER_FIRST_SINGLE] * 2  # refused, then
             assert env.cpus(pinned_id) == FIRST_SINGLE
             assert env.engine.counters["cpuset_update_errors"] == 1
             assert_consistent(env)
