@@ -247,6 +247,8 @@ class ClientConnection(asyncio.Protocol):
         self._aborting = False
         # Drops a closed connection whose client does not read what is queued (abort).
         self._stalled: asyncio.TimerHandle | None = None
+        # Armed when the runtime is lost while replies wait for the client's credit.
+        self._unread: asyncio.TimerHandle | None = None
         self._closed = False
         self._blocks_self_contained = False
         self.unavailable_reason = ""  # why the runtime could not be reached, if it could not
@@ -298,7 +300,7 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        for timer in (self._linger, self._stalled):
+        for timer in (self._linger, self._stalled, self._unread):
             if timer is not None:
                 timer.cancel()
         for task in self._calls.values():
@@ -331,6 +333,21 @@ class ClientConnection(asyncio.Protocol):
         self.splice.upstream_lost(reason)
         self._shutting_down = True
         self._flush()
+        if not self.splice.idle and not self._closed and self._unread is None:
+            # Replies wait for the client's credit; a client that never gives it would
+            # keep the connection (and them) for as long as it lives.
+            loop = asyncio.get_running_loop()
+            self._unread = loop.call_later(_STALLED_CLIENT, self._give_up_unread)
+
+    def _give_up_unread(self) -> None:
+        if self._closed or self._finishing or self._aborting:
+            return
+        log.warning(
+            "closing a client connection that did not read the replies left when the runtime"
+            " connection was lost",
+            extra={"fields": {"waited_s": _STALLED_CLIENT}},
+        )
+        self.abort()
 
     # plumbing
     def _flush(self) -> None:

@@ -546,9 +546,11 @@ class Splice:
         if sid <= self.highest_stream:
             raise fr.FrameError(f"client reused stream id {sid}")
         self.highest_stream = sid
-        if self._goaway_last is not None and sid > self._goaway_last:
-            # Refused by our GOAWAY: the client retries it elsewhere, so it must not run.
-            # Its later frames are dropped (with credit returned) like a terminated call's.
+        refused_above = self._announced_goaway()
+        if refused_above is not None and sid > refused_above:
+            # Refused by a GOAWAY (ours, or the runtime's the client had not read yet): the
+            # client retries it elsewhere, so it must not run here. Its later frames are
+            # dropped (with credit returned) like a terminated call's.
             if not self._reader.stateless:
                 self._out_upstream.extend(raws)
                 self._out_upstream.append(fr.rst_stream(sid, fr.REFUSED_STREAM))
@@ -830,7 +832,21 @@ class Splice:
                         held.append((bytes(memoryview(buf)[pos:end]), 0))
                         span = end
                 elif ftype == fr.GOAWAY and length >= 8:
-                    self._upstream_goaway(fr.goaway_last_stream(buf[pos + 9 : end]))
+                    last = fr.goaway_last_stream(buf[pos + 9 : end])
+                    announced = self._announced_goaway()
+                    if (announced is not None and last > announced) or held:
+                        _forward(self._out_client, buf, span, pos)
+                        span = end
+                        goaway = bytes(memoryview(buf)[pos:end])
+                        if announced is not None and last > announced:
+                            # The client heard a lower id (the relay's GOAWAY, or an earlier
+                            # one of the runtime's): passed on as it is, the id would rise.
+                            code = int.from_bytes(buf[pos + 13 : pos + 17], "big")
+                            goaway = fr.goaway(announced, code, bytes(buf[pos + 17 : end]))
+                        # In order behind replies that wait for the client's credit, as the
+                        # relay's own GOAWAY.
+                        self._to_client(goaway, 0)
+                    self._upstream_goaway(last)
                 elif ftype == fr.WINDOW_UPDATE and sid == 0:
                     increment = fr.window_increment(buf[pos + 9 : end])
                     if (
@@ -1083,18 +1099,26 @@ class Splice:
             return self.highest_stream
         return min(self.highest_stream, self._upstream_goaway_last)
 
+    def _announced_goaway(self) -> int | None:
+        """The lowest last-stream-id the client has been sent in a GOAWAY, by either peer;
+        None before any."""
+        ids = [i for i in (self._goaway_last, self._upstream_goaway_last) if i is not None]
+        return min(ids) if ids else None
+
     def _upstream_goaway(self, last: int) -> None:
         """The runtime goes away: calls above ``last`` it will never answer, and the client,
         which sees the GOAWAY, takes them for refused and retries them itself."""
         if self._upstream_goaway_last is not None and last >= self._upstream_goaway_last:
             return
         self._upstream_goaway_last = last
-        for sid in [sid for sid in self.open_streams if sid > last]:
-            del self.open_streams[sid]
+        # Open calls, and amended ones their client reset that the runtime will not finish.
+        for sid in [sid for sid in {*self.open_streams, *self._following} if sid > last]:
+            self.open_streams.pop(sid, None)
             self._end_followed(sid, Status.UNAVAILABLE)
             self._upstream_ended_held(sid)
-            if self._timing:
-                self._finished(sid, Status.UNAVAILABLE)
+            # Not reported to the observer: the client retries them (as calls refused by
+            # the relay's own GOAWAY).
+            self._timing.pop(sid, None)
 
     def upstream_lost(self, reason: str) -> None:
         """The runtime connection is gone: end every spliced call with UNAVAILABLE (trailers
@@ -1125,6 +1149,9 @@ class Splice:
         self._relayed_by_upstream.clear()
         if self._goaway_last is None:
             self._goaway_last = self._last_stream_to_announce()
+            # Behind what waits for credit: a client reads the replies first (h2 ends a
+            # connection at its GOAWAY), and learns from it which calls to retry. One that
+            # never reads again is let go by the adapter.
             self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
 
     def _fail(self, reason: str) -> None:

@@ -328,15 +328,15 @@ def raw_client(env: RelayEnv) -> Iterator[tuple[socket.socket, h2.connection.H2C
 
 
 def send_list_containers(
-    raw: socket.socket, client: h2.connection.H2Connection, command: bytes
+    raw: socket.socket, client: h2.connection.H2Connection, command: bytes, path: str = ""
 ) -> int:
-    """A ListContainers call scripting the fake runtime with ``command``, sent with whatever
-    the client has queued before it; returns its stream id."""
+    """A ListContainers call (or one to ``path``) scripting the fake runtime with
+    ``command``, sent with whatever the client has queued before it; returns its stream id."""
     stream = client.get_next_available_stream_id()
     headers = [
         (b":method", b"POST"),
         (b":scheme", b"http"),
-        (b":path", (RUNTIME + "ListContainers").encode()),
+        (b":path", (path or RUNTIME + "ListContainers").encode()),
         (b":authority", b"localhost"),
         (b"content-type", b"application/grpc"),
         (b"te", b"trailers"),
@@ -444,6 +444,39 @@ def test_a_client_that_stops_reading_is_dropped_when_its_runtime_connection_ends
             wait_for(lambda: not relay.connections, 10, "the stalled client's connection dropped")
         with env.channel() as ch:  # the relay itself serves on
             assert unary(ch, SPLICED, b"echo:after", timeout=10).endswith(b"echo:after")
+
+
+def test_replies_held_for_credit_when_the_runtime_is_lost_do_not_keep_a_silent_client(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reply the relay wrote itself spent the client's window, so a spliced reply waits in
+    the relay for credit the client never gives; then the runtime's connection ends. The
+    client is told to go away at once, and let go ``_STALLED_CLIENT`` seconds on."""
+    monkeypatch.setattr(server, "_STALLED_CLIENT", 0.3)
+    caplog.set_level(logging.WARNING, logger="shim.cri.server")
+    with relay_env() as env:
+        relay = env.relay
+        assert relay is not None
+        with raw_client(env) as (raw, client):
+            # Answered by the relay itself: 60,000 of the client's 65,535 bytes of window.
+            send_list_containers(raw, client, b"big:60000", path=TERMINATED)
+
+            def spent() -> bool:
+                return any(conn.splice._client_window < 10_000 for conn in relay.connections)
+
+            wait_for(spent, 10, "the relay's own reply written")
+            send_list_containers(raw, client, b"big:20000")
+
+            def held() -> bool:
+                return any(conn.splice._held_for_client for conn in relay.connections)
+
+            wait_for(held, 10, "a spliced reply held for the client's credit")
+            (connection,) = relay.connections
+            upstream = connection.upstream
+            assert upstream is not None
+            env.loop.loop.call_soon_threadsafe(upstream.abort)
+            wait_for(lambda: not relay.connections, 10, "the silent client let go")
+    assert "did not read the replies left when the runtime" in caplog.text
 
 
 def test_a_client_that_stops_reading_is_dropped_when_its_connection_fails(
