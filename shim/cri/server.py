@@ -249,6 +249,9 @@ class ClientConnection(asyncio.Protocol):
         self._stalled: asyncio.TimerHandle | None = None
         # Armed when the runtime is lost while replies wait for the client's credit.
         self._unread: asyncio.TimerHandle | None = None
+        # Reads from the client so far: whether it still talks (gives credit) at all.
+        self._client_reads = 0
+        self._client_reads_at_arm = 0
         self._closed = False
         self._blocks_self_contained = False
         self.unavailable_reason = ""  # why the runtime could not be reached, if it could not
@@ -289,6 +292,7 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._finishing:
             return  # what a client sends while it reads its last replies needs no answer
+        self._client_reads += 1
         if self._connecting:
             self._early.append(data)
             return
@@ -336,11 +340,22 @@ class ClientConnection(asyncio.Protocol):
         if not self.splice.idle and not self._closed and self._unread is None:
             # Replies wait for the client's credit; a client that never gives it would
             # keep the connection (and them) for as long as it lives.
-            loop = asyncio.get_running_loop()
-            self._unread = loop.call_later(_STALLED_CLIENT, self._give_up_unread)
+            self._arm_unread()
+
+    def _arm_unread(self) -> None:
+        self._client_reads_at_arm = self._client_reads
+        loop = asyncio.get_running_loop()
+        self._unread = loop.call_later(_STALLED_CLIENT, self._give_up_unread)
 
     def _give_up_unread(self) -> None:
-        if self._closed or self._finishing or self._aborting:
+        """Let the client go when replies still wait for credit and it sent nothing for
+        ``_STALLED_CLIENT`` seconds; a client that reads, or calls still being answered,
+        are given another period."""
+        self._unread = None
+        if self._closed or self._finishing or self._aborting or self.splice.idle:
+            return
+        if not self.splice.waiting_for_credit or self._client_reads != self._client_reads_at_arm:
+            self._arm_unread()
             return
         log.warning(
             "closing a client connection that did not read the replies left when the runtime"

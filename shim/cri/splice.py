@@ -359,6 +359,12 @@ class Splice:
         )
 
     @property
+    def waiting_for_credit(self) -> bool:
+        """Something for the client waits for its flow-control credit: a reply the runtime
+        sent, or one the relay writes itself."""
+        return bool(self._held_for_client) or any(s.pending for s in self._local.values())
+
+    @property
     def client_blocks_self_contained(self) -> bool:
         """True once the client encodes header blocks without a dynamic table."""
         return self._reader.stateless
@@ -1119,6 +1125,14 @@ class Splice:
             # Not reported to the observer: the client retries them (as calls refused by
             # the relay's own GOAWAY).
             self._timing.pop(sid, None)
+        # Calls the relay answers itself whose headers never went upstream: the client takes
+        # them for refused too, so answering them here as well would run them twice.
+        for sid, stream in list(self._local.items()):
+            if sid > last and not stream.replied and not stream.upstream_open:
+                del self._local[sid]
+                self._remember_closed(sid)
+                self.events.append(CallCancelled(sid))
+                self._timing.pop(sid, None)
 
     def upstream_lost(self, reason: str) -> None:
         """The runtime connection is gone: end every spliced call with UNAVAILABLE (trailers
@@ -1156,7 +1170,9 @@ class Splice:
 
     def _fail(self, reason: str) -> None:
         self.failed = True
-        self._out_client.append(fr.goaway(self.highest_stream, fr.PROTOCOL_ERROR, reason.encode()))
+        announced = self._announced_goaway()
+        last = self.highest_stream if announced is None else min(self.highest_stream, announced)
+        self._out_client.append(fr.goaway(last, fr.PROTOCOL_ERROR, reason.encode()))
         self.events.append(ConnectionFailed(reason))
 
 

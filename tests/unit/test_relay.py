@@ -479,6 +479,40 @@ def test_replies_held_for_credit_when_the_runtime_is_lost_do_not_keep_a_silent_c
     assert "did not read the replies left when the runtime" in caplog.text
 
 
+def test_a_reading_client_keeps_a_slow_call_answered_here_when_the_runtime_is_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a client that leaves replies waiting for its credit and sends nothing is let go;
+    a call the relay still answers on its own channel, for a client that reads, finishes."""
+    monkeypatch.setattr(server, "_STALLED_CLIENT", 0.3)
+    with relay_env() as env, env.channel() as ch:
+        relay = env.relay
+        assert relay is not None
+        assert unary(ch, SPLICED, b"echo:warm", timeout=10).endswith(b"echo:warm")
+        result: list[bytes | grpc.RpcError] = []
+
+        def call() -> None:
+            try:
+                result.append(unary(ch, TERMINATED, b"sleep:1.5", timeout=8))
+            except grpc.RpcError as exc:
+                result.append(exc)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+
+        def answering() -> bool:
+            return any(conn.splice._local for conn in relay.connections)
+
+        wait_for(answering, 10, "the call in flight at the relay")
+        (connection,) = relay.connections
+        upstream = connection.upstream
+        assert upstream is not None
+        env.loop.loop.call_soon_threadsafe(upstream.abort)
+        caller.join(10)
+        (outcome,) = result
+        assert not isinstance(outcome, grpc.RpcError), outcome
+
+
 def test_a_client_that_stops_reading_is_dropped_when_its_connection_fails(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -462,6 +462,30 @@ def test_the_runtimes_goaway_waits_behind_a_reply_held_for_client_credit() -> No
     assert ended[0] < goaway[0]
 
 
+def test_a_call_answered_here_above_the_runtimes_goaway_is_cancelled_not_run_twice() -> None:
+    # Its headers never went upstream (the relay answers it), so the runtime's GOAWAY may
+    # name a lower id: the client takes the call for refused and retries it elsewhere.
+    pair = make_pair()
+    first = send_request(pair, SPLICED, grpc_body(b"one"))
+    respond(pair, first, grpc_body(b"r1"))
+    local = send_request(pair, INTERCEPTED, grpc_body(b"create"))
+    assert any(isinstance(e, CallReceived) for e in pair.splice_events)
+    pair.splice.from_upstream(fr.goaway(first, fr.NO_ERROR))
+    cancelled = [e for e in pair.splice.take_events() if isinstance(e, CallCancelled)]
+    assert [e.stream_id for e in cancelled] == [local]
+    assert pair.splice.idle
+
+
+def test_a_connection_failed_after_a_goaway_does_not_name_a_later_stream() -> None:
+    pair = make_pair()
+    first = send_request(pair, SPLICED, grpc_body(b"one"))
+    send_request(pair, SPLICED, grpc_body(b"two"))
+    pair.splice.from_upstream(fr.goaway(first, fr.NO_ERROR))
+    pair.splice.from_client(fr.frame(fr.CONTINUATION, fr.FLAG_END_HEADERS, 99, b"\x82"))
+    to_client, _ = pair.splice.take_output()
+    assert goaway_ids(to_client) == [first, first]
+
+
 def test_a_call_opened_above_the_runtimes_goaway_is_not_kept_in_flight() -> None:
     # Sent before the client read the runtime's GOAWAY: the runtime will not answer it, and
     # the client, once it reads the GOAWAY, retries it elsewhere.
