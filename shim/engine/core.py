@@ -39,7 +39,7 @@ from shim.cri.upstream import Forward, RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.moves import Mover
 from shim.engine.projecting import Cpuset, Projector
-from shim.engine.tracked import Phase, Tracked
+from shim.engine.tracked import Phase, Released, Tracked
 from shim.kube import kubelet_cfs_quota
 from shim.pods import (
     AnnotationError,
@@ -117,7 +117,7 @@ class Engine:
         self.containers: dict[str, Tracked] = {}
         # The CPUs a container held when it last stopped: a re-created container gets them
         # back when they are still free.
-        self.last_cpus: dict[ContainerKey, CPUSet] = {}
+        self.last_cpus: dict[ContainerKey, Released] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -632,11 +632,13 @@ class Engine:
         exclusive = self.state.exclusive()
         held = CPUSet().union(*exclusive.values())
         free = self.policy.exclusive_candidates - held
-        preferred = self.last_cpus.get(key)
+        released = self.last_cpus.get(key)
+        preferred = released.cpus if released is not None else CPUSet()
         if (
-            preferred is not None
+            released is not None
             and len(preferred) == count
             and preferred.issubset(free)
+            and released.options == self.policy.option_names
             and self.policy.shared_pool({**exclusive, key: preferred})
         ):
             return preferred
@@ -910,7 +912,8 @@ class Engine:
         if not keys:
             return
         for key in keys:
-            self.last_cpus[key] = self.state.assignments[key].cpus
+            held = self.state.assignments[key]
+            self.last_cpus[key] = Released(held.cpus, self.policy.option_names)
         await self._record(self.state.release(keys, self.policy))
         log.info(
             "released",

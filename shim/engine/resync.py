@@ -24,7 +24,7 @@ from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
 from shim.engine.core import Engine
 from shim.engine.moves import pid_of
-from shim.engine.tracked import Phase, Tracked
+from shim.engine.tracked import Phase, Released, Tracked
 from shim.kube import kubelet_cfs_quota
 from shim.pods import AnnotationError, ContainerPlan, Pod, exclusive_request, plan_container
 from shim.policy.static import AllocationError
@@ -288,7 +288,9 @@ def _reconcile(
         else:
             holders[key] = container
     for key in gone:
-        engine.last_cpus[key] = state.assignments[key].cpus
+        held = state.assignments[key]
+        # Chosen under the checkpoint's options, which need not be this start's.
+        engine.last_cpus[key] = Released(held.cpus, state.options)
         report.released.append(str(key))
     state = state.release(gone, policy)
     for key, container in holders.items():

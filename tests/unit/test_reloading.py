@@ -13,6 +13,7 @@ import pytest
 
 from shim.config import reload_options
 from shim.cpuset import CPUSet
+from shim.cri.calls import Status
 from shim.engine import EngineOptions
 from shim.engine.reloading import ConfigReloader
 from shim.engine.watching import Watcher
@@ -126,6 +127,25 @@ async def test_a_container_that_loses_its_cpus_to_a_reload_gets_kubelets_setting
     assert restored.cpuset_mems == "0-1"
     assert env.kernel_cpus(pinned_id) == env.kernel_cpus(shared_id) == str(ALL)
     assert not env.engine.containers[pinned_id].exclusive
+
+
+async def test_a_next_attempt_after_a_reload_gets_cpus_the_new_options_allow(
+    r: Reloading,
+) -> None:
+    # Its last attempt's CPU (4, a lone thread) predates full-pcpus-only: preferring it would
+    # give the container what the policy now refuses, a CPU without its sibling.
+    env = r.env
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    first = await env.kubelet.start_new(pod, "main", 1000)
+    assert env.kernel_cpus(first) == FIRST_SINGLE
+    await env.kubelet.stop(first)
+    r.write('reservedSystemCPUs = "0"\n[cpuManagerPolicyOptions]\nfull-pcpus-only = true\n')
+    await r.reloaded("config_reloads")
+    reply = await env.kubelet.create(pod, "main", 1000, attempt=1)
+    assert reply.status is Status.RESOURCE_EXHAUSTED
+    assert "full-pcpus-only" in reply.status_message or "SMT" in reply.status_message
+    two = await env.kubelet.start_new(pod, "main", 2000, attempt=2)
+    assert len(CPUSet.parse(env.kernel_cpus(two) or "")) == 2
 
 
 async def test_switching_to_none_with_policy_options_on_is_refused_naming_the_table(
