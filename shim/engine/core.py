@@ -332,12 +332,10 @@ class Engine:
         self.pods[sandbox_id] = Pod.from_config(sandbox_id, config)
 
     def _held_in_sandbox(self, sandbox_id: str) -> list[ContainerKey]:
-        """The assignments of the sandbox's containers."""
-        return [
-            key
-            for key, a in self.state.assignments.items()
-            if a.sandbox_id == sandbox_id and a.container_id
-        ]
+        """The assignments of the sandbox's containers, also one whose container id was
+        never learnt (the create's reply could not be recorded): once its sandbox stops,
+        nothing else would ever release it."""
+        return [key for key, a in self.state.assignments.items() if a.sandbox_id == sandbox_id]
 
     async def _pod_sandbox_stopped(self, request: bytes, response: bytes | None) -> None:
         sandbox_id = pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id

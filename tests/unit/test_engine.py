@@ -934,3 +934,27 @@ async def test_a_checkpoint_that_fails_after_the_runtime_acted_keeps_memory_true
     monkeypatch.undo()
     await env.restart()
     assert env.saved() == {}
+
+
+async def test_cpus_whose_container_id_was_never_learnt_go_with_their_sandbox(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("db", "guaranteed")
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("a bug while recording the container")
+
+    monkeypatch.setattr(env.engine, "_record_created", broken)
+    reply = await kubelet.create(pod, "main", 1000)
+    assert reply.status is Status.OK  # the runtime made it: its reply stands
+    monkeypatch.undo()
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].container_id == ""
+    await kubelet.ok(
+        "StopPodSandbox",
+        pb.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString(),
+    )
+    assert env.engine.state.assignments == {}
+    assert env.cpus(shared_id) == "0-7"
