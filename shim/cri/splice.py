@@ -1101,9 +1101,10 @@ class Splice:
             self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
 
     def _last_stream_to_announce(self) -> int:
-        if self._upstream_goaway_last is None:
-            return self.highest_stream
-        return min(self.highest_stream, self._upstream_goaway_last)
+        """The id for a GOAWAY of the relay's: the last call it saw, never above one the
+        client has already been told."""
+        announced = self._announced_goaway()
+        return self.highest_stream if announced is None else min(self.highest_stream, announced)
 
     def _announced_goaway(self) -> int | None:
         """The lowest last-stream-id the client has been sent in a GOAWAY, by either peer;
@@ -1170,9 +1171,9 @@ class Splice:
 
     def _fail(self, reason: str) -> None:
         self.failed = True
-        announced = self._announced_goaway()
-        last = self.highest_stream if announced is None else min(self.highest_stream, announced)
-        self._out_client.append(fr.goaway(last, fr.PROTOCOL_ERROR, reason.encode()))
+        self._out_client.append(
+            fr.goaway(self._last_stream_to_announce(), fr.PROTOCOL_ERROR, reason.encode())
+        )
         self.events.append(ConnectionFailed(reason))
 
 
