@@ -127,8 +127,8 @@ class Engine:
         # Set: checkpoint writes waiting for the record delay go now (and, while draining,
         # every later one too).
         self._persist_now = asyncio.Event()
-        self._draining = False
-        self._drain_started = asyncio.Event()
+        # Set once drain() starts: no new background work, and retries stop.
+        self._draining = asyncio.Event()
         # Tries the moves the runtime refused again (see _retry_moves); None when none failed.
         self._move_retry: asyncio.Task[None] | None = None
         # Set by the watcher when it starts (shim/engine/watching.py); None without one.
@@ -268,8 +268,7 @@ class Engine:
         """Wait up to ``grace`` seconds for calls in flight to finish their work, and for the
         runtime to be told of every cpuset written straight into a cgroup, and the checkpoint
         of every change (including work those calls start meanwhile)."""
-        self._draining = True
-        self._drain_started.set()
+        self._draining.set()
         self._persist_now.set()
         self.mover.flush()
         deadline = asyncio.get_running_loop().time() + grace
@@ -892,7 +891,7 @@ class Engine:
             while self._persist_tasks:
                 await asyncio.wait(set(self._persist_tasks))
         finally:
-            if not self._draining:
+            if not self._draining.is_set():
                 self._persist_now.clear()
 
     async def _persist_latest(self) -> None:
@@ -1073,7 +1072,7 @@ class Engine:
             self._retry_moves_soon()
 
     def _retry_moves_soon(self) -> None:
-        if self._move_retry is None and not self._draining:
+        if self._move_retry is None and not self._draining.is_set():
             self._move_retry = self._spawn(self._retry_moves())
 
     async def _retry_moves(self) -> None:
@@ -1084,8 +1083,8 @@ class Engine:
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._drain_started.wait(), delay)
-                if self._draining:
+                    await asyncio.wait_for(self._draining.wait(), delay)
+                if self._draining.is_set():
                     return
                 async with self.lock:
                     await self._apply()
