@@ -367,6 +367,15 @@ def ask_and_read_nothing(
     wait_for(lambda: queued() > 0, 10, "writes queued in the relay")
 
 
+def lose_the_runtime(env: RelayEnv) -> None:
+    """End the one client connection's runtime connection, as a crashed containerd would."""
+    assert env.relay is not None
+    (connection,) = env.relay.connections
+    upstream = connection.upstream
+    assert upstream is not None
+    env.loop.loop.call_soon_threadsafe(upstream.abort)
+
+
 def test_a_client_still_writing_after_its_last_reply_at_shutdown_is_not_cut_off() -> None:
     """The relay shuts down with a call in flight: the call's reply comes, then the end of
     the connection, and what the client writes after it (here a WINDOW_UPDATE for the reply
@@ -437,10 +446,7 @@ def test_a_client_that_stops_reading_is_dropped_when_its_runtime_connection_ends
         assert relay is not None
         with raw_client(env) as (raw, client):
             ask_and_read_nothing(relay, raw, client)
-            (connection,) = relay.connections
-            upstream = connection.upstream
-            assert upstream is not None
-            env.loop.loop.call_soon_threadsafe(upstream.abort)
+            lose_the_runtime(env)
             wait_for(lambda: not relay.connections, 10, "the stalled client's connection dropped")
         with env.channel() as ch:  # the relay itself serves on
             assert unary(ch, SPLICED, b"echo:after", timeout=10).endswith(b"echo:after")
@@ -471,10 +477,7 @@ def test_replies_held_for_credit_when_the_runtime_is_lost_do_not_keep_a_silent_c
                 return any(conn.splice._held_for_client for conn in relay.connections)
 
             wait_for(held, 10, "a spliced reply held for the client's credit")
-            (connection,) = relay.connections
-            upstream = connection.upstream
-            assert upstream is not None
-            env.loop.loop.call_soon_threadsafe(upstream.abort)
+            lose_the_runtime(env)
             wait_for(lambda: not relay.connections, 10, "the silent client let go")
     assert "did not read the replies left when the runtime" in caplog.text
 
@@ -504,10 +507,7 @@ def test_a_reading_client_keeps_a_slow_call_answered_here_when_the_runtime_is_lo
             return any(conn.splice._local for conn in relay.connections)
 
         wait_for(answering, 10, "the call in flight at the relay")
-        (connection,) = relay.connections
-        upstream = connection.upstream
-        assert upstream is not None
-        env.loop.loop.call_soon_threadsafe(upstream.abort)
+        lose_the_runtime(env)
         caller.join(10)
         (outcome,) = result
         assert not isinstance(outcome, grpc.RpcError), outcome
