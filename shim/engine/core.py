@@ -629,18 +629,15 @@ class Engine:
         exclusive = self.state.exclusive()
         held = CPUSet().union(*exclusive.values())
         free = self.policy.exclusive_candidates - held
+        request = exclusive_request(count, plan.isolated, memory_nodes)
         released = self.last_cpus.get(key)
-        preferred = released.cpus if released is not None else CPUSet()
         if (
             released is not None
-            and len(preferred) == count
-            and preferred.issubset(free)
             and released.options == self.policy.option_names
-            and self.policy.shared_pool({**exclusive, key: preferred})
+            and self.policy.refusal(exclusive, request, released.cpus) is None
         ):
-            return preferred
+            return released.cpus
         try:
-            request = exclusive_request(count, plan.isolated, memory_nodes)
             return self.policy.allocate(exclusive, request)
         except AllocationError as exc:
             self.counters["pinning_errors"] += 1

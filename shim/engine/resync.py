@@ -348,20 +348,21 @@ def _adopted_cpus(
     cannot satisfy it."""
     policy = engine.policy
     exclusive = state.exclusive()
-    free = policy.exclusive_candidates - CPUSet().union(*exclusive.values())
+    request = exclusive_request(count, plan.isolated, memory_nodes)
     try:
         current = CPUSet.parse(container.resources.cpuset_cpus)
     except ValueError:
         current = CPUSet()
-    key = ContainerKey("", container.id)
-    if (
-        len(current) == count
-        and current.issubset(free)
-        and policy.shared_pool({**exclusive, key: current})
-    ):
+    refusal = policy.refusal(exclusive, request, current)
+    if refusal is None:
         return current
+    if current:
+        log.info(
+            "a running container's cpuset is not kept",
+            extra={"fields": {"container_id": container.id, "reason": refusal}},
+        )
     try:
-        return policy.allocate(exclusive, exclusive_request(count, plan.isolated, memory_nodes))
+        return policy.allocate(exclusive, request)
     except AllocationError as exc:
         engine.counters["adoptions_refused"] += 1
         log.error(

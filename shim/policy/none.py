@@ -32,3 +32,8 @@ class NonePolicy:
 
     def allocate(self, assignments: Mapping[Any, CPUSet], request: object) -> CPUSet:
         raise AllocationError("the none policy hands out no exclusive CPUs")
+
+    def refusal(
+        self, assignments: Mapping[Any, CPUSet], request: object, cpus: CPUSet
+    ) -> str | None:
+        return "the none policy hands out no exclusive CPUs"

@@ -174,6 +174,36 @@ class StaticPolicy:
         assert error is not None
         raise error
 
+    def refusal(
+        self, assignments: Mapping[Any, CPUSet], request: ExclusiveRequest, cpus: CPUSet
+    ) -> str | None:
+        """Why ``cpus``, chosen earlier (a running container's set, a next attempt's old
+        one), may not be handed to ``request`` now; None when they may. These are the rules
+        every choice meets; the preferences a new choice follows (the NUMA hint, spreading,
+        caches) are not asked of a set that is already in use."""
+        if len(cpus) != request.count:
+            return f"{len(cpus)} CPUs ({cpus or 'none'}) for a request of {request.count}"
+        if cpus & self.reserved:
+            return f"{cpus} holds reserved CPUs {cpus & self.reserved}"
+        if not cpus.issubset(self.exclusive_candidates):
+            return f"{cpus} holds CPUs that are not online: {cpus - self.exclusive_candidates}"
+        held = _union(assignments)
+        if cpus.mask & held:
+            taken = CPUSet.from_mask(cpus.mask & held)
+            return f"{cpus} holds CPUs another container holds: {taken}"
+        isolated = cpus & self.topology.isolated
+        if request.isolated == "avoid" and isolated:
+            return f"{cpus} holds isolated CPUs {isolated}, which the container did not ask for"
+        if request.isolated == "require" and isolated != cpus:
+            return f"{cpus} holds CPUs that are not isolated, and the container requires them"
+        if request.isolated == "prefer" and isolated and isolated != cpus:
+            return f"{cpus} is part isolated, part not"
+        if self.options.full_pcpus_only and self.topology.whole_cores_in(cpus) != cpus:
+            return f"{cpus} is not whole physical cores (full-pcpus-only)"
+        if not self.shareable.mask & ~(held | cpus.mask):
+            return f"{cpus} would leave the shared pool without a CPU"
+        return None
+
     def _take(self, pool: CPUSet, request: ExclusiveRequest) -> CPUSet:
         count, options, topology = request.count, self.options, self.topology
         if request.numa_affinity is None:

@@ -26,6 +26,7 @@ from shim.engine.resync import StartupError
 from shim.engine.tracked import Phase
 from shim.kube import QOSClass
 from shim.policy.none import NonePolicy
+from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_cri import short_tmpdir
@@ -721,6 +722,64 @@ async def test_restart_adopts_containers_created_while_down(env: Env) -> None:
     assert env.fake.containers[adopted_id].resources.cpu_quota == -1
     assert env.cpus(other_id) == env.cpus(shared_id) == "0,2-4,6-7"
     assert_consistent(env)
+
+
+async def test_restart_keeps_an_adopted_containers_cpuset_only_when_the_policy_accepts_it(
+    tmp_path: Path,
+) -> None:
+    # Made straight on the runtime while cpushim was down, each already on CPUs of its own;
+    # the options came on with this start.
+    policy = StaticPolicy.create(
+        TOPOLOGY,
+        reserved=CPUSet.parse("0,4"),
+        options=StaticPolicyOptions(full_pcpus_only=True),
+    )
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path)
+        kubelet = env.kubelet
+        made: dict[str, str] = {}
+        for name, cpus in (("whole", "2,6"), ("threads", "1,3")):
+            pod = await kubelet.run_pod(name, "guaranteed")
+            request = kubelet.create_request(pod, "main", 2000)
+            request.config.linux.resources.cpuset_cpus = cpus
+            made[name] = env.fake.add_container(pod.sandbox_id, request.config)
+
+        await env.restart(policy)
+        # A whole core is kept; two lone threads of two cores are not what full-pcpus-only
+        # hands out, so that container gets the one whole core left.
+        assert env.cpus(made["whole"]) == "2,6"
+        assert env.cpus(made["threads"]) == "1,5"
+        assert_consistent(env)
+        env.channel.close()
+
+
+@pytest.mark.parametrize(
+    ("annotation", "kept"), [(None, False), ("prefer", True), ("require", True)]
+)
+async def test_restart_keeps_an_adopted_containers_isolated_cpus_only_when_it_asks(
+    tmp_path: Path, annotation: str | None, kept: bool
+) -> None:
+    topology = expected_topology(
+        MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2, isolated=frozenset({3, 7}))
+    )
+    policy = StaticPolicy.create(topology, reserved=CPUSet.parse("0"))
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, policy)
+        annotations = {"cpushim.io/isolated-cpus": annotation} if annotation else {}
+        pod = await env.kubelet.run_pod("rt", "guaranteed", annotations)
+        request = env.kubelet.create_request(pod, "main", 1000)
+        request.config.linux.resources.cpuset_cpus = "3"
+        container_id = env.fake.add_container(pod.sandbox_id, request.config)
+
+        await env.restart()
+        cpus = CPUSet.parse(env.cpus(container_id))
+        if kept:
+            assert cpus == CPUSet.parse("3")
+        else:
+            assert len(cpus) == 1
+            assert not cpus & topology.isolated
+        assert env.saved() == {pod.uid: {"main": str(cpus)}}
+        env.channel.close()
 
 
 async def test_a_short_lived_containers_id_costs_no_checkpoint_write_of_its_own(

@@ -19,6 +19,7 @@ from shim.policy.reserved import ReservedCPUsError, reserved_cpus
 from shim.policy.static import (
     AllocationError,
     ExclusiveRequest,
+    IsolatedMode,
     SMTAlignmentError,
     StaticPolicy,
     take_by_topology,
@@ -504,6 +505,8 @@ def test_policy_invariants(
                     assert got.issubset(topology.isolated) or got.isdisjoint(topology.isolated)
                 if options.full_pcpus_only:
                     assert topology.whole_cores_in(got) == got
+                # What allocate hands out, the policy accepts when it is chosen again.
+                assert policy.refusal(assignments, request, got) is None
                 assignments[serial] = got
                 serial += 1
 
@@ -513,6 +516,51 @@ def test_policy_invariants(
         assert shared.isdisjoint(exclusive)
         assert shared | exclusive == policy.shareable | exclusive
         assert sum(len(cpus) for cpus in assignments.values()) == len(exclusive)
+
+
+SINGLE_HT_ISOLATED = expected_topology(
+    MachineSpec(sockets=1, cores_per_die=4, threads_per_core=2, isolated=frozenset({3, 7}))
+)
+STRICT = StaticPolicyOptions(strict_cpu_reservation=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "held", "count", "mode", "cpus", "refused_for"),
+    [
+        ("a free plain CPU", PACKED, "1", 1, "avoid", "2", None),
+        ("a whole free core", FULL, "1", 2, "avoid", "2,6", None),
+        ("too few", PACKED, "1", 2, "avoid", "2", "1 CPUs (2) for a request of 2"),
+        ("none at all", PACKED, "", 1, "avoid", "", "0 CPUs (none)"),
+        ("reserved", PACKED, "1", 1, "avoid", "0", "reserved CPUs 0"),
+        ("not online", PACKED, "1", 1, "avoid", "9", "not online: 9"),
+        ("held by another", PACKED, "1", 1, "avoid", "1", "another container holds: 1"),
+        ("isolated, not asked for", PACKED, "1", 1, "avoid", "3", "isolated CPUs 3"),
+        ("isolated, required", PACKED, "1", 1, "require", "3", None),
+        ("plain, isolated required", PACKED, "1", 1, "require", "2", "not isolated"),
+        ("isolated, preferred", PACKED, "1", 2, "prefer", "3,7", None),
+        ("plain, isolated preferred", PACKED, "1", 2, "prefer", "2,6", None),
+        ("half isolated, preferred", PACKED, "1", 2, "prefer", "2-3", "part isolated"),
+        ("lone threads, full-pcpus-only", FULL, "1", 2, "avoid", "2,5", "whole physical cores"),
+        ("the last shareable CPUs", STRICT, "1,5", 3, "avoid", "2,4,6", "shared pool"),
+    ],
+)
+def test_refusal_of_a_set_chosen_before(
+    name: str,
+    options: StaticPolicyOptions,
+    held: str,
+    count: int,
+    mode: IsolatedMode,
+    cpus: str,
+    refused_for: str | None,
+) -> None:
+    policy = StaticPolicy(SINGLE_HT_ISOLATED, P("0"), options)
+    assignments = {"other": P(held)} if held else {}
+    refusal = policy.refusal(assignments, ExclusiveRequest(count, isolated=mode), P(cpus))
+    if refused_for is None:
+        assert refusal is None, name
+    else:
+        assert refusal is not None, name
+        assert refused_for in refusal, (name, refusal)
 
 
 def _check_refusal_was_needed(
