@@ -57,6 +57,15 @@ class FrameError(Exception):
         self.error_code = error_code
 
 
+def oversized_frame(length: int, limit: int, sender: str) -> FrameError:
+    """A frame longer than its receiver's SETTINGS_MAX_FRAME_SIZE (RFC 9113 4.2)."""
+    receiver = "runtime" if sender == "client" else "client"
+    return FrameError(
+        f"a {length}-byte frame, above the {receiver}'s SETTINGS_MAX_FRAME_SIZE of {limit}",
+        FRAME_SIZE_ERROR,
+    )
+
+
 def parse_header(buf: bytes | bytearray, pos: int) -> tuple[int, int, int, int]:
     """(payload length, type, flags, stream id) of the frame header at ``buf[pos:pos+9]``."""
     hi, lo, ftype, flags, sid = _HEADER.unpack_from(buf, pos)

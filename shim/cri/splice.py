@@ -306,6 +306,10 @@ class Splice:
         self._client_window = fr.DEFAULT_WINDOW
         self._client_initial_window = fr.DEFAULT_WINDOW
         self._client_max_frame = fr.DEFAULT_MAX_FRAME
+        # The largest frame each side has said it takes (RFC 9113 6.5.2): a larger one from
+        # the other side fails the connection before the relay buffers it.
+        self._client_frame_limit = fr.DEFAULT_MAX_FRAME
+        self._upstream_frame_limit = fr.DEFAULT_MAX_FRAME
         self._credit_to_keep = 0  # client credit owed for bytes the relay itself wrote
         self._held_for_client: deque[tuple[bytes, int]] = deque()
         # Flow control towards the upstream, for the amended requests the relay writes.
@@ -394,6 +398,8 @@ class Splice:
         try:
             while end_buf - pos >= fr.FRAME_HEADER_LEN:
                 length, ftype, flags, sid = fr.parse_header(buf, pos)
+                if length > self._upstream_frame_limit:
+                    raise fr.oversized_frame(length, self._upstream_frame_limit, "client")
                 end = pos + fr.FRAME_HEADER_LEN + length
                 if end > end_buf:
                     break
@@ -468,7 +474,7 @@ class Splice:
                     raise fr.FrameError("frame interleaved inside a header block")
                 pos = end
         except (fr.FrameError, HeaderBlockError) as exc:
-            self._fail(f"client sent a malformed HTTP/2 stream: {exc}")
+            self._fail(f"client sent a malformed HTTP/2 stream: {exc}", _error_code(exc))
             return
         _forward(self._out_upstream, buf, span, pos)
         self._client_buf = _pending_after(buf, pos)
@@ -488,6 +494,7 @@ class Splice:
                     stream.send_window += delta
             elif key == fr.SETTINGS_MAX_FRAME_SIZE:
                 self._client_max_frame = value
+                self._client_frame_limit = max(self._client_frame_limit, value)
         self._out_upstream.append(
             fr.settings_frame(fr.with_setting(settings, fr.SETTINGS_HEADER_TABLE_SIZE, 0))
         )
@@ -775,6 +782,8 @@ class Splice:
         try:
             while end_buf - pos >= fr.FRAME_HEADER_LEN:
                 length, ftype, flags, sid = fr.parse_header(buf, pos)
+                if length > self._client_frame_limit:
+                    raise fr.oversized_frame(length, self._client_frame_limit, "runtime")
                 end = pos + fr.FRAME_HEADER_LEN + length
                 if end > end_buf:
                     break
@@ -891,7 +900,7 @@ class Splice:
                     span = end
                 pos = end
         except (fr.FrameError, HeaderBlockError) as exc:
-            self._fail(f"runtime sent a malformed HTTP/2 stream: {exc}")
+            self._fail(f"runtime sent a malformed HTTP/2 stream: {exc}", _error_code(exc))
             return
         _forward(self._out_client, buf, span, pos)
         self._upstream_buf = _pending_after(buf, pos)
@@ -904,6 +913,8 @@ class Splice:
                 for sid, outgoing in list(self._amending.items()):
                     outgoing.send_window += delta
                     self._pump_upstream(sid, outgoing)
+            elif key == fr.SETTINGS_MAX_FRAME_SIZE:
+                self._upstream_frame_limit = max(self._upstream_frame_limit, value)
 
     def _to_client(self, chunk: bytes, data_length: int) -> None:
         """Write in order behind anything held for lack of client window."""
@@ -1169,12 +1180,14 @@ class Splice:
             # never reads again is let go by the adapter.
             self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, code: int = fr.PROTOCOL_ERROR) -> None:
         self.failed = True
-        self._out_client.append(
-            fr.goaway(self._last_stream_to_announce(), fr.PROTOCOL_ERROR, reason.encode())
-        )
+        self._out_client.append(fr.goaway(self._last_stream_to_announce(), code, reason.encode()))
         self.events.append(ConnectionFailed(reason))
+
+
+def _error_code(exc: fr.FrameError | HeaderBlockError) -> int:
+    return exc.error_code if isinstance(exc, fr.FrameError) else fr.PROTOCOL_ERROR
 
 
 def _trailer_headers(flags: int, raws: list[bytes]) -> tuple[Header, ...]:

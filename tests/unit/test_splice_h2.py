@@ -402,6 +402,55 @@ def test_a_path_that_does_not_decode_fails_the_connection_with_goaway() -> None:
     assert fr.GOAWAY in frames_on(to_client, 0)
 
 
+def goaway_codes(chunks: list[bytes]) -> list[int]:
+    data = b"".join(chunks)
+    codes, pos = [], 0
+    while pos + fr.FRAME_HEADER_LEN <= len(data):
+        length, ftype, _, _ = fr.parse_header(data, pos)
+        if ftype == fr.GOAWAY:
+            codes.append(int.from_bytes(data[pos + 13 : pos + 17], "big"))
+        pos += fr.FRAME_HEADER_LEN + length
+    return codes
+
+
+@pytest.mark.parametrize("side", ["client", "runtime"])
+def test_a_frame_above_the_receivers_max_frame_size_fails_at_its_header(side: str) -> None:
+    pair = make_pair()
+    sid = send_request(pair, SPLICED, grpc_body(b"x"))
+    pair.splice.take_output()
+    # Only the header and a little of a 1 MiB DATA frame: it is refused at once, not
+    # buffered until the rest comes.
+    oversized = struct.pack(">I", 2**20)[1:] + bytes([fr.DATA, 0]) + struct.pack(">I", sid)
+    oversized += b"y" * 100
+    if side == "client":
+        pair.splice.from_client(oversized)
+    else:
+        pair.splice.from_upstream(oversized)
+    failures = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    assert failures
+    assert "SETTINGS_MAX_FRAME_SIZE of 16384" in failures[0].reason
+    to_client, to_upstream = pair.splice.take_output()
+    assert goaway_codes(to_client) == [fr.FRAME_SIZE_ERROR]
+    assert b"y" * 100 not in b"".join(to_client + to_upstream)
+
+
+def test_frames_up_to_the_size_the_runtime_announced_pass() -> None:
+    pair = make_pair()
+    pair.server.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**20})
+    pair.pump()
+    assert pair.client.max_outbound_frame_size == 2**20
+    body = grpc_body(b"z" * 40_000)
+    sid = send_request(pair, SPLICED, body)
+    sizes = [
+        e.flow_controlled_length
+        for e in pair.server_events
+        if isinstance(e, h2.events.DataReceived) and e.stream_id == sid
+    ]
+    assert max(sizes) > fr.DEFAULT_MAX_FRAME  # one frame larger than the default got through
+    assert pair.received(pair.server_events, sid) == body
+    assert not [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+
+
 def test_the_relays_goaway_never_names_a_later_stream_than_the_runtimes() -> None:
     # RFC 9113, 6.8: the client takes the runtime's GOAWAYs and the relay's for one peer's;
     # grpc-go closes the whole connection on a GOAWAY whose id rose.
