@@ -400,6 +400,8 @@ class Splice:
                 length, ftype, flags, sid = fr.parse_header(buf, pos)
                 if length > self._upstream_frame_limit:
                     raise fr.oversized_frame(length, self._upstream_frame_limit, "client")
+                if self._client_block is not None and ftype != fr.CONTINUATION:
+                    raise fr.FrameError("a frame interleaved inside a header block")
                 end = pos + fr.FRAME_HEADER_LEN + length
                 if end > end_buf:
                     break
@@ -470,8 +472,6 @@ class Splice:
                     span = end
                 elif ftype == fr.PING and self.upstream_absent and not flags & fr.FLAG_ACK:
                     self._out_client.append(fr.ping_ack(bytes(memoryview(buf)[pos + 9 : end])))
-                elif self._client_block is not None:
-                    raise fr.FrameError("frame interleaved inside a header block")
                 pos = end
         except (fr.FrameError, HeaderBlockError) as exc:
             self._fail(f"client sent a malformed HTTP/2 stream: {exc}", _error_code(exc))
@@ -532,8 +532,6 @@ class Splice:
                 self._client_block = None
                 self._client_headers_complete(sid, first_flags, raws, bytes(assembled))
             return
-        if self._client_block is not None:
-            raise fr.FrameError("HEADERS inside another header block")
         if sid == 0 or sid % 2 == 0:
             raise fr.FrameError(f"client HEADERS on stream {sid}")
         fragment = fr.header_block_fragment(flags, raw[9:])
@@ -784,6 +782,8 @@ class Splice:
                 length, ftype, flags, sid = fr.parse_header(buf, pos)
                 if length > self._client_frame_limit:
                     raise fr.oversized_frame(length, self._client_frame_limit, "runtime")
+                if self._upstream_block is not None and ftype != fr.CONTINUATION:
+                    raise fr.FrameError("a frame interleaved inside a header block")
                 end = pos + fr.FRAME_HEADER_LEN + length
                 if end > end_buf:
                     break
@@ -943,8 +943,6 @@ class Splice:
             first_flags = fr.parse_header(raws[0], 0)[2]
             self._upstream_block = None
         else:
-            if self._upstream_block is not None:
-                raise fr.FrameError("HEADERS inside another header block")
             if not flags & fr.FLAG_END_HEADERS:
                 self._upstream_block = (sid, [raw])
                 return

@@ -434,6 +434,40 @@ def test_a_frame_above_the_receivers_max_frame_size_fails_at_its_header(side: st
     assert b"y" * 100 not in b"".join(to_client + to_upstream)
 
 
+INTERLEAVED = {
+    "DATA": fr.frame(fr.DATA, 0, 1, b"x"),
+    "WINDOW_UPDATE": fr.window_update(0, 100),
+    "SETTINGS": fr.settings_frame([(fr.SETTINGS_INITIAL_WINDOW_SIZE, 70_000)]),
+    "PING": fr.frame(fr.PING, 0, 0, b"\0" * 8),
+    "RST_STREAM": fr.rst_stream(1, fr.CANCEL),
+    "HEADERS": fr.frame(fr.HEADERS, fr.FLAG_END_HEADERS, 99, b"\x83"),
+}
+
+
+@pytest.mark.parametrize("side", ["client", "runtime"])
+@pytest.mark.parametrize("kind", sorted(INTERLEAVED))
+def test_a_frame_between_headers_and_their_continuation_fails_the_connection(
+    side: str, kind: str
+) -> None:
+    pair = make_pair()
+    sid = send_request(pair, SPLICED, grpc_body(b"x"))
+    pair.splice.take_output()
+    block = b"\x88"  # :status 200, whose CONTINUATION never comes
+    if side == "client":
+        sid = pair.client.get_next_available_stream_id()
+        pair.splice.from_client(fr.frame(fr.HEADERS, 0, sid, b"\x83"))
+        pair.splice.from_client(INTERLEAVED[kind])
+    else:
+        pair.splice.from_upstream(fr.frame(fr.HEADERS, 0, sid, block))
+        pair.splice.from_upstream(INTERLEAVED[kind])
+    failures = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    assert [f.reason for f in failures] == [
+        f"{side} sent a malformed HTTP/2 stream: a frame interleaved inside a header block"
+    ]
+    to_client, _ = pair.splice.take_output()
+    assert goaway_codes(to_client) == [fr.PROTOCOL_ERROR]
+
+
 def test_frames_up_to_the_size_the_runtime_announced_pass() -> None:
     pair = make_pair()
     pair.server.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**20})
