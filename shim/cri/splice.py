@@ -1185,7 +1185,7 @@ class Splice:
 
 
 def _error_code(exc: fr.FrameError | HeaderBlockError) -> int:
-    return exc.error_code if isinstance(exc, fr.FrameError) else fr.PROTOCOL_ERROR
+    return exc.error_code if isinstance(exc, fr.FrameError) else fr.COMPRESSION_ERROR
 
 
 def _trailer_headers(flags: int, raws: list[bytes]) -> tuple[Header, ...]:
