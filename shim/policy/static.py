@@ -198,7 +198,11 @@ class StaticPolicy:
             return f"{cpus} holds CPUs that are not isolated, and the container requires them"
         if request.isolated == "prefer" and isolated and isolated != cpus:
             return f"{cpus} is part isolated, part not"
-        if self.options.full_pcpus_only and self.topology.whole_cores_in(cpus) != cpus:
+        if self.options.full_pcpus_only and (
+            request.count % self.topology.cpus_per_core
+            or self.topology.whole_cores_in(cpus) != cpus
+        ):
+            # The count too: a core whose sibling is offline is whole with one thread.
             return f"{cpus} is not whole physical cores (full-pcpus-only)"
         if not self.shareable.mask & ~(held | cpus.mask):
             return f"{cpus} would leave the shared pool without a CPU"

@@ -488,10 +488,24 @@ def test_policy_invariants(
             request = ExclusiveRequest(count, isolated=mode, numa_affinity=hint)
             free_before = policy.free_cpus(assignments)
             plain_free = free_before - topology.isolated
+            # Any free set of the right size: when the policy would accept it, a request for
+            # it must not be refused.
+            candidate = CPUSet()
+            if len(free_before) >= count:
+                pick = st.sets(st.sampled_from(sorted(free_before)), min_size=count, max_size=count)
+                candidate = CPUSet(data.draw(pick, label="candidate"))
+            accepted = bool(candidate) and policy.refusal(assignments, request, candidate) is None
             try:
                 got = policy.allocate(assignments, request)
             except AllocationError:
                 _check_refusal_was_needed(policy, assignments, request, plain_free)
+                # Cores of unequal thread counts (an offline sibling) may leave full-pcpus-only
+                # no whole-core set that packing finds, though one exists.
+                uneven = len({m.bit_count() for m in topology.core_masks.values()}) > 1
+                packing_limit = (
+                    options.full_pcpus_only and uneven and count % topology.cpus_per_core == 0
+                )
+                assert not accepted or packing_limit, candidate
             else:
                 assert len(got) == count
                 assert got.issubset(free_before)
@@ -561,6 +575,20 @@ def test_refusal_of_a_set_chosen_before(
     else:
         assert refusal is not None, name
         assert refused_for in refusal, (name, refusal)
+
+
+def test_refusal_under_full_pcpus_only_asks_for_a_multiple_of_the_threads_per_core() -> None:
+    # CPU 7 is offline, so core 3 has one thread: whole, yet not a set full-pcpus-only hands
+    # to a 1-CPU request.
+    topology = expected_topology(
+        MachineSpec(sockets=1, cores_per_die=4, threads_per_core=2, offline=frozenset({7}))
+    )
+    policy = StaticPolicy(topology, P("0"), FULL)
+    with pytest.raises(SMTAlignmentError):
+        policy.allocate({}, ExclusiveRequest(1))
+    refusal = policy.refusal({}, ExclusiveRequest(1), P("3"))
+    assert refusal is not None
+    assert "whole physical cores" in refusal
 
 
 def _check_refusal_was_needed(
