@@ -39,7 +39,7 @@ from shim.cri.upstream import Forward, RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.moves import Mover
 from shim.engine.projecting import Cpuset, Projector
-from shim.engine.tracked import Phase, Released, Tracked
+from shim.engine.tracked import Phase, Tracked
 from shim.kube import kubelet_cfs_quota
 from shim.pods import (
     AnnotationError,
@@ -117,7 +117,7 @@ class Engine:
         self.containers: dict[str, Tracked] = {}
         # The CPUs a container held when it last stopped: a re-created container gets them
         # back when they are still free.
-        self.last_cpus: dict[ContainerKey, Released] = {}
+        self.last_cpus: dict[ContainerKey, CPUSet] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -631,12 +631,10 @@ class Engine:
         free = self.policy.exclusive_candidates - held
         request = exclusive_request(count, plan.isolated, memory_nodes)
         released = self.last_cpus.get(key)
-        if (
-            released is not None
-            and released.options == self.policy.option_names
-            and self.policy.refusal(exclusive, request, released.cpus) is None
-        ):
-            return released.cpus
+        # Old CPUs come back only as a set the policy would hand out now: a reload or a
+        # restart may have turned on an option they do not meet.
+        if released is not None and self.policy.refusal(exclusive, request, released) is None:
+            return released
         try:
             return self.policy.allocate(exclusive, request)
         except AllocationError as exc:
@@ -907,7 +905,7 @@ class Engine:
             return
         for key in keys:
             held = self.state.assignments[key]
-            self.last_cpus[key] = Released(held.cpus, self.policy.option_names)
+            self.last_cpus[key] = held.cpus
         await self._record(self.state.release(keys, self.policy))
         log.info(
             "released",

@@ -24,7 +24,7 @@ from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
 from shim.engine.core import Engine
 from shim.engine.moves import pid_of
-from shim.engine.tracked import Phase, Released, Tracked
+from shim.engine.tracked import Phase, Tracked
 from shim.kube import kubelet_cfs_quota
 from shim.pods import AnnotationError, ContainerPlan, Pod, exclusive_request, plan_container
 from shim.policy.static import AllocationError
@@ -289,8 +289,7 @@ def _reconcile(
             holders[key] = container
     for key in gone:
         held = state.assignments[key]
-        # Chosen under the checkpoint's options, which need not be this start's.
-        engine.last_cpus[key] = Released(held.cpus, state.options)
+        engine.last_cpus[key] = held.cpus
         report.released.append(str(key))
     state = state.release(gone, policy)
     for key, container in holders.items():
@@ -301,15 +300,19 @@ def _reconcile(
     holding_ids = {a.container_id for a in state.assignments.values()}
     # Each with the memory nodes kubelet chose for it, as far as cpushim knows them.
     candidates: list[tuple[LiveContainer, int, ContainerPlan, CPUSet | None]] = []
+    replanned_ids: set[str] = set()
     for key in displaced:
         old = previous[key]
         container = live.get(old.container_id)
         if container is not None:
+            replanned_ids.add(container.id)
+            report.replanned.append(str(key))
+            if policy.name == "none":
+                continue  # shares, as every container does under none: no refusal to count
             plan = _plan(pods.get(container.sandbox_id), container)
             candidates.append((container, len(old.cpus), plan, old.mems))
-            report.replanned.append(str(key))
     for container in sorted(live.values(), key=lambda c: c.id):
-        if container.id in holding_ids or any(c[0] is container for c in candidates):
+        if container.id in holding_ids or container.id in replanned_ids:
             continue
         plan = _plan(pods.get(container.sandbox_id), container)
         if plan.exclusive is None or policy.name == "none":

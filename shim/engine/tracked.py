@@ -11,16 +11,6 @@ from shim.cpuset import CPUSet
 from shim.state import ContainerKey
 
 
-@dataclass(frozen=True)
-class Released:
-    """The CPUs a container held when it let them go, and the policy options they were
-    chosen under: its next attempt gets them back only under the same options (a reload or
-    a restart may have turned on one those CPUs do not meet)."""
-
-    cpus: CPUSet
-    options: frozenset[str]
-
-
 class Phase(enum.Enum):
     CREATED = "created"
     RUNNING = "running"

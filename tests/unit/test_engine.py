@@ -868,11 +868,34 @@ async def test_a_new_reserved_set_is_replanned_without_a_drain(env: Env) -> None
 async def test_switching_to_the_none_policy_unpins_everything(env: Env) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pod, "main", 1000)
-    await env.restart(NonePolicy(TOPOLOGY))
+    engine = await env.restart(NonePolicy(TOPOLOGY))
     assert env.saved() == {}
     assert env.cpus(pinned_id) == "0-7"
+    # A planned change: nothing was refused, so the operator's alert stays quiet.
+    assert engine.counters["adoptions_refused"] == 0
     new_id = await env.kubelet.start_new(await env.kubelet.run_pod("g", "guaranteed"), "main", 1000)
     assert env.cpus(new_id) == "0-7"
+
+
+async def test_a_next_attempt_keeps_its_cpus_across_an_option_that_only_steers_choices(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    first = await env.kubelet.start_new(pod, "main", 2000)
+    before = env.cpus(first)
+    spread = StaticPolicy.create(
+        TOPOLOGY,
+        reserved=CPUSet.parse("0"),
+        options=StaticPolicyOptions(distribute_cpus_across_cores=True),
+    )
+    await env.restart(spread)
+    await env.kubelet.stop(first)
+    # The new option would spread a new pair over two cores; the pair this container ran
+    # on breaks no rule, so its next attempt gets it back.
+    assert spread.allocate(env.engine.state.exclusive(), 2) != CPUSet.parse(before)
+    second = await env.kubelet.start_new(pod, "main", 2000, attempt=1)
+    assert env.cpus(second) == before
+    assert_consistent(env)
 
 
 async def pinned_without_quota(env: Env) -> str:
