@@ -900,7 +900,11 @@ class Splice:
                     span = end
                 pos = end
         except (fr.FrameError, HeaderBlockError) as exc:
-            self._fail(f"runtime sent a malformed HTTP/2 stream: {exc}", _error_code(exc))
+            self._fail(
+                f"runtime sent a malformed HTTP/2 stream: {exc}",
+                _error_code(exc),
+                runtime_fault=True,
+            )
             return
         _forward(self._out_client, buf, span, pos)
         self._upstream_buf = _pending_after(buf, pos)
@@ -1178,8 +1182,16 @@ class Splice:
             # never reads again is let go by the adapter.
             self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
 
-    def _fail(self, reason: str, code: int = fr.PROTOCOL_ERROR) -> None:
+    def _fail(
+        self, reason: str, code: int = fr.PROTOCOL_ERROR, *, runtime_fault: bool = False
+    ) -> None:
+        """Close both sides with GOAWAY: the peer at fault gets the error's code; a client
+        whose runtime broke the stream did nothing wrong and gets INTERNAL_ERROR."""
         self.failed = True
+        if runtime_fault:
+            # The runtime opens no streams of its own in gRPC: it gets last-stream-id 0.
+            self._out_upstream.append(fr.goaway(0, code, reason.encode()))
+            code = fr.INTERNAL_ERROR
         self._out_client.append(fr.goaway(self._last_stream_to_announce(), code, reason.encode()))
         self.events.append(ConnectionFailed(reason))
 

@@ -430,8 +430,22 @@ def test_a_frame_above_the_receivers_max_frame_size_fails_at_its_header(side: st
     assert failures
     assert "SETTINGS_MAX_FRAME_SIZE of 16384" in failures[0].reason
     to_client, to_upstream = pair.splice.take_output()
-    assert goaway_codes(to_client) == [fr.FRAME_SIZE_ERROR]
     assert b"y" * 100 not in b"".join(to_client + to_upstream)
+    assert_goaways_blame(side, to_client, to_upstream, fr.FRAME_SIZE_ERROR)
+
+
+def assert_goaways_blame(
+    side: str, to_client: list[bytes], to_upstream: list[bytes], code: int
+) -> None:
+    """The peer at fault gets GOAWAY with ``code``; a client whose runtime broke the stream
+    gets INTERNAL_ERROR, and the runtime is told too."""
+    if side == "client":
+        assert goaway_codes(to_client) == [code]
+        assert goaway_codes(to_upstream) == []
+    else:
+        assert goaway_codes(to_client) == [fr.INTERNAL_ERROR]
+        assert goaway_codes(to_upstream) == [code]
+        assert goaway_ids(to_upstream) == [0]  # the runtime opened no stream
 
 
 INTERLEAVED = {
@@ -464,8 +478,8 @@ def test_a_frame_between_headers_and_their_continuation_fails_the_connection(
     assert [f.reason for f in failures] == [
         f"{side} sent a malformed HTTP/2 stream: a frame interleaved inside a header block"
     ]
-    to_client, _ = pair.splice.take_output()
-    assert goaway_codes(to_client) == [fr.PROTOCOL_ERROR]
+    to_client, to_upstream = pair.splice.take_output()
+    assert_goaways_blame(side, to_client, to_upstream, fr.PROTOCOL_ERROR)
 
 
 def test_frames_up_to_the_size_the_runtime_announced_pass() -> None:
