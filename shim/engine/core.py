@@ -80,8 +80,9 @@ class EngineOptions:
     record_delay: float = 1.0
     # A container whose cpuset keeps moving is recorded with the runtime at least this often.
     record_max_delay: float = 10.0
-    # A move the runtime refused is tried again after this long, doubling up to a minute.
-    move_retry_delay: float = 1.0
+    # A move the runtime refused, or a projection write that failed, is tried again after
+    # this long, doubling up to a minute.
+    retry_delay: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,8 @@ class Engine:
                 projection.mount_path,
                 self.counters,
                 self._spawn,
+                draining=self._draining,
+                retry_delay=self.options.retry_delay,
             )
         # What follows a call the runtime has answered OK, for the calls whose request the
         # engine does not change: the relay passes them through and holds the reply's end
@@ -1071,10 +1074,10 @@ class Engine:
             self._move_retry = self._spawn(self._retry_moves())
 
     async def _retry_moves(self) -> None:
-        """Apply again what the runtime refused, after ``move_retry_delay``, doubling the
+        """Apply again what the runtime refused, after ``retry_delay``, doubling the
         wait up to a minute while it keeps refusing; stops when every container is in place
         or cpushim drains (the next start's resync squares what is left)."""
-        delay = self.options.move_retry_delay
+        delay = self.options.retry_delay
         try:
             while True:
                 with contextlib.suppress(TimeoutError):

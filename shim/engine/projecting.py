@@ -14,6 +14,7 @@ container writes where the previous one did, and the generation carries on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine
@@ -52,6 +53,9 @@ class Projector:
         mount_path: Path,
         counters: Counter[str],
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+        *,
+        draining: asyncio.Event | None = None,
+        retry_delay: float = 1.0,
     ) -> None:
         self.writer = writer
         self.topology = topology
@@ -61,6 +65,11 @@ class Projector:
         self._wanted: dict[ContainerKey, Cpuset] = {}
         self._written: dict[ContainerKey, Cpuset] = {}
         self._writers: dict[ContainerKey, asyncio.Task[None]] = {}
+        # Set when cpushim drains: failed writes are no longer tried again.
+        self._draining = draining or asyncio.Event()
+        self._retry_delay = retry_delay
+        # Writes the failed ones again (see _retry_failed); None when none failed.
+        self._retry: asyncio.Task[None] | None = None
         # Called with (key, generation) after each write; the projection bench listens here.
         self.on_written: Callable[[ContainerKey, int], None] | None = None
 
@@ -107,9 +116,44 @@ class Projector:
                 if wanted is None or wanted == self._written.get(key):
                     return
                 if not await self._write(key, wanted):
+                    # Without a retry the files would name the old CPUs until the container's
+                    # cpuset changed again: on a quiet node, for good.
+                    self._retry_soon()
                     return
         finally:
             self._writers.pop(key, None)
+
+    def retry(self) -> None:
+        """Write again every directory that is behind its container's cpuset."""
+        for key, wanted in self._wanted.items():
+            if key not in self._writers and self._written.get(key) != wanted:
+                self._writers[key] = self._spawn(self._write_until_current(key))
+
+    def _behind(self) -> bool:
+        return any(self._written.get(key) != wanted for key, wanted in self._wanted.items())
+
+    def _retry_soon(self) -> None:
+        if self._retry is None and not self._draining.is_set():
+            self._retry = self._spawn(self._retry_failed())
+
+    async def _retry_failed(self) -> None:
+        """Write the directories whose write failed again, after ``retry_delay``, doubling
+        the wait up to a minute while it keeps failing; stops when every directory is
+        current or cpushim drains (the next start writes them all)."""
+        delay = self._retry_delay
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._draining.wait(), delay)
+                if self._draining.is_set():
+                    return
+                self.retry()
+                await self.settle()
+                if not self._behind():
+                    return
+                delay = min(delay * 2, 60.0)
+        finally:
+            self._retry = None
 
     async def _write(self, key: ContainerKey, cpuset: Cpuset) -> bool:
         try:

@@ -418,6 +418,8 @@ class Watcher:
             running = tracked.phase is Phase.RUNNING and tracked.cgroup is not None
             if running and tracked.id not in self._containers:
                 self.watch(tracked, look_on_failure=False)
+        if self.engine.projector is not None:
+            self.engine.projector.retry()
         if self._state_watch is None:
             self._watch_state_dir()
         await self.check_state()

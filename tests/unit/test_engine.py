@@ -544,7 +544,7 @@ async def test_a_shared_container_whose_move_was_refused_is_moved_on_a_retry(
     # compare its cgroup with what was applied, so only a retry takes it off the CPU just
     # handed out exclusively.
     async with FakeRuntime() as fake:
-        env = await make_env(fake, tmp_path / "state", options=EngineOptions(move_retry_delay=0.01))
+        env = await make_env(fake, tmp_path / "state", options=EngineOptions(retry_delay=0.01))
         try:
             kubelet = env.kubelet
             reply = await kubelet.create(await kubelet.run_pod("web", "besteffort"), "main")

@@ -4,8 +4,10 @@ swept at start."""
 
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
 from shim.engine import EngineOptions, ProjectionSettings
 from shim.engine import requests as rq
+from shim.engine.watching import Watcher
 from shim.projection import Projection, read
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
@@ -254,3 +257,58 @@ async def test_a_mount_kubelet_already_has_at_the_path_is_left_alone(env: Env) -
     assert reply.status is Status.OK
     container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
     assert mounts_of(env, container_id) == [own]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("by", ["its retry", "the full look"])
+async def test_a_projection_write_that_failed_is_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by: str
+) -> None:
+    # The retry comes after 50 ms, or (for the full look) not within the test at all.
+    retry_delay = 0.05 if by == "its retry" else NEVER
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await make_env(
+            fake,
+            tmp_path / "state",
+            options=EngineOptions(record_delay=NEVER, retry_delay=retry_delay),
+            projection=ProjectionSettings(tmp_path / "projection", MOUNT),
+        )
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        try:
+            shared = await env.kubelet.run_pod("web", "besteffort")
+            shared_id = await env.kubelet.start_new(shared, "main")
+            assert projected(env, shared, "main").cpus == str(ALL)
+            # The projection's tmpfs is full for a moment: the shared container's next
+            # write fails, once.
+            projector = env.engine.projector
+            assert projector is not None
+            real_write = projector.writer.write
+            failed: list[str] = []
+
+            async def write(pod_uid: str, name: str, *args: Any) -> int:
+                if pod_uid == shared.uid and not failed:
+                    failed.append(name)
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return await real_write(pod_uid, name, *args)
+
+            monkeypatch.setattr(projector.writer, "write", write)
+            pinned = await env.kubelet.run_pod("db", "guaranteed")
+            await env.kubelet.start_new(pinned, "main", 1000)
+            await until(lambda: bool(failed), "the failed write")
+            assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+            assert env.engine.counters["projection_errors"] == 1
+            if by == "the full look":
+                await watcher.look_everywhere()
+            # Nothing moves any more, yet the directory stops naming CPU 4, which the pinned
+            # container holds now.
+            await until(
+                lambda: projected(env, shared, "main").cpus == SHARED_AFTER_FIRST_SINGLE,
+                "the shared container's directory rewritten",
+            )
+            await projector.settle()
+            assert env.engine.counters["projection_errors"] == 1
+        finally:
+            await watcher.stop()
+            await env.engine.drain(5.0)
+            env.channel.close()

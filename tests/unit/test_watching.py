@@ -307,7 +307,7 @@ async def test_an_overflow_leads_to_one_full_look(w: Watched) -> None:
 
 async def test_a_full_look_moves_a_container_whose_move_the_runtime_refused(w: Watched) -> None:
     env = w.env
-    env.engine.options = replace(env.engine.options, move_retry_delay=3600)  # no retry soon
+    env.engine.options = replace(env.engine.options, retry_delay=3600)  # no retry soon
     kubelet = env.kubelet
     reply = await kubelet.create(await kubelet.run_pod("web", "besteffort"), "main")
     shared_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
