@@ -101,6 +101,11 @@ class Watcher:
         self._pidfds: dict[str, int] = {}
         self._state_watch: Subscription | None = None
         self._timer: asyncio.Task[None] | None = None
+        # Called at the start of every full look (the config reloader reads its file again:
+        # an edit whose event an overflow dropped is applied then).
+        self.full_look_hooks: list[Callable[[], None]] = []
+        # Set by stop(): a job or a reload still finishing places no watch and no timer.
+        self._stopped = False
 
     @property
     def pidfd_count(self) -> int:
@@ -125,6 +130,7 @@ class Watcher:
             self._timer = asyncio.get_running_loop().create_task(self._periodically())
 
     async def stop(self) -> None:
+        self._stopped = True
         if self._timer is not None:
             self._timer.cancel()
             await asyncio.gather(self._timer, return_exceptions=True)
@@ -142,7 +148,7 @@ class Watcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if period > 0:
+        if period > 0 and not self._stopped:
             self._timer = asyncio.get_running_loop().create_task(self._periodically())
 
     async def _periodically(self) -> None:
@@ -164,7 +170,7 @@ class Watcher:
     def watch(self, tracked: Tracked, *, look_on_failure: bool = True) -> bool:
         """Watch a running container's cgroup: its cpuset, and its going away. When the
         kernel refuses, one full look follows (unless this is one); False then."""
-        if tracked.id in self._containers or tracked.cgroup is None:
+        if tracked.id in self._containers or tracked.cgroup is None or self._stopped:
             return tracked.id in self._containers
         known = self.engine.containers.get(tracked.id)
         if tracked.phase is not Phase.RUNNING or known is not tracked:
@@ -341,8 +347,20 @@ class Watcher:
     # --- the state file ---------------------------------------------------------------------
 
     def _watch_state_dir(self) -> None:
+        if self._stopped:
+            return
         directory = self.engine.checkpoint.path.parent
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            # A file where the directory was, a read-only file system: the state check that
+            # follows still runs, and says what it finds.
+            self.counters["watch_errors"] += 1
+            log.warning(
+                "cannot make the state directory again; the periodic look tries again",
+                extra={"fields": {"path": str(directory), "error": str(exc)}},
+            )
+            return
 
         def on_event(event: Event) -> None:
             if event.mask & _GONE_EVENTS and not event.name:
@@ -407,7 +425,11 @@ class Watcher:
     async def look_everywhere(self) -> None:
         """One full look: moves the runtime refused tried again, every running container
         (placing watches that are missing), then the state file."""
+        if self._stopped:
+            return
         self.counters["full_resyncs"] += 1
+        for hook in self.full_look_hooks:
+            hook()
         await self.engine.reapply()
         for tracked in list(self.engine.containers.values()):
             if tracked.phase is not Phase.RUNNING:

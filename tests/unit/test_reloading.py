@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,3 +248,73 @@ async def test_an_edit_in_place_is_seen_too(r: Reloading) -> None:
         assert root.level == logging.DEBUG
     finally:
         root.setLevel(level)
+
+
+async def events_handled(r: Reloading) -> None:
+    """Every inotify event queued so far has been read and its work done."""
+    fd = r.watcher.inotify._manager.get_fd()
+    await until(
+        lambda: not select.select([fd], [], [], 0)[0] and r.watcher.jobs.pending == 0,
+        "inotify events handled",
+    )
+
+
+async def test_a_file_made_empty_and_written_after_is_read_once_written(r: Reloading) -> None:
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await r.reloaded("config_reloads")
+    # `rm` then `cat >`, `cp` onto a missing file, some editors: the file is made empty,
+    # then written.
+    r.path.unlink()
+    with r.path.open("w") as made:
+        await events_handled(r)
+        # Neither the removal nor the empty file was read: the running config stays, and
+        # no error counts.
+        assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+        assert r.env.engine.counters["config_errors"] == 0
+        assert r.env.engine.counters["config_reloads"] == 1
+        made.write(
+            f'sysfsRoot = "{r.sysfs}"\nreservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n'
+        )
+    await r.reloaded("config_reloads", 2)
+    assert r.env.engine.options.failure_policy == "fail-open"
+    assert r.env.engine.counters["config_errors"] == 0
+
+
+async def test_an_edit_no_event_told_of_is_read_at_the_full_look(r: Reloading) -> None:
+    # Written without being closed yet: no event the reloader listens to (as when an
+    # overflow dropped the one that came).
+    with r.path.open("a") as appended:
+        appended.write('failurePolicy = "fail-open"\n')
+        appended.flush()
+        await events_handled(r)
+        before = r.env.engine.options.failure_policy
+        await r.watcher.look_everywhere()
+        await r.reloaded("config_reloads")
+        assert (before, r.env.engine.options.failure_policy) == ("fail-closed", "fail-open")
+    # A full look reads the file only when it changed: no second refusal of a bad file.
+    r.write("reservedSystemCPUs = [\n")
+    await r.reloaded("config_errors")
+    await r.watcher.look_everywhere()
+    await events_handled(r)
+    assert r.env.engine.counters["config_errors"] == 1
+
+
+@pytest.mark.parametrize("how", ["removed", "renamed away"])
+async def test_the_watch_comes_back_with_a_directory_made_again(r: Reloading, how: str) -> None:
+    directory = r.path.parent
+    if how == "removed":
+        shutil.rmtree(directory)
+    else:
+        directory.rename(directory.with_name("etc.old"))
+    await events_handled(r)
+    # The file is gone: refused once, and the running config stays.
+    assert r.env.engine.counters["config_errors"] == 1
+    assert r.env.engine.policy.reserved == CPUSet.parse("0")
+    directory.mkdir()
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await r.reloaded("config_reloads")
+    assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+    # And the new directory is watched itself: a later edit is seen.
+    r.write('reservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n')
+    await r.reloaded("config_reloads", 2)
+    assert r.env.engine.options.failure_policy == "fail-open"

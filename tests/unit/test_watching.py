@@ -598,3 +598,36 @@ async def test_no_pidfd_outlives_its_container(p: tuple[Watched, Processes]) -> 
         assert w.watcher.pidfd_count == 0
     await w.settled()
     assert w.counters["process_exits_seen"] == 25
+
+
+# --- after stop, and what cannot be made again -------------------------------------------------
+
+
+async def test_a_stopped_watcher_starts_no_timer_and_looks_nowhere(w: Watched) -> None:
+    await w.watcher.stop()
+    # A config reload that finishes during shutdown sets a new period.
+    w.watcher.set_resync_period(0.05)
+    assert w.watcher._timer is None
+    looks = w.counters["full_resyncs"]
+    await w.watcher.look_everywhere()
+    assert w.counters["full_resyncs"] == looks
+
+
+async def test_a_state_directory_that_cannot_be_made_again_does_not_stop_the_full_look(
+    w: Watched,
+) -> None:
+    state_dir = w.env.state_dir
+    assert w.watcher._state_watch is not None
+    w.watcher.inotify.unsubscribe(w.watcher._state_watch)
+    w.watcher._state_watch = None
+    shutil.rmtree(state_dir)
+    # A file where the directory was (a read-only file system refuses the same way).
+    state_dir.write_text("not a directory\n")
+    try:
+        errors = w.counters["watch_errors"]
+        await w.watcher.look_everywhere()
+        assert w.counters["watch_errors"] == errors + 1
+        # The state check still ran, and said it could not write.
+        assert w.counters["checkpoint_errors"] >= 1
+    finally:
+        state_dir.unlink()
