@@ -78,7 +78,7 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
     loaded = _load(engine, recover_from_runtime)
     try:
         pods = await _sandboxes(engine)
-        live = await _containers(engine)
+        live, exited = await _containers(engine)
     except DecodeError as exc:
         raise StartupError(
             f"resync: {engine.runtime.endpoint} answered with a message that does not decode"
@@ -103,6 +103,9 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
             engine.project(tracked)
     if engine.projector is not None:
         keep = {t.key for t in engine.containers.values()} | set(engine.state.assignments)
+        # An exited container's directory stays with its pod, as while cpushim runs: its
+        # next attempt (a crash loop's) writes there, the generation going on.
+        keep |= {ContainerKey(pods[sid].uid, name) for sid, name in exited if sid in pods}
         await engine.projector.clean_stale(keep)
     log.info(
         "resynced with the runtime",
@@ -198,12 +201,17 @@ def _sandbox_config(
     return config
 
 
-async def _containers(engine: Engine) -> dict[str, LiveContainer]:
-    """Containers that are not exited: exited ones hold no CPUs."""
+async def _containers(
+    engine: Engine,
+) -> tuple[dict[str, LiveContainer], list[tuple[str, str]]]:
+    """Containers that are not exited (exited ones hold no CPUs), and the (sandbox id, name)
+    of the exited ones."""
     reply = await _call(engine, rq.LIST_CONTAINERS, b"")
     live: dict[str, LiveContainer] = {}
+    exited: list[tuple[str, str]] = []
     for item in pb.ListContainersResponse.FromString(reply.messages[0]).containers:
         if item.state == pb.CONTAINER_EXITED:
+            exited.append((item.pod_sandbox_id, item.metadata.name))
             continue
         request = pb.ContainerStatusRequest(container_id=item.id, verbose=True).SerializeToString()
         status_reply = await engine.runtime.unary(
@@ -227,7 +235,7 @@ async def _containers(engine: Engine) -> dict[str, LiveContainer]:
             resources=status.resources.linux,
             info=response.info.get("info", ""),
         )
-    return live
+    return live, exited
 
 
 def _plan(pod: Pod | None, container: LiveContainer) -> ContainerPlan:

@@ -228,6 +228,25 @@ async def test_a_restart_sweeps_stale_directories_and_carries_generations_on(env
 
 
 @pytest.mark.anyio
+async def test_a_restart_keeps_the_directory_of_an_exited_container_whose_pod_is_there(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("job", "besteffort")
+    container_id = await env.kubelet.start_new(pod, "main")
+    # Exited while cpushim was down (a crash loop's back-off, a finished Job); the pod stays.
+    env.fake.exit_container(container_id, exit_code=1)
+    before = projected(env, pod, "main")
+    await env.restart()
+    await settled(env)
+    assert projected(env, pod, "main") == before
+    # Its next attempt finds it: the same cpuset, so the same generation (a directory made
+    # afresh would start again from the clock, above it).
+    await env.kubelet.start_new(pod, "main", attempt=1)
+    await settled(env)
+    assert projected(env, pod, "main").generation == before.generation
+
+
+@pytest.mark.anyio
 async def test_a_projection_that_cannot_be_written_costs_the_mount_not_the_container(
     tmp_path: Path,
 ) -> None:
