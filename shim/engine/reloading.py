@@ -3,9 +3,10 @@
 The file's directory is watched, not the file: editors and config management replace it by
 rename, which a watch on the file itself would not follow. The file is read when it is
 closed after writing or renamed into place, never when it is made (``cp``, a shell redirect
-and some editors make it empty and write it after), and again at every full look of the
-watcher when it changed since it was last read (an edit whose event an inotify overflow
-dropped). A directory removed or replaced is watched again as soon as it is back (its parent
+and some editors make it empty and write it after). It is read again when it changed since
+it was last read (its inode, size and mtime, through its symlinks): when another entry is
+renamed into the directory (a ConfigMap volume swaps its ``..data`` link), and at every full
+look of the watcher (an edit whose event an inotify overflow dropped). A directory removed or replaced is watched again as soon as it is back (its parent
 is watched meanwhile). A file that does not parse, or whose values make no policy, is refused
 with the reason (file, line, key) and the running config stays; so does a file that is gone.
 A good one applies what can change while running:
@@ -132,6 +133,11 @@ class ConfigReloader:
                 self._check_soon()
             elif event.name == name:
                 self._written = True
+                self._check_soon()
+            elif event.mask & IN_MOVED_TO:
+                # Another entry renamed into place may be what the file's path resolves
+                # through: a ConfigMap volume swaps its `..data` symlink. Read the file if its
+                # stamp (taken through the links) changed.
                 self._check_soon()
 
         try:

@@ -318,3 +318,23 @@ async def test_the_watch_comes_back_with_a_directory_made_again(r: Reloading, ho
     r.write('reservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n')
     await r.reloaded("config_reloads", 2)
     assert r.env.engine.options.failure_policy == "fail-open"
+
+
+async def test_a_config_map_volume_swapping_its_data_link_is_read(r: Reloading) -> None:
+    # A ConfigMap volume: config.toml -> ..data/config.toml, ..data -> a timestamped
+    # directory; an update writes a new directory and renames a new ..data link into place.
+    directory = r.path.parent
+    first = directory / "..2026_11_24_1"
+    first.mkdir()
+    (first / "config.toml").write_text(r.path.read_text())
+    (directory / "..data").symlink_to(first.name)
+    r.path.unlink()
+    r.path.symlink_to("..data/config.toml")
+    await events_handled(r)
+    second = directory / "..2026_11_24_2"
+    second.mkdir()
+    (second / "config.toml").write_text(f'sysfsRoot = "{r.sysfs}"\nreservedSystemCPUs = "0,4"\n')
+    (directory / "..data_tmp").symlink_to(second.name)
+    os.replace(directory / "..data_tmp", directory / "..data")
+    await r.reloaded("config_reloads")
+    assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
