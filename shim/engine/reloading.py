@@ -2,14 +2,16 @@
 
 The file's directory is watched, not the file: editors and config management replace it by
 rename, which a watch on the file itself would not follow. The file is read when it is
-closed after writing or renamed into place, never when it is made (``cp``, a shell redirect
-and some editors make it empty and write it after). It is read again when it changed since
-it was last read (its inode, size and mtime, through its symlinks): when another entry is
-renamed into the directory (a ConfigMap volume swaps its ``..data`` link), and at every full
-look of the watcher (an edit whose event an inotify overflow dropped). A directory removed or replaced is watched again as soon as it is back (its parent
-is watched meanwhile). A file that does not parse, or whose values make no policy, is refused
-with the reason (file, line, key) and the running config stays; so does a file that is gone.
-A good one applies what can change while running:
+closed after writing, renamed into place or linked into place, never when it is made or
+while it is written in place (``cp``, a shell redirect and some editors make it empty and
+write it after). It is read again when its bytes (through its symlinks) differ from those
+last read: when another entry is renamed into the directory (a ConfigMap volume swaps its
+``..data`` link), at start (an edit made while cpushim started), and at every full look of
+the watcher (an edit whose event an inotify overflow dropped). A directory removed or
+replaced is watched again as soon as it is back (its parent is watched meanwhile). A file
+that does not parse, or whose values make no policy, is refused with the reason (file,
+line, key) and the running config stays; so does a file that is gone. A good one applies
+what can change while running:
 
 - the policy, its options and the reserved CPUs: a new policy is built and the engine re-plans
   under it (``Engine.change_policy``): containers move, the checkpoint is rewritten;
@@ -24,16 +26,20 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, reload_options
+from shim.fileio import read_file
 from shim.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
     IN_DELETE_SELF,
     IN_IGNORED,
+    IN_MODIFY,
     IN_MOVE_SELF,
     IN_MOVED_TO,
     Event,
@@ -60,6 +66,8 @@ _PROVENANCE = frozenset({"config_path", "cli_overrides"})
 # The log names the keys an operator edits, not the fields they fill.
 _KEY_OF_FIELD = {key.field: key.name for key in KEYS}
 
+# Events on the file's name in its directory.
+_FILE_EVENTS = IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_MODIFY
 # The file holds a whole new content: written and closed, or renamed into place.
 _CONTENT_EVENTS = IN_CLOSE_WRITE | IN_MOVED_TO
 # The watched directory itself went (removed, renamed away; the kernel then drops the watch).
@@ -67,16 +75,30 @@ _DIRECTORY_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
 # In the parent: the directory made again, or renamed into place.
 _DIRECTORY_BACK = IN_CREATE | IN_MOVED_TO
 
-# (inode, size, modification time) of the file; None when it is missing.
-FileStamp = tuple[int, int, int] | None
 
-
-def _stamp(path: str) -> FileStamp:
+def _content(path: str) -> bytes | None:
+    """The file's bytes through its symlinks; None when it cannot be read."""
     try:
-        found = os.stat(path)
+        return read_file(path)
     except OSError:
         return None
-    return found.st_ino, found.st_size, found.st_mtime_ns
+
+
+def _is_link(path: str) -> bool:
+    """A name made as a link (symbolic or hard) to a file that already has its content."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISLNK(found.st_mode) or found.st_nlink > 1
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 class ConfigReloader:
@@ -92,14 +114,24 @@ class ConfigReloader:
         self.engine = watcher.engine
         self.options = options
         self._build_policy = build_policy
+        self._directory = options.config_path.parent
         self._subscription: Subscription | None = None
+        # The watched directory's (device, inode): a directory symlink pointed elsewhere is
+        # watched again at the next check.
+        self._watched_identity: tuple[int, int] | None = None
         # Watches the directory's parent while the directory is gone.
         self._parent_subscription: Subscription | None = None
-        # The file as it was when last read: a full look reads it again only when it differs.
-        self._read_stamp: FileStamp = _stamp(self.path)
-        # An event said the file has a new content: read it whatever its stamp says (a
-        # rewrite of the same size within the clock's tick keeps the stamp).
+        # The file's bytes when it was last read (None: missing), once read here at all: a
+        # check without an event reads it again only when they differ.
+        self._last_read: bytes | None = None
+        self._read_once = False
+        # Events since the last check: the file got a whole new content (read it whatever
+        # its bytes say), another entry was renamed into the directory (compare the bytes).
         self._written = False
+        self._renamed = False
+        # Written in place and not closed yet: a check without an event leaves it alone (its
+        # close follows). Forgotten when events were lost.
+        self._being_written = False
         self._stopped = False
 
     @property
@@ -109,20 +141,24 @@ class ConfigReloader:
 
     def start(self) -> None:
         self._watch()
-        self.watcher.full_look_hooks.append(self._on_full_look)
+        self.watcher.full_look_hooks.append(self._check_soon)
+        self.watcher.overflow_hooks.append(self._events_lost)
+        # The options were read before the runtime was waited for and the resync: an edit
+        # made meanwhile had no watch to tell of it.
+        self._check_soon()
 
     def stop(self) -> None:
         self._stopped = True
-        if self._on_full_look in self.watcher.full_look_hooks:
-            self.watcher.full_look_hooks.remove(self._on_full_look)
+        if self._check_soon in self.watcher.full_look_hooks:
+            self.watcher.full_look_hooks.remove(self._check_soon)
+        if self._events_lost in self.watcher.overflow_hooks:
+            self.watcher.overflow_hooks.remove(self._events_lost)
         self._unwatch()
         self._unwatch_parent()
 
     def _watch(self) -> None:
         """Watch the file's directory; while it cannot be watched (gone), its parent."""
-        assert self.options.config_path is not None
-        directory = self.options.config_path.parent
-        name = self.options.config_path.name
+        name = os.path.basename(self.path)
 
         def on_event(event: Event) -> None:
             if event.mask & _DIRECTORY_GONE and not event.name:
@@ -132,17 +168,22 @@ class ConfigReloader:
                 self._watch_parent()
                 self._check_soon()
             elif event.name == name:
-                self._written = True
-                self._check_soon()
+                if event.mask & _CONTENT_EVENTS or (event.mask & IN_CREATE and _is_link(self.path)):
+                    self._being_written = False
+                    self._written = True
+                    self._check_soon()
+                elif event.mask & (IN_CREATE | IN_MODIFY):
+                    # Made empty or written in place: read at its close, never half-written.
+                    self._being_written = True
             elif event.mask & IN_MOVED_TO:
                 # Another entry renamed into place may be what the file's path resolves
-                # through: a ConfigMap volume swaps its `..data` symlink. Read the file if its
-                # stamp (taken through the links) changed.
+                # through: a ConfigMap volume swaps its `..data` symlink.
+                self._renamed = True
                 self._check_soon()
 
         try:
             self._subscription = self.watcher.inotify.subscribe(
-                str(directory), _CONTENT_EVENTS | _DIRECTORY_GONE, on_event
+                str(self._directory), _FILE_EVENTS | _DIRECTORY_GONE, on_event
             )
         except WatchError as exc:
             self.engine.counters["watch_errors"] += 1
@@ -153,17 +194,19 @@ class ConfigReloader:
             )
             self._watch_parent()
             return
+        self._watched_identity = _identity(self._directory)
         self._unwatch_parent()
 
     def _watch_parent(self) -> None:
         if self._parent_subscription is not None or self._stopped:
             return
-        assert self.options.config_path is not None
-        directory = self.options.config_path.parent
+        directory = self._directory
 
         def on_parent(event: Event) -> None:
             if event.name == directory.name:
                 self._check_soon()
+            elif event.mask & IN_IGNORED and not event.name:
+                self._parent_subscription = None  # the parent went too
 
         # When the parent is gone too, the next full look tries again.
         with contextlib.suppress(WatchError):
@@ -175,35 +218,49 @@ class ConfigReloader:
         if self._subscription is not None:
             self.watcher.inotify.unsubscribe(self._subscription)
             self._subscription = None
+        self._watched_identity = None
 
     def _unwatch_parent(self) -> None:
         if self._parent_subscription is not None:
             self.watcher.inotify.unsubscribe(self._parent_subscription)
             self._parent_subscription = None
 
-    def _on_full_look(self) -> None:
-        self._check_soon()
+    def _events_lost(self) -> None:
+        # A close may have been among them; the full look that follows reads the file.
+        self._being_written = False
 
     def _check_soon(self) -> None:
         # One job for every reason, so that two reads never run at once.
         self.watcher.jobs.request("config", self._check)
 
     async def _check(self) -> None:
-        """Watch the directory again if the watch was lost, and read the file again if an
-        event said it was written or it changed since it was last read."""
+        """Watch the directory again if the watch was lost (or the directory is another
+        one now), and read the file when an event said it was written, or when its bytes
+        differ from those last read and it is not being written."""
         if self._stopped:
             return
         if self._subscription is None:
+            if self._directory.is_dir():
+                self._watch()
+            else:
+                self._watch_parent()  # counted once, when the directory went
+        elif _identity(self._directory) != self._watched_identity:
+            self._unwatch()
             self._watch()
         written, self._written = self._written, False
-        if written or _stamp(self.path) != self._read_stamp:
-            await self.reload()
+        renamed, self._renamed = self._renamed, False
+        if not written:
+            if self._read_once and _content(self.path) == self._last_read:
+                return
+            if self._being_written and not renamed:
+                return
+        await self.reload()
 
     async def reload(self) -> None:
         """Read the file again and apply what changed; refuse a bad file."""
         if self._stopped:
             return
-        self._read_stamp = _stamp(self.path)
+        self._last_read, self._read_once = _content(self.path), True
         try:
             new = await asyncio.to_thread(reload_options, self.options)
         except ConfigError as exc:
@@ -221,12 +278,15 @@ class ConfigReloader:
             try:
                 policy = await asyncio.to_thread(self._build_policy, new)
             except (OSError, ValueError) as exc:
+                if isinstance(exc, OSError):
+                    self._read_once = False  # not the file's fault: tried again
                 self._refuse(str(exc), line=None, key=None)
                 return
         if policy is not None:
             try:
                 lost = await self.engine.change_policy(policy)
             except OSError as exc:
+                self._read_once = False  # not the file's fault: tried again
                 self._refuse(f"cannot write the checkpoint: {exc}", line=None, key=None)
                 return
         else:

@@ -3,12 +3,13 @@ refused and changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import select
 import shutil
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,8 @@ async def r(tmp_path: Path) -> AsyncIterator[Reloading]:
         watcher.start()
         reloader = ConfigReloader(watcher, options, build_policy)
         reloader.start()
+        # Its first look at the file (an edit made while cpushim started) is done.
+        await until(lambda: watcher.jobs.pending == 0, "the reloader's first look")
         try:
             yield Reloading(env, watcher, reloader, path, sysfs)
         finally:
@@ -280,23 +283,90 @@ async def test_a_file_made_empty_and_written_after_is_read_once_written(r: Reloa
     assert r.env.engine.counters["config_errors"] == 0
 
 
-async def test_an_edit_no_event_told_of_is_read_at_the_full_look(r: Reloading) -> None:
-    # Written without being closed yet: no event the reloader listens to (as when an
-    # overflow dropped the one that came).
-    with r.path.open("a") as appended:
-        appended.write('failurePolicy = "fail-open"\n')
-        appended.flush()
+def lose_events(r: Reloading) -> Callable[[], None]:
+    """Stop reading inotify events; the function returned drops what the kernel queued
+    meanwhile and reports an overflow, as the kernel does when its queue is full."""
+    loop = asyncio.get_running_loop()
+    inotify = r.watcher.inotify
+    fd = inotify._manager.get_fd()
+    loop.remove_reader(fd)
+
+    def overflow() -> None:
+        while select.select([fd], [], [], 0)[0]:
+            os.read(fd, 65536)
+        loop.add_reader(fd, inotify._read)
+        r.watcher._overflowed()
+
+    return overflow
+
+
+async def test_an_edit_whose_events_an_overflow_dropped_is_read_at_the_full_look(
+    r: Reloading,
+) -> None:
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await r.reloaded("config_reloads")
+    before = os.stat(r.path)
+    with r.path.open("r+") as edited:
+        edited.write(f'sysfsRoot = "{r.sysfs}"\nreservedSystemCPUs = "0,5"\n')
+        edited.flush()
+        await events_handled(r)  # its writes seen: being written
+        overflow = lose_events(r)
+    # Written in place, same size, and its time put back to the last read's: only the
+    # bytes tell.
+    os.utime(r.path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    overflow()
+    await r.reloaded("config_reloads", 2)
+    assert r.env.engine.policy.reserved == CPUSet.parse("0,5")
+
+
+async def test_a_full_look_leaves_a_file_being_written_alone(r: Reloading) -> None:
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await r.reloaded("config_reloads")
+    with r.path.open("w") as rewritten:
+        rewritten.write(f'sysfsRoot = "{r.sysfs}"\n')  # the rest is still to come
+        rewritten.flush()
         await events_handled(r)
-        before = r.env.engine.options.failure_policy
         await r.watcher.look_everywhere()
-        await r.reloaded("config_reloads")
-        assert (before, r.env.engine.options.failure_policy) == ("fail-closed", "fail-open")
-    # A full look reads the file only when it changed: no second refusal of a bad file.
+        await events_handled(r)
+        assert r.env.engine.counters["config_reloads"] == 1
+        assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+        rewritten.write('reservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n')
+    await r.reloaded("config_reloads", 2)
+    assert r.env.engine.options.failure_policy == "fail-open"
+
+
+async def test_a_bad_file_is_refused_once_whatever_the_full_looks(r: Reloading) -> None:
     r.write("reservedSystemCPUs = [\n")
     await r.reloaded("config_errors")
-    await r.watcher.look_everywhere()
-    await events_handled(r)
+    for _ in range(2):
+        await r.watcher.look_everywhere()
+        await events_handled(r)
     assert r.env.engine.counters["config_errors"] == 1
+
+
+async def test_an_edit_made_while_cpushim_started_is_read(r: Reloading) -> None:
+    # The options were read before the wait for the runtime and the resync; the file
+    # changed before the reloader's watch was placed.
+    r.reloader.stop()
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await events_handled(r)
+    reloader = ConfigReloader(r.watcher, r.reloader.options, build_policy)
+    reloader.start()
+    try:
+        await r.reloaded("config_reloads")
+        assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+    finally:
+        reloader.stop()
+
+
+@pytest.mark.parametrize("how", ["symlink", "hard link"])
+async def test_a_file_linked_into_place_is_read(r: Reloading, how: str) -> None:
+    other = r.path.parent.parent / "new.toml"
+    other.write_text(f'sysfsRoot = "{r.sysfs}"\nreservedSystemCPUs = "0,4"\n')
+    r.path.unlink()
+    (os.symlink if how == "symlink" else os.link)(other, r.path)
+    await r.reloaded("config_reloads")
+    assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
 
 
 @pytest.mark.parametrize("how", ["removed", "renamed away"])
@@ -310,6 +380,13 @@ async def test_the_watch_comes_back_with_a_directory_made_again(r: Reloading, ho
     # The file is gone: refused once, and the running config stays.
     assert r.env.engine.counters["config_errors"] == 1
     assert r.env.engine.policy.reserved == CPUSet.parse("0")
+    # Full looks meanwhile count nothing more.
+    errors = dict(r.env.engine.counters)
+    for _ in range(2):
+        await r.watcher.look_everywhere()
+        await events_handled(r)
+    for counter in ("config_errors", "watch_errors"):
+        assert r.env.engine.counters[counter] == errors.get(counter, 0)
     directory.mkdir()
     r.write('reservedSystemCPUs = "0,4"\n')
     await r.reloaded("config_reloads")
@@ -338,3 +415,38 @@ async def test_a_config_map_volume_swapping_its_data_link_is_read(r: Reloading) 
     os.replace(directory / "..data_tmp", directory / "..data")
     await r.reloaded("config_reloads")
     assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+
+
+async def test_a_config_directory_symlink_pointed_elsewhere_is_watched_there(
+    r: Reloading,
+) -> None:
+    # /etc/cpushim as a symlink to a versioned directory, switched with `ln -sfn`.
+    base = r.path.parent.parent
+    first, second = base / "cpushim.v1", base / "cpushim.v2"
+    for directory, reserved in ((first, "0"), (second, "0,4")):
+        directory.mkdir()
+        (directory / "config.toml").write_text(
+            f'sysfsRoot = "{r.sysfs}"\nreservedSystemCPUs = "{reserved}"\n'
+        )
+    linked = base / "cpushim"
+    linked.symlink_to(first.name)
+    r.reloader.stop()
+    options = replace(r.reloader.options, config_path=linked / "config.toml")
+    reloader = ConfigReloader(r.watcher, options, build_policy)
+    reloader.start()
+    try:
+        await events_handled(r)
+        (base / "cpushim.tmp").symlink_to(second.name)
+        os.replace(base / "cpushim.tmp", linked)
+        # No event in the old directory tells of it: the next full look does.
+        await r.watcher.look_everywhere()
+        await r.reloaded("config_reloads")
+        assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+        # The new directory is the one watched now.
+        (second / "config.toml").write_text(
+            f'sysfsRoot = "{r.sysfs}"\nreservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n'
+        )
+        await r.reloaded("config_reloads", 2)
+        assert r.env.engine.options.failure_policy == "fail-open"
+    finally:
+        reloader.stop()
