@@ -2,16 +2,17 @@
 
 The file's directory is watched, not the file: editors and config management replace it by
 rename, which a watch on the file itself would not follow. The file is read when it is
-closed after writing, renamed into place or linked into place, never when it is made or
-while it is written in place (``cp``, a shell redirect and some editors make it empty and
-write it after). It is read again when its bytes (through its symlinks) differ from those
-last read: when another entry is renamed into the directory (a ConfigMap volume swaps its
-``..data`` link), at start (an edit made while cpushim started), and at every full look of
-the watcher (an edit whose event an inotify overflow dropped). A directory removed or
-replaced is watched again as soon as it is back (its parent is watched meanwhile). A file
-that does not parse, or whose values make no policy, is refused with the reason (file,
-line, key) and the running config stays; so does a file that is gone. A good one applies
-what can change while running:
+closed after writing, renamed into place or linked into place, never at the event that
+makes it as a plain file (``cp``, a shell redirect and some editors make it empty and write
+it after). It is read again when its bytes (through its symlinks) differ from those last
+read: when another entry is renamed into the directory (a ConfigMap volume swaps its
+``..data`` link), once at start (an edit made while cpushim started), and at every full
+look of the watcher (an edit whose events an inotify overflow dropped; a full look reads
+what is on disk). A directory removed or replaced is watched again as soon as it is back
+(its parent is watched meanwhile). A file that does not parse, or whose values make no
+policy, is refused with the reason (file, line, key) and the running config stays; so does
+a file that is gone. The same refusal (same bytes, same reason) is counted once. A good one
+applies what can change while running:
 
 - the policy, its options and the reserved CPUs: a new policy is built and the engine re-plans
   under it (``Engine.change_policy``): containers move, the checkpoint is rewritten;
@@ -33,13 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, reload_options
-from shim.fileio import read_file
 from shim.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
     IN_DELETE_SELF,
     IN_IGNORED,
-    IN_MODIFY,
     IN_MOVE_SELF,
     IN_MOVED_TO,
     Event,
@@ -67,7 +66,7 @@ _PROVENANCE = frozenset({"config_path", "cli_overrides"})
 _KEY_OF_FIELD = {key.field: key.name for key in KEYS}
 
 # Events on the file's name in its directory.
-_FILE_EVENTS = IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_MODIFY
+_FILE_EVENTS = IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
 # The file holds a whole new content: written and closed, or renamed into place.
 _CONTENT_EVENTS = IN_CLOSE_WRITE | IN_MOVED_TO
 # The watched directory itself went (removed, renamed away; the kernel then drops the watch).
@@ -77,11 +76,24 @@ _DIRECTORY_BACK = IN_CREATE | IN_MOVED_TO
 
 
 def _content(path: str) -> bytes | None:
-    """The file's bytes through its symlinks; None when it cannot be read."""
+    """The file's bytes through its symlinks; None when it cannot be read or is not a
+    regular file. Read on the event loop: it must never block there (a FIFO put at the
+    path would, until a writer came)."""
     try:
-        return read_file(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _is_link(path: str) -> bool:
@@ -125,13 +137,12 @@ class ConfigReloader:
         # check without an event reads it again only when they differ.
         self._last_read: bytes | None = None
         self._read_once = False
-        # Events since the last check: the file got a whole new content (read it whatever
-        # its bytes say), another entry was renamed into the directory (compare the bytes).
+        # An event since the last check said the file got a whole new content: read it
+        # whatever its bytes say.
         self._written = False
-        self._renamed = False
-        # Written in place and not closed yet: a check without an event leaves it alone (its
-        # close follows). Forgotten when events were lost.
-        self._being_written = False
+        # The last refusal, by the bytes refused and the reason: the same one is not counted
+        # again (a bad file touched, a machine fault met at every look).
+        self._refused: tuple[bytes | None, str] | None = None
         self._stopped = False
 
     @property
@@ -142,7 +153,6 @@ class ConfigReloader:
     def start(self) -> None:
         self._watch()
         self.watcher.full_look_hooks.append(self._check_soon)
-        self.watcher.overflow_hooks.append(self._events_lost)
         # The options were read before the runtime was waited for and the resync: an edit
         # made meanwhile had no watch to tell of it.
         self._check_soon()
@@ -151,8 +161,6 @@ class ConfigReloader:
         self._stopped = True
         if self._check_soon in self.watcher.full_look_hooks:
             self.watcher.full_look_hooks.remove(self._check_soon)
-        if self._events_lost in self.watcher.overflow_hooks:
-            self.watcher.overflow_hooks.remove(self._events_lost)
         self._unwatch()
         self._unwatch_parent()
 
@@ -168,17 +176,14 @@ class ConfigReloader:
                 self._watch_parent()
                 self._check_soon()
             elif event.name == name:
-                if event.mask & _CONTENT_EVENTS or (event.mask & IN_CREATE and _is_link(self.path)):
-                    self._being_written = False
+                # Made as a plain file, it is empty or being written: read at its close (or
+                # at the next full look, when none comes). Made as a link, it is whole.
+                if event.mask & _CONTENT_EVENTS or _is_link(self.path):
                     self._written = True
                     self._check_soon()
-                elif event.mask & (IN_CREATE | IN_MODIFY):
-                    # Made empty or written in place: read at its close, never half-written.
-                    self._being_written = True
             elif event.mask & IN_MOVED_TO:
                 # Another entry renamed into place may be what the file's path resolves
                 # through: a ConfigMap volume swaps its `..data` symlink.
-                self._renamed = True
                 self._check_soon()
 
         try:
@@ -225,10 +230,6 @@ class ConfigReloader:
             self.watcher.inotify.unsubscribe(self._parent_subscription)
             self._parent_subscription = None
 
-    def _events_lost(self) -> None:
-        # A close may have been among them; the full look that follows reads the file.
-        self._being_written = False
-
     def _check_soon(self) -> None:
         # One job for every reason, so that two reads never run at once.
         self.watcher.jobs.request("config", self._check)
@@ -236,7 +237,7 @@ class ConfigReloader:
     async def _check(self) -> None:
         """Watch the directory again if the watch was lost (or the directory is another
         one now), and read the file when an event said it was written, or when its bytes
-        differ from those last read and it is not being written."""
+        differ from those last read (a check without an event reads what is on disk)."""
         if self._stopped:
             return
         if self._subscription is None:
@@ -248,13 +249,8 @@ class ConfigReloader:
             self._unwatch()
             self._watch()
         written, self._written = self._written, False
-        renamed, self._renamed = self._renamed, False
-        if not written:
-            if self._read_once and _content(self.path) == self._last_read:
-                return
-            if self._being_written and not renamed:
-                return
-        await self.reload()
+        if written or not self._read_once or _content(self.path) != self._last_read:
+            await self.reload()
 
     async def reload(self) -> None:
         """Read the file again and apply what changed; refuse a bad file."""
@@ -266,6 +262,8 @@ class ConfigReloader:
         except ConfigError as exc:
             self._refuse(str(exc), line=exc.line, key=exc.key)
             return
+        if self._stopped:
+            return  # cpushim is stopping: no re-plan now
         changed = sorted(
             f.name
             for f in fields(new)
@@ -278,15 +276,17 @@ class ConfigReloader:
             try:
                 policy = await asyncio.to_thread(self._build_policy, new)
             except (OSError, ValueError) as exc:
-                if isinstance(exc, OSError):
-                    self._read_once = False  # not the file's fault: tried again
+                if isinstance(exc, OSError) or isinstance(exc.__cause__, OSError):
+                    self._read_once = False  # the machine's fault (sysfs): tried again
                 self._refuse(str(exc), line=None, key=None)
+                return
+            if self._stopped:
                 return
         if policy is not None:
             try:
                 lost = await self.engine.change_policy(policy)
             except OSError as exc:
-                self._read_once = False  # not the file's fault: tried again
+                self._read_once = False  # the machine's fault: tried again
                 self._refuse(f"cannot write the checkpoint: {exc}", line=None, key=None)
                 return
         else:
@@ -298,6 +298,7 @@ class ConfigReloader:
             self.watcher.set_resync_period(new.resync_period)
         restart = [name for name in changed if name not in POLICY_FIELDS | LIVE_FIELDS]
         self.options = new
+        self._refused = None
         self.engine.counters["config_reloads"] += 1
         log.info(
             "config reloaded",
@@ -315,6 +316,10 @@ class ConfigReloader:
         )
 
     def _refuse(self, error: str, *, line: int | None, key: str | None) -> None:
+        refusal = (self._last_read, error)
+        if refusal == self._refused:
+            return
+        self._refused = refusal
         self.engine.counters["config_errors"] += 1
         log.error(
             "config file refused; the running config stays",

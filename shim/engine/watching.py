@@ -104,8 +104,6 @@ class Watcher:
         # Called at the start of every full look (the config reloader reads its file again:
         # an edit whose event an overflow dropped is applied then).
         self.full_look_hooks: list[Callable[[], None]] = []
-        # Called when the kernel's event queue overflowed, before the full look that follows.
-        self.overflow_hooks: list[Callable[[], None]] = []
         # Set by stop(): a job or a reload still finishing places no watch and no timer.
         self._stopped = False
 
@@ -165,8 +163,6 @@ class Watcher:
     def _overflowed(self) -> None:
         self.counters["inotify_overflows"] += 1
         log.warning("inotify queue overflowed; looking at everything once")
-        for hook in self.overflow_hooks:
-            hook()
         self.jobs.request("full-resync", self.look_everywhere)
 
     # --- containers -------------------------------------------------------------------------

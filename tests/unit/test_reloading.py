@@ -8,6 +8,8 @@ import logging
 import os
 import select
 import shutil
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,8 +20,9 @@ from shim.config import reload_options
 from shim.cpuset import CPUSet
 from shim.cri.calls import Status
 from shim.engine import EngineOptions
-from shim.engine.reloading import ConfigReloader
+from shim.engine.reloading import ConfigReloader, _content
 from shim.engine.watching import Watcher
+from shim.policy import CPUPolicy
 from shim.run import RunOptions, build_policy
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import milli_cpu_to_quota
@@ -319,22 +322,6 @@ async def test_an_edit_whose_events_an_overflow_dropped_is_read_at_the_full_look
     assert r.env.engine.policy.reserved == CPUSet.parse("0,5")
 
 
-async def test_a_full_look_leaves_a_file_being_written_alone(r: Reloading) -> None:
-    r.write('reservedSystemCPUs = "0,4"\n')
-    await r.reloaded("config_reloads")
-    with r.path.open("w") as rewritten:
-        rewritten.write(f'sysfsRoot = "{r.sysfs}"\n')  # the rest is still to come
-        rewritten.flush()
-        await events_handled(r)
-        await r.watcher.look_everywhere()
-        await events_handled(r)
-        assert r.env.engine.counters["config_reloads"] == 1
-        assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
-        rewritten.write('reservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n')
-    await r.reloaded("config_reloads", 2)
-    assert r.env.engine.options.failure_policy == "fail-open"
-
-
 async def test_a_bad_file_is_refused_once_whatever_the_full_looks(r: Reloading) -> None:
     r.write("reservedSystemCPUs = [\n")
     await r.reloaded("config_errors")
@@ -342,6 +329,94 @@ async def test_a_bad_file_is_refused_once_whatever_the_full_looks(r: Reloading) 
         await r.watcher.look_everywhere()
         await events_handled(r)
     assert r.env.engine.counters["config_errors"] == 1
+
+
+async def test_a_bad_file_touched_is_refused_once(r: Reloading) -> None:
+    r.write("reservedSystemCPUs = [\n")
+    await r.reloaded("config_errors")
+    for _ in range(3):
+        os.utime(r.path)  # touch: a close after writing, the same bytes
+        with r.path.open("a"):
+            pass
+        await events_handled(r)
+    assert r.env.engine.counters["config_errors"] == 1
+
+
+async def test_a_sysfs_that_could_not_be_read_is_tried_again_at_the_full_look(
+    r: Reloading,
+) -> None:
+    online = r.sysfs / "devices/system/cpu/online"
+    aside = online.with_name("online.aside")
+    online.rename(aside)
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await r.reloaded("config_errors")
+    await r.watcher.look_everywhere()  # still unreadable: not counted again
+    await events_handled(r)
+    assert r.env.engine.counters["config_errors"] == 1
+    aside.rename(online)
+    await r.watcher.look_everywhere()
+    await r.reloaded("config_reloads")
+    assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+
+
+async def test_a_file_truncated_or_linked_without_a_close_is_read_at_the_full_look(
+    r: Reloading,
+) -> None:
+    head = f'sysfsRoot = "{r.sysfs}"\nreservedSystemCPUs = "0,4"\n'
+    r.write('reservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n')
+    await r.reloaded("config_reloads")
+    os.truncate(r.path, len(head.encode()))  # truncate(2) by path: no close
+    await events_handled(r)
+    await r.watcher.look_everywhere()
+    await r.reloaded("config_reloads", 2)
+    assert r.env.engine.options.failure_policy == "fail-closed"
+    # A hard link made, then its other name removed before the event is handled: it looks
+    # like a plain file made, whose close never comes.
+    temporary = r.path.parent / ".config.toml.new"
+    temporary.write_text(head + 'failurePolicy = "fail-open"\n')
+    await events_handled(r)
+    r.path.unlink()
+    os.link(temporary, r.path)
+    temporary.unlink()
+    await events_handled(r)
+    await r.watcher.look_everywhere()
+    await r.reloaded("config_reloads", 3)
+    assert str(r.env.engine.options.failure_policy) == "fail-open"
+
+
+def test_a_fifo_at_the_config_path_is_not_waited_for(tmp_path: Path) -> None:
+    # The reloader compares the file's bytes on the event loop: a FIFO put at the path must
+    # not block it until a writer comes.
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    writer = threading.Timer(5.0, lambda: os.close(os.open(fifo, os.O_WRONLY)))
+    writer.start()
+    started = time.monotonic()
+    try:
+        assert _content(str(fifo)) is None
+        assert time.monotonic() - started < 4.0
+    finally:
+        writer.cancel()
+
+
+async def test_a_reload_under_way_when_the_reloader_stops_applies_nothing(
+    r: Reloading,
+) -> None:
+    gate = threading.Event()
+    build = r.reloader._build_policy
+
+    def slow_build(options: RunOptions) -> CPUPolicy:
+        gate.wait(5)
+        return build(options)
+
+    r.reloader._build_policy = slow_build
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await until(lambda: r.watcher.jobs.pending == 1, "the reload under way")
+    r.reloader.stop()  # SIGTERM
+    gate.set()
+    await until(lambda: r.watcher.jobs.pending == 0, "the reload ended")
+    assert r.env.engine.policy.reserved == CPUSet.parse("0")
+    assert r.env.engine.counters["config_reloads"] == 0
 
 
 async def test_an_edit_made_while_cpushim_started_is_read(r: Reloading) -> None:
