@@ -270,6 +270,7 @@ class ConfigReloader:
             if f.name not in _PROVENANCE and getattr(new, f.name) != getattr(self.options, f.name)
         )
         if not changed:
+            self._refused = None  # accepted: a refusal of the same bytes later counts again
             return
         policy: CPUPolicy | None = None
         if POLICY_FIELDS.intersection(changed):

@@ -525,3 +525,14 @@ async def test_a_config_directory_symlink_pointed_elsewhere_is_watched_there(
         assert r.env.engine.options.failure_policy == "fail-open"
     finally:
         reloader.stop()
+
+
+async def test_a_bad_edit_made_again_after_a_good_one_is_counted_again(r: Reloading) -> None:
+    good = r.path.read_text()
+    for count in (1, 2):
+        r.write("reservedSystemCPUs = [\n")
+        await r.reloaded("config_errors", count)
+        # Put back as it was: accepted, though nothing changes.
+        r.path.write_text(good)
+        await events_handled(r)
+    assert r.env.engine.counters["config_errors"] == 2
