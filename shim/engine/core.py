@@ -39,6 +39,7 @@ from shim.cri.upstream import Forward, RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.moves import Mover
 from shim.engine.projecting import Cpuset, Projector
+from shim.engine.retrying import retry_until_done
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import kubelet_cfs_quota
 from shim.pods import (
@@ -1077,20 +1078,16 @@ class Engine:
         """Apply again what the runtime refused, after ``retry_delay``, doubling the
         wait up to a minute while it keeps refusing; stops when every container is in place
         or cpushim drains (the next start's resync squares what is left)."""
-        delay = self.options.retry_delay
         try:
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._draining.wait(), delay)
-                if self._draining.is_set():
-                    return
-                async with self.lock:
-                    await self._apply()
-                    if not self._out_of_place():
-                        return
-                delay = min(delay * 2, 60.0)
+            await retry_until_done(self._apply_again, self.options.retry_delay, self._draining)
         finally:
             self._move_retry = None
+
+    async def _apply_again(self) -> bool:
+        """Apply every container's cpuset; True when all are in place."""
+        async with self.lock:
+            await self._apply()
+            return not self._out_of_place()
 
 
 def _response(reply: Reply, message_type: type[_M]) -> _M | None:

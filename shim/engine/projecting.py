@@ -14,7 +14,6 @@ container writes where the previous one did, and the generation carries on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine
@@ -24,6 +23,7 @@ from typing import Any
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
+from shim.engine.retrying import retry_until_done
 from shim.projection import Pool
 from shim.projection.writer import ProjectionPathError, ProjectionWriter, check_name
 from shim.state import ContainerKey
@@ -140,20 +140,16 @@ class Projector:
         """Write the directories whose write failed again, after ``retry_delay``, doubling
         the wait up to a minute while it keeps failing; stops when every directory is
         current or cpushim drains (the next start writes them all)."""
-        delay = self._retry_delay
         try:
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._draining.wait(), delay)
-                if self._draining.is_set():
-                    return
-                self.retry()
-                await self.settle()
-                if not self._behind():
-                    return
-                delay = min(delay * 2, 60.0)
+            await retry_until_done(self._write_behind, self._retry_delay, self._draining)
         finally:
             self._retry = None
+
+    async def _write_behind(self) -> bool:
+        """Write every directory that is behind; True when all are current."""
+        self.retry()
+        await self.settle()
+        return not self._behind()
 
     async def _write(self, key: ContainerKey, cpuset: Cpuset) -> bool:
         try:
