@@ -69,6 +69,10 @@ ENGINE_COUNTERS: dict[str, str] = {
     "checkpoint_errors": "Failures to write the state checkpoint",
     "config_errors": "Configuration reloads refused because the new configuration was invalid",
     "config_reloads": "Configuration reloads applied",
+    "cpu_resizes_not_applied": (
+        "kubelet updates (in-place resizes) asking a running container for another count of"
+        " exclusive CPUs, left as they were until its next attempt"
+    ),
     "cpuset_update_errors": "UpdateContainerResources calls (cpuset moves) the runtime refused",
     "cpuset_updates": "Cpuset moves made through UpdateContainerResources",
     "drift_repairs": "Container cpusets found changed behind cpushim's back and written back",

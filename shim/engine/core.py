@@ -780,6 +780,7 @@ class Engine:
         if tracked is None:
             return await forward()
         async with self.lock, tracked.write_lock:
+            self._note_cpu_resize(tracked, request.linux)
             cpus, mems, quota = self._desired(tracked)
             if request.linux.cpu_quota > 0:
                 tracked.kubelet_quota = request.linux.cpu_quota
@@ -791,6 +792,46 @@ class Engine:
                 self._restored(tracked)
                 self.project(tracked)
         return reply
+
+    def _note_cpu_resize(self, tracked: Tracked, resources: pb.LinuxContainerResources) -> None:
+        """kubelet resizes a running container in place (InPlacePodVerticalScaling) with
+        UpdateContainerResources. Its cpuset stays cpushim's, so CPUs asked for that would
+        make the container hold another count of exclusive CPUs (or hold some, or none) are
+        not applied before its next attempt: logged and counted, once per count asked."""
+        if resources.cpu_shares == 0 and resources.cpu_quota == 0:
+            return  # names no CPUs (another client's memory-only update, say)
+        pod = self.pods.get(tracked.sandbox_id)
+        if pod is None:
+            return
+        try:
+            plan = plan_container(pod, tracked.key.name, resources)
+        except AnnotationError:
+            return  # the pod's annotations were checked at create; nothing to compare with
+        asked = plan.exclusive if self.policy.name != "none" else None
+        key = self.state.holding(tracked.id)
+        held = len(self.state.assignments[key].cpus) if key is not None else None
+        if asked == held:
+            tracked.resize_noted = None
+            return
+        noted = asked if asked is not None else 0
+        if tracked.resize_noted == noted:
+            return
+        tracked.resize_noted = noted
+        self.counters["cpu_resizes_not_applied"] += 1
+        log.warning(
+            "kubelet asks for another count of exclusive CPUs for a running container; its"
+            " cpuset is kept until the container is created again (in-place CPU resize is not"
+            " applied: give the pod resizePolicy RestartContainer for cpu)",
+            extra={
+                "fields": {
+                    "container_id": tracked.id,
+                    "container": str(tracked.key),
+                    "exclusive_cpus_held": held or 0,
+                    "exclusive_cpus_asked": noted,
+                    "cpus": str(tracked.applied),
+                }
+            },
+        )
 
     # --- a new policy while running ------------------------------------------------------------
 

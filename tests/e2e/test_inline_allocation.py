@@ -26,6 +26,7 @@ from tests.harness.containerd import ServingProcess, ServingProcessError
 from tests.harness.crash import interrupted_checkpoint_write
 from tests.harness.images import TEST_IMAGE
 from tests.harness.kubelet import (
+    MIB,
     ONE_CPU,
     WORKLOAD,
     ContainerResources,
@@ -165,6 +166,36 @@ def test_a_container_that_loses_its_cpu_to_a_new_policy_gets_kubelets_quota_back
     assert_kernel(direct.kernel_cpus(pinned_id), "0-1")
     assert cgroup_file("cpu", cgroup, "cpu.cfs_quota_us") == str(milli_cpu_to_quota(1000))
     # Its memory nodes go back too; this machine has one, so the unit tests check that.
+
+
+def test_kubelets_in_place_resize_passes_but_the_exclusive_cpu_stays(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """kubelet (InPlacePodVerticalScaling; its CPU manager off behind cpushim) resizes a
+    running container with UpdateContainerResources, every resource with its new value. The
+    memory limit is applied; the cpuset stays cpushim's, still without a CFS quota, and a
+    count of CPUs cpushim does not apply is logged."""
+    shim.start()
+    kubelet = via()
+    pinned_pod, pinned_id = start_pinned(kubelet)
+    resized = kubelet.linux_resources(
+        "guaranteed", ContainerResources(2000, 2000, 64 * MIB, 64 * MIB)
+    )
+    kubelet.update_container_resources(pinned_id, resized)
+    pinned = direct.kernel_cpus(pinned_id)
+    assert_kernel(pinned, "1")
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
+    assert int(cgroup_file("memory", pinned.cgroup_path, "memory.limit_in_bytes")) == 64 * MIB
+    assert direct.recorded_cpuset_cpus(pinned_id) == "1"
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+    assert shim.process is not None
+    [warning] = [
+        json.loads(line)
+        for line in shim.process.log().splitlines()
+        if "another count of exclusive CPUs" in line
+    ]
+    assert warning["container_id"] == pinned_id
+    assert (warning["exclusive_cpus_held"], warning["exclusive_cpus_asked"]) == (1, 2)
 
 
 def test_kubelets_memory_nodes_are_checked_then_kept(

@@ -34,6 +34,7 @@ from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import (
     QoSClass,
     milli_cpu_to_quota,
+    milli_cpu_to_shares,
 )
 from tests.harness.sysfs import MachineSpec, expected_topology
 from tests.unit.engine_env import (
@@ -391,6 +392,91 @@ async def test_kubelet_updates_pass_but_the_cpuset_stays_ours(env: Env) -> None:
     assert resources.memory_limit_in_bytes == 2 * GIB
     assert resources.cpuset_cpus == FIRST_SINGLE
     assert resources.cpu_quota == -1
+
+
+def kubelet_resize(container_id: str, milli_cpu: int) -> bytes:
+    """kubelet's in-place resize of a Guaranteed container: every resource, new values."""
+    return pb.UpdateContainerResourcesRequest(
+        container_id=container_id,
+        linux=pb.LinuxContainerResources(
+            cpu_period=100_000,
+            cpu_quota=milli_cpu_to_quota(milli_cpu),
+            cpu_shares=milli_cpu_to_shares(milli_cpu),
+            memory_limit_in_bytes=2 * GIB,
+        ),
+    ).SerializeToString()
+
+
+async def test_an_in_place_cpu_resize_keeps_the_cpuset_and_is_reported_once_per_count(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    resources = env.fake.containers[pinned_id].resources
+    assert resources.memory_limit_in_bytes == 2 * GIB  # the rest of the resize passes
+    assert resources.cpuset_cpus == FIRST_SINGLE
+    assert resources.cpu_quota == -1
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    [warning] = [r for r in caplog.records if "exclusive CPUs for a running" in r.getMessage()]
+    fields = warning.__dict__["fields"]
+    assert (fields["exclusive_cpus_held"], fields["exclusive_cpus_asked"]) == (1, 2)
+    assert fields["container_id"] == pinned_id
+    # kubelet sends the same resize again at each sync until it sees it done: said once.
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    # Back to what it holds, then the same resize once more: a new one.
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 2
+    # A memory-only update names no CPUs.
+    memory_only = pb.UpdateContainerResourcesRequest(
+        container_id=pinned_id, linux=pb.LinuxContainerResources(memory_limit_in_bytes=GIB)
+    )
+    await env.kubelet.ok("UpdateContainerResources", memory_only.SerializeToString())
+    assert env.engine.counters["cpu_resizes_not_applied"] == 2
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_resizes_that_would_change_no_exclusive_cpus_are_not_reported(env: Env) -> None:
+    kubelet = env.kubelet
+    burstable_id = await kubelet.start_new(await kubelet.run_pod("web", "burstable"), "main", 500)
+    await kubelet.ok("UpdateContainerResources", kubelet_resize(burstable_id, 2000))
+    opted_out = await kubelet.run_pod(
+        "batch", "guaranteed", annotations={"cpushim.io/exclusive": "false"}
+    )
+    opted_out_id = await kubelet.start_new(opted_out, "main", 1000)
+    await kubelet.ok("UpdateContainerResources", kubelet_resize(opted_out_id, 2000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 0
+    # The none policy pins nothing, so no count of CPUs is held or asked for.
+    await env.restart(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    shared_id = await env.kubelet.start_new(pod, "main", 1000)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(shared_id, 2000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 0
+
+
+async def test_a_shared_guaranteed_container_resized_to_whole_cpus_is_reported(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    fraction_id = await env.kubelet.start_new(pod, "main", 1500)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(fraction_id, 2000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    assert env.cpus(fraction_id) == str(env.engine.state.shared) == str(ALL)
+    assert env.engine.state.assignments == {}
+
+
+async def test_the_next_attempt_after_a_resize_gets_the_new_count(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    first = await env.kubelet.start_new(pod, "main", 1000)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(first, 2000))
+    # resizePolicy RestartContainer: kubelet stops it and creates the next attempt.
+    await env.kubelet.stop(first)
+    second = await env.kubelet.start_new(pod, "main", 2000, attempt=1)
+    assert len(CPUSet.parse(env.cpus(second))) == 2
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    assert_consistent(env)
 
 
 # --- concurrency and cancellation ------------------------------------------------------------
