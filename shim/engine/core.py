@@ -483,6 +483,7 @@ class Engine:
                 phase=Phase.CREATED,
                 applied=pool,
                 recorded=pool,
+                cpus_asked=plan.exclusive,
             )
             # The pool changed while the runtime created it: correct it before it can start.
             await self._apply()
@@ -612,6 +613,7 @@ class Engine:
             phase=Phase.CREATED,
             applied=cpus,
             recorded=cpus,
+            cpus_asked=plan.exclusive,
         )
         log.info(
             "pinned",
@@ -798,8 +800,8 @@ class Engine:
         UpdateContainerResources. Its cpuset stays cpushim's, so CPUs asked for that would
         make the container hold another count of exclusive CPUs (or hold some, or none) are
         not applied before its next attempt: logged and counted, once per count asked."""
-        if resources.cpu_shares == 0 and resources.cpu_quota == 0:
-            return  # names no CPUs (another client's memory-only update, say)
+        if resources.cpu_shares == 0:
+            return  # names no CPU request (kubelet always does): another client's update
         pod = self.pods.get(tracked.sandbox_id)
         if pod is None:
             return
@@ -810,7 +812,9 @@ class Engine:
         asked = plan.exclusive if self.policy.name != "none" else None
         key = self.state.holding(tracked.id)
         held = len(self.state.assignments[key].cpus) if key is not None else None
-        if asked == held:
+        if asked == held or asked == tracked.cpus_asked:
+            # What it holds, or what it was created asking for (a memory resize of a
+            # container that lost its CPUs to a new policy, or that shares since before one).
             tracked.resize_noted = None
             return
         noted = asked if asked is not None else 0

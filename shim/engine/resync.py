@@ -433,6 +433,7 @@ def _tracked(
         cgroup_parent=pod.cgroup_parent if pod is not None else "",
         recorded=recorded,
         pid=pid_of(container.info) if cgroup is not None else 0,
+        cpus_asked=plan.exclusive,
     )
 
 

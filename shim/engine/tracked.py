@@ -48,8 +48,13 @@ class Tracked:
     reversal_recorded: CPUSet | None = None
     # The container's first process on this host, as the runtime reports it; 0 when unknown.
     pid: int = 0
+    # The count of exclusive CPUs kubelet's resources asked for when this attempt was created
+    # or adopted (None: none), whatever it holds now (a new policy may have taken them, or
+    # given it none): an update asking for that count again is not a resize.
+    cpus_asked: int | None = None
     # The count of exclusive CPUs (0: none) an in-place resize asked for that cpushim did
-    # not apply, once logged; None when kubelet's resources match what the container holds.
+    # not apply, once logged; None when kubelet's resources match what the container holds
+    # or was created asking for.
     resize_noted: int | None = None
     # When cpushim last wrote the cgroup directly (the loop's clock); the runtime is told once
     # the cpuset has stayed put for a while (shim/engine/moves.py).

@@ -172,7 +172,7 @@ def test_kubelets_in_place_resize_passes_but_the_exclusive_cpu_stays(
     shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
 ) -> None:
     """kubelet (InPlacePodVerticalScaling; its CPU manager off behind cpushim) resizes a
-    running container with UpdateContainerResources, every resource with its new value. The
+    running container with UpdateContainerResources, its whole resource set in the call. The
     memory limit is applied; the cpuset stays cpushim's, still without a CFS quota, and a
     count of CPUs cpushim does not apply is logged."""
     shim.start()

@@ -395,7 +395,8 @@ async def test_kubelet_updates_pass_but_the_cpuset_stays_ours(env: Env) -> None:
 
 
 def kubelet_resize(container_id: str, milli_cpu: int) -> bytes:
-    """kubelet's in-place resize of a Guaranteed container: every resource, new values."""
+    """kubelet's in-place resize of a Guaranteed container: its whole resource set, with
+    the CPU (request = limit) given."""
     return pb.UpdateContainerResourcesRequest(
         container_id=container_id,
         linux=pb.LinuxContainerResources(
@@ -422,7 +423,7 @@ async def test_an_in_place_cpu_resize_keeps_the_cpuset_and_is_reported_once_per_
     fields = warning.__dict__["fields"]
     assert (fields["exclusive_cpus_held"], fields["exclusive_cpus_asked"]) == (1, 2)
     assert fields["container_id"] == pinned_id
-    # kubelet sends the same resize again at each sync until it sees it done: said once.
+    # The same update again (a retry, or another client's): said once.
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
     assert env.engine.counters["cpu_resizes_not_applied"] == 1
     # Back to what it holds, then the same resize once more: a new one.
@@ -477,6 +478,68 @@ async def test_the_next_attempt_after_a_resize_gets_the_new_count(env: Env) -> N
     assert len(CPUSet.parse(env.cpus(second))) == 2
     assert env.engine.counters["cpu_resizes_not_applied"] == 1
     assert_consistent(env)
+
+
+async def test_a_resize_from_whole_cpus_to_a_fraction_is_reported(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1500))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    [warning] = [r for r in caplog.records if "exclusive CPUs for a running" in r.getMessage()]
+    fields = warning.__dict__["fields"]
+    assert (fields["exclusive_cpus_held"], fields["exclusive_cpus_asked"]) == (2, 0)
+    assert len(CPUSet.parse(env.cpus(pinned_id))) == 2
+
+
+async def test_a_memory_resize_of_a_container_that_lost_its_cpus_is_not_a_cpu_resize(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+    # A reserved set that leaves one CPU for exclusive use: the container loses its two.
+    lost = await env.engine.change_policy(static_policy(reserved="0-6"))
+    assert lost == [ContainerKey(pod.uid, "main")]
+    # kubelet resizes its memory only: the CPU values are the ones it was created with.
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 0
+
+
+async def test_a_memory_resize_of_a_container_created_under_none_is_not_a_cpu_resize(
+    env: Env,
+) -> None:
+    await env.restart(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    shared_id = await env.kubelet.start_new(pod, "main", 1000)
+    assert await env.engine.change_policy(static_policy()) == []
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(shared_id, 1000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 0
+    # A real resize of it is one all the same.
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(shared_id, 2000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+
+
+async def test_a_memory_resize_of_a_container_adopted_without_cpus_is_not_a_cpu_resize(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+    await env.restart(static_policy(reserved="0-6"))  # no room for its two CPUs
+    assert env.engine.state.assignments == {}
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 0
+
+
+async def test_an_update_without_cpu_shares_is_not_from_kubelet_and_not_a_resize(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    quota_only = pb.UpdateContainerResourcesRequest(
+        container_id=pinned_id,
+        linux=pb.LinuxContainerResources(cpu_period=100_000, cpu_quota=200_000),
+    )
+    await env.kubelet.ok("UpdateContainerResources", quota_only.SerializeToString())
+    assert env.engine.counters["cpu_resizes_not_applied"] == 0
 
 
 # --- concurrency and cancellation ------------------------------------------------------------
