@@ -392,7 +392,11 @@ def _tracked(
     """``remembered``: the checkpoint's assignments, which say what kubelet's memory manager
     chose for containers that lose their CPUs in this resync (a new policy)."""
     pod = pods.get(container.sandbox_id)
-    key = ContainerKey(pod.uid if pod else container.sandbox_id, container.name)
+    # A container that holds CPUs is known by its assignment's key even when its sandbox is
+    # no longer listed (removed behind it): else it would share while its CPUs stay held.
+    key = engine.state.holding(container.id) or ContainerKey(
+        pod.uid if pod else container.sandbox_id, container.name
+    )
     assignment = engine.state.assignments.get(key)
     known = assignment or remembered.get(key)
     resources = container.resources
