@@ -319,7 +319,11 @@ def _reconcile(
                 continue  # shares, as every container does under none: no refusal to count
             plan = _plan(pods.get(container.sandbox_id), container)
             candidates.append((container, len(old.cpus), plan, old.mems))
-    for container in sorted(live.values(), key=lambda c: c.id):
+    # Of two containers of one pod and name (one left created beside its next attempt), the
+    # running one, else the later attempt, is the one that gets the CPUs.
+    for container in sorted(
+        live.values(), key=lambda c: (c.state != pb.CONTAINER_RUNNING, -c.attempt, c.id)
+    ):
         if container.id in holding_ids or container.id in replanned_ids:
             continue
         plan = _plan(pods.get(container.sandbox_id), container)
@@ -328,22 +332,62 @@ def _reconcile(
             continue
         candidates.append((container, plan.exclusive, plan, None))
 
-    for container, count, plan, memory_nodes in candidates:
-        pod = pods.get(container.sandbox_id)
-        adopted_key = key_of(container)
-        if adopted_key is None or pod is None or adopted_key in state.assignments:
-            report.adopted_shared.append(container.id)
-            continue
-        cpus = _adopted_cpus(engine, state, container, count, plan, memory_nodes)
-        if cpus is None:
-            report.refused.append(str(adopted_key))
-            continue
-        assignment = Assignment(
-            cpus, container.id, container.sandbox_id, container.attempt, pod.label, memory_nodes
-        )
-        state = state.assign(adopted_key, assignment, policy)
-        report.adopted_exclusive.append(str(adopted_key))
+    # Two rounds: first every container that may keep the CPUs it runs on, then new choices
+    # for the others, so that a new choice never takes a set a running container could keep.
+    for keep_only in (True, False):
+        pending: list[tuple[LiveContainer, int, ContainerPlan, CPUSet | None]] = []
+        waiting: set[ContainerKey] = set()
+        for container, count, plan, memory_nodes in candidates:
+            pod = pods.get(container.sandbox_id)
+            adopted_key = key_of(container)
+            if adopted_key is None or pod is None or adopted_key in state.assignments:
+                report.adopted_shared.append(container.id)
+                continue
+            if keep_only:
+                # One that comes first for this key and waits for a new choice goes first
+                # then too: another attempt keeping its set now would take the key from it.
+                cpus = None
+                if adopted_key not in waiting:
+                    cpus = _kept_cpus(engine, state, container, count, plan, memory_nodes)
+                if cpus is None:
+                    pending.append((container, count, plan, memory_nodes))
+                    waiting.add(adopted_key)
+                    continue
+            else:
+                cpus = _adopted_cpus(engine, state, container, count, plan, memory_nodes)
+            if cpus is None:
+                report.refused.append(str(adopted_key))
+                continue
+            assignment = Assignment(
+                cpus, container.id, container.sandbox_id, container.attempt, pod.label, memory_nodes
+            )
+            state = state.assign(adopted_key, assignment, policy)
+            report.adopted_exclusive.append(str(adopted_key))
+        candidates = pending
     return state.under(policy)
+
+
+def _current_cpus(container: LiveContainer) -> CPUSet:
+    try:
+        return CPUSet.parse(container.resources.cpuset_cpus)
+    except ValueError:
+        return CPUSet()
+
+
+def _kept_cpus(
+    engine: Engine,
+    state: CPUState,
+    container: LiveContainer,
+    count: int,
+    plan: ContainerPlan,
+    memory_nodes: CPUSet | None,
+) -> CPUSet | None:
+    """The container's current cpuset when the policy would hand it out now, else None."""
+    request = exclusive_request(count, plan.isolated, memory_nodes)
+    current = _current_cpus(container)
+    if engine.policy.refusal(state.exclusive(), request, current) is None:
+        return current
+    return None
 
 
 def _adopted_cpus(
@@ -360,10 +404,7 @@ def _adopted_cpus(
     policy = engine.policy
     exclusive = state.exclusive()
     request = exclusive_request(count, plan.isolated, memory_nodes)
-    try:
-        current = CPUSet.parse(container.resources.cpuset_cpus)
-    except ValueError:
-        current = CPUSet()
+    current = _current_cpus(container)
     refusal = policy.refusal(exclusive, request, current)
     if refusal is None:
         return current

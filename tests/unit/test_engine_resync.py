@@ -29,6 +29,42 @@ def renamed(env: Env, container_id: str, new_id: str) -> str:
     return new_id
 
 
+async def test_recovery_keeps_running_exclusive_cpus_before_choosing_new_ones(env: Env) -> None:
+    kubelet = env.kubelet
+    # A 7-CPU container holds every CPU but the reserved one.
+    big = await kubelet.run_pod("big", "guaranteed")
+    big_id = renamed(env, await kubelet.start_new(big, "main", 7000), "f" * 64)
+    assert env.cpus(big_id) == "1-7"
+    # A 1-CPU Guaranteed container that shares (made while cpushim was down, or refused).
+    small = await kubelet.run_pod("small", "guaranteed")
+    request = kubelet.create_request(small, "main", 1000)
+    small_id = renamed(env, env.fake.add_container(small.sandbox_id, request.config), "0" * 64)
+
+    await env.restart(recover=True)
+    # The running exclusive container keeps its CPUs; the newcomer is the one that shares.
+    assert env.saved() == {big.uid: {"main": "1-7"}}
+    assert env.cpus(big_id) == "1-7"
+    assert env.cpus(small_id) == "0"
+    assert_consistent(env)
+
+
+async def test_recovery_moves_no_exclusive_container_that_can_keep_its_cpus(env: Env) -> None:
+    kubelet = env.kubelet
+    pinned = await kubelet.run_pod("pinned", "guaranteed")
+    pinned_id = renamed(env, await kubelet.start_new(pinned, "main", 1000), "f" * 64)
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    newcomer = await kubelet.run_pod("newcomer", "guaranteed")
+    request = kubelet.create_request(newcomer, "main", 1000)
+    renamed(env, env.fake.add_container(newcomer.sandbox_id, request.config), "0" * 64)
+
+    await env.restart(recover=True)
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert env.engine.state.assignments[ContainerKey(pinned.uid, "main")].cpus == CPUSet.parse(
+        FIRST_SINGLE
+    )
+    assert_consistent(env)
+
+
 async def test_a_pinned_container_whose_sandbox_is_gone_is_not_held_while_it_shares(
     env: Env,
 ) -> None:
@@ -82,4 +118,41 @@ async def test_a_created_container_not_started_keeps_its_cpus(env: Env) -> None:
     key = ContainerKey(pod.uid, "main")
     assert env.engine.state.assignments[key].container_id == container_id
     assert env.cpus(container_id) == FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_recovery_pins_the_running_attempt_not_a_created_one_left_beside_it(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    # Attempt 0 was created (kubelet gave up on the call) and never started.
+    reply = await env.kubelet.create(pod, "main", 1000)
+    orphan = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    running = await env.kubelet.start_new(pod, "main", 1000, attempt=1)
+    orphan = renamed(env, orphan, "0" * 64)
+    running = renamed(env, running, "f" * 64)
+    assert env.cpus(orphan) == env.cpus(running) == FIRST_SINGLE
+
+    await env.restart(recover=True)
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].container_id == running
+    assert env.cpus(running) == str(env.engine.state.assignments[key].cpus)
+
+
+async def test_recovery_pins_the_running_attempt_even_when_it_needs_new_cpus(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    reply = await env.kubelet.create(pod, "main", 1000)
+    orphan = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    running = await env.kubelet.start_new(pod, "main", 1000, attempt=1)
+    orphan = renamed(env, orphan, "0" * 64)
+    running = renamed(env, running, "f" * 64)
+    # The running attempt's cpuset is no set it may keep (someone gave it every CPU); the
+    # orphan's still is.
+    env.fake.containers[running].resources.cpuset_cpus = "0-7"
+    assert env.cpus(orphan) == FIRST_SINGLE
+
+    await env.restart(recover=True)
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].container_id == running
+    assert env.cpus(running) == str(env.engine.state.assignments[key].cpus)
     assert_consistent(env)
