@@ -330,7 +330,7 @@ def _reconcile(
         if plan.exclusive is None or policy.name == "none":
             report.adopted_shared.append(container.id)
             continue
-        candidates.append((container, plan.exclusive, plan, None))
+        candidates.append((container, plan.exclusive, plan, _kubelet_mems(engine, container)))
 
     # Two rounds: first every container that may keep the CPUs it runs on, then new choices
     # for the others, so that a new choice never takes a set a running container could keep.
@@ -372,6 +372,23 @@ def _current_cpus(container: LiveContainer) -> CPUSet:
         return CPUSet.parse(container.resources.cpuset_cpus)
     except ValueError:
         return CPUSet()
+
+
+def _kubelet_mems(engine: Engine, container: LiveContainer) -> CPUSet | None:
+    """The memory nodes kubelet's memory manager chose for a container cpushim does not know,
+    as far as the runtime's record tells: nodes other than those of its CPUs are none that
+    cpushim derives, so they are kubelet's (or a restore's every node, which narrows nothing).
+    None when they are those of its CPUs or unknown."""
+    topology = engine.policy.topology
+    try:
+        mems = CPUSet.parse(container.resources.cpuset_mems)
+    except ValueError:
+        return None
+    if not mems:
+        return None
+    if mems == CPUSet(topology.numa_nodes_of(_current_cpus(container))):
+        return None
+    return mems
 
 
 def _kept_cpus(

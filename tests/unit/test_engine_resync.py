@@ -81,6 +81,27 @@ async def test_a_pinned_container_whose_sandbox_is_gone_is_not_held_while_it_sha
     assert_consistent(env)
 
 
+async def test_recovery_keeps_the_memory_nodes_kubelets_memory_manager_chose(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000)
+    # The memory manager gave this 1-CPU container both nodes (its memory needs them).
+    request.config.linux.resources.cpuset_mems = "0-1"
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0-1"
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].mems == CPUSet.parse("0-1")
+
+    await env.restart(recover=True)
+    assert env.engine.state.assignments[key].mems == CPUSet.parse("0-1")
+    # kubelet's next update (a resize) must not narrow them to the node of CPU 4.
+    update = pb.UpdateContainerResourcesRequest(
+        container_id=container_id, linux=request.config.linux.resources
+    )
+    await env.kubelet.ok("UpdateContainerResources", update.SerializeToString())
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0-1"
+
+
 async def test_an_exited_container_holding_cpus_gives_them_back_and_its_next_attempt_gets_them(
     env: Env,
 ) -> None:
