@@ -130,7 +130,13 @@ def _load(engine: Engine, recover_from_runtime: bool) -> CPUState | None:
     path = engine.checkpoint.path
     if recover_from_runtime:
         if path.exists():
-            kept = path.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            kept = path.with_name(f"{path.name}.replaced-{stamp}")
+            again = 0
+            while kept.exists():
+                # A second recovery within the same second keeps its file too.
+                again += 1
+                kept = path.with_name(f"{path.name}.replaced-{stamp}.{again}")
             path.rename(kept)
             log.warning(
                 "recovering from the runtime; the old checkpoint is kept",

@@ -993,6 +993,24 @@ async def test_a_corrupt_checkpoint_stops_start_up_with_a_way_out(env: Env) -> N
     assert len(list(env.state_dir.glob("state.json.replaced-*"))) == 1
 
 
+async def test_recoveries_within_one_second_keep_every_old_checkpoint(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 1000)
+    monkeypatch.setattr("shim.engine.resync.time.strftime", lambda _format: "20261125T010203")
+    kept = []
+    for _ in range(3):
+        kept.append((env.state_dir / "state.json").read_bytes())
+        await env.restart(recover=True)
+    found = sorted(env.state_dir.glob("state.json.replaced-*"))
+    assert [p.name for p in found] == [
+        "state.json.replaced-20261125T010203",
+        "state.json.replaced-20261125T010203.1",
+        "state.json.replaced-20261125T010203.2",
+    ]
+    assert [p.read_bytes() for p in found] == kept
+
+
 async def test_a_checkpoint_from_another_machine_is_refused(env: Env, tmp_path: Path) -> None:
     await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 1000)
     other = expected_topology(MachineSpec(sockets=1, cores_per_die=8, threads_per_core=1))
