@@ -102,6 +102,18 @@ install -D -m 0644 "$src/systemd/kubelet.service.d/10-cpushim.conf" \
     "$root/etc/systemd/system/kubelet.service.d/10-cpushim.conf"
 say "installed $root/etc/systemd/system/cpushim.service"
 say "installed $root/etc/systemd/system/kubelet.service.d/10-cpushim.conf"
+# systemd lets EnvironmentFile= override Environment= whatever their order: kubeadm's unit
+# reads these files, so one that assigns KUBELET_EXTRA_ARGS at all (kind's node image does,
+# install guides often do) drops the drop-in's endpoint without a word.
+for env_file in "$root/etc/default/kubelet" "$root/etc/sysconfig/kubelet"; do
+    if [ -f "$env_file" ] &&
+        grep -Eq '^[[:space:]]*(export[[:space:]]+)?KUBELET_EXTRA_ARGS=' "$env_file" &&
+        ! grep -q 'unix:///run/cpushim/cri.sock' "$env_file"; then
+        say "WARNING: $env_file sets KUBELET_EXTRA_ARGS, which overrides the drop-in's;" \
+            "kubelet would keep calling containerd directly. Add" \
+            "--container-runtime-endpoint=unix:///run/cpushim/cri.sock to KUBELET_EXTRA_ARGS there."
+    fi
+done
 
 # -- the config, never overwritten ------------------------------------------------------------
 config="$root/etc/cpushim/config.toml"

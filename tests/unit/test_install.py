@@ -4,6 +4,7 @@ config kept, nothing of theirs left behind; the package itself from a wheel of t
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -235,3 +236,28 @@ def test_package_from_a_wheel(tmp_path: Path) -> None:
     run(UNINSTALL, "--root", str(root), "--no-systemctl")
     assert files(root) == {CONFIG}
     assert not (root / "opt/cpushim").exists()
+
+
+@pytest.mark.parametrize("name", ["etc/default/kubelet", "etc/sysconfig/kubelet"])
+def test_install_warns_when_an_environment_file_overrides_the_drop_in(
+    tmp_path: Path, name: str
+) -> None:
+    """systemd: settings from EnvironmentFile= override Environment=, in whatever order. The
+    file may set it to nothing: the drop-in's endpoint is then dropped without a word and
+    kubelet keeps talking to containerd."""
+    root = tmp_path / "root"
+    env_file = root / name
+    env_file.parent.mkdir(parents=True)
+    env_file.write_text("KUBELET_EXTRA_ARGS=\n")
+    said = run(INSTALL, "--root", str(root), "--skip-package")
+    assert re.search(rf"{re.escape(str(env_file))}.*KUBELET_EXTRA_ARGS", said), said
+    assert "--container-runtime-endpoint=unix:///run/cpushim/cri.sock" in said
+
+
+def test_install_is_quiet_about_an_environment_file_that_leaves_the_variable_alone(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    (root / "etc/default").mkdir(parents=True)
+    (root / "etc/default/kubelet").write_text("# nothing here\nOTHER=1\n")
+    assert "KUBELET_EXTRA_ARGS" not in run(INSTALL, "--root", str(root), "--skip-package")
