@@ -39,6 +39,7 @@ __all__ = [
     "ConfigValues",
     "Key",
     "flag_type",
+    "key_line",
     "load_config",
     "parse_address",
     "parse_config",
@@ -321,7 +322,7 @@ def parse_config(text: str, path: Path) -> ConfigValues:
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(path, str(exc), line=_decode_error_line(str(exc))) from None
+        raise _syntax_error(path, text, str(exc)) from None
     lines = _KeyLines(text)
     values: dict[str, object] = {}
     for name, raw in document.items():
@@ -356,10 +357,34 @@ def _unknown(name: str) -> str:
     return "unknown key"
 
 
-def _decode_error_line(message: str) -> int | None:
+def _decode_error_line(message: str, text: str = "") -> int | None:
     # Python 3.11's TOMLDecodeError has no line attribute; its message ends with the place.
     found = re.search(r"\(at line (\d+), column \d+\)$", message)
-    return int(found.group(1)) if found else None
+    if found:
+        return int(found.group(1))
+    if message.endswith("(at end of document)") and text:
+        return len(text.splitlines()) or None
+    return None
+
+
+def _syntax_error(path: Path, text: str, message: str) -> ConfigError:
+    """tomllib's refusal with the file and line; a key set twice (tomllib: "Cannot overwrite
+    a value") also names the key and the line that set it first."""
+    line = _decode_error_line(message, text)
+    if line is not None and message.startswith("Cannot overwrite a value"):
+        keys = [(number, key) for number, key in _key_lines(text) if number <= line]
+        if keys and keys[-1][0] == line:
+            key = keys[-1][1]
+            first = next(number for number, written in keys if written == key)
+            if first != line:
+                name = ".".join(key)
+                return ConfigError(
+                    path,
+                    f"set twice (line {first} and line {line}); keep one",
+                    line=line,
+                    key=name,
+                )
+    return ConfigError(path, message, line=line)
 
 
 # A TOML key, bare or quoted, and a dotted key made of them.
@@ -387,6 +412,13 @@ class _KeyLines:
             if written[:shorter] == key[:shorter]:
                 return number
         return None
+
+
+def key_line(data: bytes | None, key: str) -> int | None:
+    """The line of the config file's bytes ``data`` that sets top-level ``key``, if any."""
+    if data is None:
+        return None
+    return _KeyLines(data.decode("utf-8", "replace")).find((key,))
 
 
 def _key_lines(text: str) -> Iterator[tuple[int, tuple[str, ...]]]:

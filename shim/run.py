@@ -29,6 +29,7 @@ from shim.metrics import Metrics, serve_metrics
 from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
+from shim.policy.reserved import ReservedCPUsError
 from shim.policy.static import StaticPolicy
 from shim.topology import Topology
 
@@ -74,6 +75,15 @@ class RunOptions:
     cli_overrides: frozenset[str] = frozenset()
 
 
+class SettingError(ValueError):
+    """A setting the machine cannot meet (its value was well-formed): names the config key
+    and the flag, as a refusal of the file does."""
+
+    def __init__(self, key: str, flag: str, message: str) -> None:
+        super().__init__(f"{key} ({flag}): {message}")
+        self.key = key
+
+
 # kubelet's static policy refuses to start without reserved CPUs; cpushim takes the lowest core's
 # first thread when none are named, so the shared pool always has a home.
 DEFAULT_RESERVED_COUNT = 1
@@ -101,12 +111,17 @@ def build_policy(options: RunOptions) -> CPUPolicy:
     count = options.reserved_cpu_count
     if reserved is None and count is None:
         count = DEFAULT_RESERVED_COUNT
-    return StaticPolicy.create(
-        topology,
-        reserved=reserved,
-        reserved_count=count,
-        options=StaticPolicyOptions.parse(options.policy_options),
-    )
+    try:
+        return StaticPolicy.create(
+            topology,
+            reserved=reserved,
+            reserved_count=count,
+            options=StaticPolicyOptions.parse(options.policy_options),
+        )
+    except ReservedCPUsError as exc:
+        if reserved is not None:
+            raise SettingError("reservedSystemCPUs", "--reserved-cpus", str(exc)) from None
+        raise SettingError("reservedCPUCount", "--reserved-cpu-count", str(exc)) from None
 
 
 class SeparateImageService:

@@ -33,7 +33,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shim.config import KEYS, ConfigError, reload_options
+from shim.config import KEYS, ConfigError, key_line, reload_options
 from shim.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
@@ -279,7 +279,9 @@ class ConfigReloader:
             except (OSError, ValueError) as exc:
                 if isinstance(exc, OSError) or isinstance(exc.__cause__, OSError):
                     self._read_once = False  # the machine's fault (sysfs): tried again
-                self._refuse(str(exc), line=None, key=None)
+                key = getattr(exc, "key", None)
+                line = key_line(self._last_read, key) if key is not None else None
+                self._refuse(str(exc), line=line, key=key)
                 return
             if self._stopped:
                 return

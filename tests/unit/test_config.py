@@ -28,7 +28,8 @@ from shim.config import (
     resolve,
 )
 from shim.engine import FailurePolicy
-from shim.run import RunOptions
+from shim.run import RunOptions, build_policy
+from tests.harness.sysfs import SINGLE_SOCKET_NO_HT, write_sysfs
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "contrib" / "config.toml"
@@ -358,8 +359,10 @@ def test_syntax_error_is_tomllibs_message_with_the_file() -> None:
     assert str(raised.value) == f"config.toml:2: {toml_error.value}"
 
 
-def test_duplicate_key_is_a_syntax_error() -> None:
-    with pytest.raises(ConfigError, match=r"^config\.toml:2: Cannot overwrite a value"):
+def test_duplicate_key_names_the_key_and_both_lines() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^config\.toml:2: listen: set twice \(line 1 and line 2\); keep one$"
+    ):
         parse_config('listen = "/a.sock"\nlisten = "/b.sock"\n', PATH)
 
 
@@ -518,3 +521,43 @@ def test_run_takes_its_settings_from_the_config(tmp_path: Path) -> None:
     assert not any(e["level"] == "debug" for e in events)
     error = next(e for e in events if e["level"] == "error")
     assert "did not answer within 0.2s" in str(error["error"])
+
+
+def test_a_duplicate_key_names_the_key_and_both_lines() -> None:
+    """operations.md warns of exactly this slip (recoverFromRuntime set a second time); the
+    refusal must say which key, not tomllib's bare 'Cannot overwrite a value'."""
+    text = SAMPLE.read_text()
+    first = text[: text.index("recoverFromRuntime = false")].count("\n") + 1
+    edited = "recoverFromRuntime = true\n" + text
+    with pytest.raises(ConfigError) as refused:
+        parse_config(edited, Path("/etc/cpushim/config.toml"))
+    assert refused.value.key == "recoverFromRuntime"
+    assert refused.value.line == first + 1
+    assert "set twice" in refused.value.message
+    assert "line 1" in refused.value.message
+
+
+def test_a_duplicate_key_on_the_last_line_still_has_a_line() -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config('logLevel = "info"\nlogLevel = "debug"', Path("c.toml"))
+    assert (refused.value.line, refused.value.key) == (2, "logLevel")
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        (RunOptions(reserved_cpus="0,100"), "reservedSystemCPUs"),
+        (RunOptions(reserved_cpus="0-7"), "reservedSystemCPUs"),
+        (RunOptions(reserved_cpu_count=8), "reservedCPUCount"),
+    ],
+)
+def test_a_reservation_the_machine_cannot_meet_names_its_key(
+    tmp_path: Path, options: RunOptions, key: str
+) -> None:
+    """README: bad values stop cpushim naming the key. 'reserved CPUs 100 are not online'
+    alone does not say which setting (file key or flag) to fix; a reload's refusal logged it
+    with key null."""
+    sysfs = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path / "sys")  # CPUs 0-7
+    with pytest.raises(ValueError, match=rf"^{key} \(--reserved-cpu") as refused:
+        build_policy(replace(options, sysfs_root=sysfs))
+    assert getattr(refused.value, "key", None) == key

@@ -224,7 +224,11 @@ async def test_reserving_every_cpu_is_refused_and_nothing_changes(
     assert env.kernel_cpus(pinned_id) == FIRST_SINGLE
     assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
     refusals = [rec for rec in caplog.records if "refused" in rec.getMessage()]
-    assert "every online CPU" in refusals[-1].__dict__["fields"]["error"]
+    fields = refusals[-1].__dict__["fields"]
+    assert "every online CPU" in fields["error"]
+    # operations.md: a bad value is refused with the file, line and key.
+    assert (fields["key"], fields["line"]) == ("reservedSystemCPUs", 2)  # after sysfsRoot
+    assert fields["error"].startswith("reservedSystemCPUs (--reserved-cpus): ")
 
 
 async def test_keys_that_need_a_restart_are_named_not_applied(
