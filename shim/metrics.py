@@ -5,8 +5,9 @@ when Prometheus scrapes, by a custom collector. The relay reports each call's en
 :class:`RelayStats` (a :class:`~shim.cri.splice.CallObserver`), which keeps plain counts and
 histogram buckets; they too become metric families only at scrape time.
 
-Names follow kubelet's CPU manager where kubelet has one (``cpu_manager_*``), so dashboards
-built for kubelet's static policy keep working; the rest are ``cpushim_*``.
+Names follow kubelet's CPU manager where kubelet has one (``cpu_manager_*``: kubelet's
+``kubelet_cpu_manager_*`` less the ``kubelet_`` prefix, so dashboards built for kubelet's static
+policy need that prefix dropped); the rest are ``cpushim_*``.
 """
 
 from __future__ import annotations
