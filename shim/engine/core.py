@@ -545,10 +545,17 @@ class Engine:
             self._project_new(request, key, Cpuset(cpus, mems, exclusive=True))
         )
         try:
-            await self._commit(self.state.assign(key, assignment, self.policy))
-            await self._apply()
-        finally:
-            await projecting
+            try:
+                await self._commit(self.state.assign(key, assignment, self.policy))
+                await self._apply()
+            finally:
+                await projecting
+        except Exception:
+            # Nothing went to the runtime: the decision goes back (persisted, the shared
+            # containers grown) before the failure policy answers, or forwards unchanged.
+            if self.state.assignments.get(key) is assignment:
+                await self._release([key])
+            raise
         resources = request.config.linux.resources
         kubelet_quota = kubelet_cfs_quota(
             resources.cpu_shares, resources.cpu_quota, resources.cpu_period
