@@ -524,8 +524,10 @@ class Engine:
         self.counters["pinning_requests"] += 1
         await self._release_exited_in_pod(pod.uid, keep=key)
         held = self.state.assignments.get(key)
-        if held is not None and len(held.cpus) == count:
-            # A restart of the same container (next attempt): its CPUs follow it.
+        if held is not None and self._may_keep(key, held.cpus, count, plan, memory_nodes):
+            # A restart of the same container (next attempt): its CPUs follow it, when the
+            # policy would hand out that set now (a reload or restart may have turned on an
+            # option it does not meet).
             cpus = held.cpus
         else:
             if held is not None:
@@ -635,6 +637,19 @@ class Engine:
                 }
             },
         )
+
+    def _may_keep(
+        self,
+        key: ContainerKey,
+        cpus: CPUSet,
+        count: int,
+        plan: ContainerPlan,
+        memory_nodes: CPUSet | None,
+    ) -> bool:
+        """Whether the policy would hand ``cpus``, which ``key`` holds, to its request now."""
+        others = {k: c for k, c in self.state.exclusive().items() if k != key}
+        request = exclusive_request(count, plan.isolated, memory_nodes)
+        return self.policy.refusal(others, request, cpus) is None
 
     def _choose(
         self, key: ContainerKey, count: int, plan: ContainerPlan, memory_nodes: CPUSet | None

@@ -6,9 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from shim.cpuset import CPUSet
 from shim.cri.calls import Status
+from shim.policy.options import StaticPolicyOptions
+from shim.policy.static import StaticPolicy
 from tests.fake_runtime import FakeRuntime
 from tests.unit.engine_env import (
+    TOPOLOGY,
+    assert_consistent,
     env,
     make_env,
 )
@@ -16,6 +21,39 @@ from tests.unit.engine_env import (
 pytestmark = pytest.mark.anyio
 
 __all__ = ["env"]  # the fixture
+
+
+async def test_a_next_attempt_does_not_keep_a_held_set_the_policy_no_longer_allows(
+    tmp_path: Path,
+) -> None:
+    # Spread over two cores under distribute-cpus-across-cores; a restart turns on
+    # full-pcpus-only, which keeps the running container's set. Its next attempt, created
+    # before cpushim saw the old one exit, must get whole cores, as it does when the exit
+    # was seen (docs/architecture.md: the rules for an adopted container).
+    spread = StaticPolicy.create(
+        TOPOLOGY,
+        reserved=CPUSet.parse("0"),
+        options=StaticPolicyOptions(distribute_cpus_across_cores=True),
+    )
+    whole = StaticPolicy.create(
+        TOPOLOGY, reserved=CPUSet.parse("0"), options=StaticPolicyOptions(full_pcpus_only=True)
+    )
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path / "state", spread)
+        try:
+            pod = await env.kubelet.run_pod("db", "guaranteed")
+            first = await env.kubelet.start_new(pod, "main", 2000)
+            before = CPUSet.parse(env.cpus(first))
+            assert TOPOLOGY.whole_cores_in(before) != before  # two lone threads
+            await env.restart(whole)
+            assert env.cpus(first) == str(before)  # kept while it runs
+            fake.exit_container(first, 137)  # a crash cpushim has not seen
+            second = await env.kubelet.start_new(pod, "main", 2000, attempt=1)
+            after = CPUSet.parse(env.cpus(second))
+            assert TOPOLOGY.whole_cores_in(after) == after, f"{after} is not whole cores"
+            assert_consistent(env)
+        finally:
+            env.channel.close()
 
 
 @pytest.mark.parametrize("failure_policy", ["fail-closed", "fail-open"])
