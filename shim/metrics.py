@@ -84,7 +84,13 @@ ENGINE_COUNTERS: dict[str, str] = {
     "fail_open_forwards": "Calls forwarded unchanged after an internal error (fail-open policy)",
     "failed_exclusive_creates": (
         "Exclusive CreateContainer calls that did not create a container after CPUs were"
-        " chosen: refused by the runtime, cancelled or cut off (the CPUs were returned)"
+        " chosen: refused by the runtime, or cancelled before they went out (the CPUs"
+        " were returned)"
+    ),
+    "unknown_create_outcomes": (
+        "Exclusive CreateContainer calls that went to the runtime and got no answer back (a"
+        " lost connection, a reset stream); their CPUs stay held for the container's next"
+        " attempt, or until its pod stops"
     ),
     "full_resyncs": "Full comparisons of every container's cpuset and the state file",
     "inotify_overflows": "inotify queue overflows (each one triggers a full resync)",

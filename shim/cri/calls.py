@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import struct
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import quote, unquote
 
 from shim.cri.hpack_blocks import Header, header_value
@@ -139,6 +139,10 @@ class Reply:
     trailers: tuple[Header, ...]
     headers: tuple[Header, ...] | None = None
     messages: tuple[bytes, ...] = field(default_factory=tuple)
+    # Made by the relay for a request that went to the runtime and got no answer back (a
+    # lost connection, a reset stream, a wait past its deadline): the runtime may or may not
+    # have acted on it.
+    unanswered: bool = False
 
     @classmethod
     def ok(cls, message: bytes) -> Reply:
@@ -158,6 +162,11 @@ class Reply:
                 (b"grpc-message", encode_grpc_message(message)),
             )
         )
+
+    @classmethod
+    def no_answer(cls, status: Status, message: str) -> Reply:
+        """What stands for the runtime's reply to a request it was sent but never answered."""
+        return replace(cls.error(status, message), unanswered=True)
 
     @property
     def status(self) -> Status:

@@ -310,7 +310,7 @@ class ClientConnection(asyncio.Protocol):
         for task in self._calls.values():
             task.cancel()
         for forward in list(self._forwards.values()):
-            forward.ended(Reply.error(Status.UNAVAILABLE, "cpushim: the client went away"))
+            forward.ended(Reply.no_answer(Status.UNAVAILABLE, "cpushim: the client went away"))
         if self.upstream is not None:
             self.upstream.close()
         self.server._connection_closed(self)
@@ -432,7 +432,7 @@ class ClientConnection(asyncio.Protocol):
                 amended = self._forwards.get(event.stream_id)
                 if amended is not None:
                     amended.ended(
-                        Reply.error(event.status, "cpushim: the call ended without a reply")
+                        Reply.no_answer(event.status, "cpushim: the call ended without a reply")
                     )
             elif isinstance(event, CallCancelled):
                 task_to_cancel = self._calls.pop(event.stream_id, None)
@@ -626,7 +626,7 @@ class StreamForward:
                 self.reply = await asyncio.shield(self._outcome)
         except TimeoutError:
             self._seen = None  # a reply that comes now is no longer the handler's to see
-            self.reply = Reply.error(
+            self.reply = Reply.no_answer(
                 Status.DEADLINE_EXCEEDED, f"cpushim: no reply to {self._call.path} in time"
             )
         return self.reply

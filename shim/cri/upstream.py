@@ -87,6 +87,10 @@ class ForwardedTwiceError(RuntimeError):
     pass
 
 
+class _NotConnectedError(Exception):
+    """The runtime's socket could not be reached: the request never left."""
+
+
 class ChannelForward:
     """A call answered here, forwarded on the relay's own channel to the runtime."""
 
@@ -131,24 +135,32 @@ class RuntimeChannel:
                 return await self._exchange(call, body)
             async with asyncio.timeout(call.timeout):
                 return await self._exchange(call, body)
-        except TimeoutError:
+        except _NotConnectedError as exc:
+            # Nothing was sent: the runtime did not act on it.
             return Reply.error(
+                Status.UNAVAILABLE, f"cpushim: runtime {self.endpoint} unavailable: {exc}"
+            )
+        except TimeoutError:
+            return Reply.no_answer(
                 Status.DEADLINE_EXCEEDED, f"cpushim: {call.path} exceeded its deadline"
             )
         except (OSError, StreamTerminatedError, ConnectionError) as exc:
-            return Reply.error(
+            return Reply.no_answer(
                 Status.UNAVAILABLE, f"cpushim: runtime {self.endpoint} unavailable: {exc}"
             )
         except GRPCError as exc:
             return Reply.error(Status(exc.status.value), exc.message or str(exc))
         except MessageError as exc:
-            return Reply.error(exc.status, f"cpushim: bad reply from the runtime: {exc}")
+            return Reply.no_answer(exc.status, f"cpushim: bad reply from the runtime: {exc}")
 
     async def _exchange(self, call: UnaryCall, body: bytes) -> Reply:
         if self._channel is None:
             # Made here, not in __init__: grpclib binds a channel to the loop it is made in.
             self._channel = Channel(path=self._path)
-        protocol: H2Protocol = await self._channel.__connect__()
+        try:
+            protocol: H2Protocol = await self._channel.__connect__()
+        except (OSError, ConnectionError) as exc:
+            raise _NotConnectedError(str(exc)) from exc
         wrapper = Wrapper()
         stream = protocol.processor.connection.create_stream(wrapper=wrapper)
         release = None

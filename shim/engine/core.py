@@ -584,6 +584,25 @@ class Engine:
         # where the forwarded reply stands (Engine._dispatch), rather than rolling back
         # the CPUs of a container that exists.
         if not recorded and not record(reply):
+            if forward.sent and reply.unanswered:
+                # The request went out and no answer came back (kubelet's or the runtime's
+                # connection was lost, the stream was reset, the wait gave up): the runtime
+                # may have made the container on these CPUs. They stay held without a
+                # container id, as while a create is on its way: the next attempt of the
+                # container takes them over, its sandbox's stop releases them, a restart
+                # finds the container by pod and name.
+                self.counters["unknown_create_outcomes"] += 1
+                log.warning(
+                    "create outcome unknown; its CPUs stay held",
+                    extra={
+                        "fields": {
+                            "container": str(key),
+                            "cpus": str(cpus),
+                            "error": f"{reply.status.name}: {reply.status_message}",
+                        }
+                    },
+                )
+                return reply
             # Not a pinning error: the CPUs were there, the runtime failed the create
             # (kubelet's counter, too, counts only what its policy could not allocate).
             self.counters["failed_exclusive_creates"] += 1

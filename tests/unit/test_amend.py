@@ -138,6 +138,7 @@ def test_the_runtimes_error_reaches_the_interceptor_and_the_client(
     assert outcome.status is Status.ALREADY_EXISTS
     assert outcome.status_message == "name is reserved"
     assert outcome.messages == ()
+    assert not outcome.unanswered  # the runtime's own answer
 
 
 def test_after_the_forward_the_runtimes_reply_stands_even_if_the_handler_fails(
@@ -166,6 +167,7 @@ def test_a_call_its_client_gave_up_on_is_not_forwarded(
         assert interceptor.done.wait(5)
     (outcome,) = interceptor.forwarded
     assert outcome.status is Status.CANCELLED
+    assert not outcome.unanswered  # never sent: the runtime did nothing
     assert env.fake.runtime.wire == []
 
 
@@ -200,6 +202,8 @@ def test_a_client_gone_mid_call_ends_every_forward_waiting_on_it(
             future.result()
     wait_for(lambda: len(interceptor.forwarded) == 2, 10, "both forwards to end")
     assert [reply.status for reply in interceptor.forwarded] == [Status.UNAVAILABLE] * 2
+    # Sent and never answered: the runtime may have acted on them.
+    assert all(reply.unanswered for reply in interceptor.forwarded)
     relay = env.relay
     assert relay is not None
     wait_for(lambda: calls_in_flight(env) == 0 and not relay.connections, 10, "the close")

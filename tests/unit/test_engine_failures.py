@@ -2,25 +2,147 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
-from shim.cri.calls import Status
+from shim.cri.calls import Reply, Status, UnaryCall
+from shim.cri.server import RelayServer
+from shim.cri.upstream import ChannelForward, ReplySeen, RuntimeChannel
+from shim.engine import requests as rq
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
+from shim.state import ContainerKey
+from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
 from tests.unit.engine_env import (
+    FIRST_SINGLE,
     TOPOLOGY,
+    Env,
     assert_consistent,
     env,
     make_env,
+    until,
 )
 
 pytestmark = pytest.mark.anyio
 
 __all__ = ["env"]  # the fixture
+
+
+class ReplyLost:
+    """A forward whose request reaches the runtime, which acts on it, but whose reply never
+    comes back: StreamForward when kubelet's connection closes (or the runtime's drops)
+    after the request went out (shim/cri/server.py: connection_lost, CallAborted)."""
+
+    def __init__(self, runtime: RuntimeChannel, call: UnaryCall) -> None:
+        self._inner = ChannelForward(runtime, call)
+        self.sent = False
+        self.reply: Reply | None = None
+
+    async def __call__(
+        self, request: bytes | None = None, *, seen: ReplySeen | None = None
+    ) -> Reply:
+        self.sent = True
+        await self._inner(request)  # the runtime creates the container
+        self.reply = Reply.no_answer(Status.UNAVAILABLE, "cpushim: the client went away")
+        return self.reply
+
+
+async def test_a_create_whose_reply_is_lost_keeps_its_cpus(env: Env) -> None:
+    kubelet = env.kubelet
+    pod = await kubelet.run_pod("db", "guaranteed")
+    request = kubelet.create_request(pod, "main", 1000).SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    reply = await env.engine.handle(call, ReplyLost(env.channel, call))
+    assert reply.status is Status.UNAVAILABLE
+    [orphan] = env.fake.containers
+    assert env.cpus(orphan) == FIRST_SINGLE  # the runtime holds it on the CPU it was given
+    # Another pod's container must not be given the CPU the runtime's container holds.
+    other = await kubelet.run_pod("other", "guaranteed")
+    other_id = await kubelet.start_new(other, "main", 1000)
+    assert env.cpus(other_id) != FIRST_SINGLE
+    assert FIRST_SINGLE not in str(env.engine.state.shared).split(",")
+    # kubelet's next attempt of the container gets the CPU the lost attempt was given.
+    again = await kubelet.start_new(pod, "main", 1000, attempt=1)
+    assert env.cpus(again) == FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_a_create_whose_client_went_away_keeps_its_cpus_through_the_relay(env: Env) -> None:
+    """kubelet's connection closes while containerd makes the container: the relay ends the
+    forward without an answer, so the CPUs stay held for the container's next attempt."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000).SerializeToString()
+    with short_tmpdir() as workdir:
+        relay = RelayServer(
+            listen=f"unix://{workdir}/cri.sock",
+            runtime_endpoint=env.fake.endpoint,
+            interceptor=env.engine,
+            runtime=env.channel,
+            follower=env.engine,
+        )
+        await relay.start()
+        kubelet = RuntimeChannel(f"unix://{workdir}/cri.sock")
+        try:
+            gate = env.fake.gate("CreateContainer")
+            call = asyncio.create_task(
+                kubelet.unary(UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0))
+            )
+            await until(lambda: bool(env.fake.calls_of("CreateContainer")), "the create sent")
+            kubelet.close()  # kubelet goes away; containerd goes on and makes the container
+            reply = await call
+            assert reply.status is not Status.OK
+            env.fake.ungate("CreateContainer")
+            gate.set()
+            await until(lambda: bool(env.fake.containers), "the container made")
+            await until(
+                lambda: env.engine.counters["unknown_create_outcomes"] == 1, "the outcome seen"
+            )
+        finally:
+            kubelet.close()
+            await relay.shutdown(1.0)
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].cpus == CPUSet.parse(FIRST_SINGLE)
+    assert env.engine.counters["failed_exclusive_creates"] == 0
+    other = await env.kubelet.start_new(
+        await env.kubelet.run_pod("other", "guaranteed"), "main", 1000
+    )
+    assert env.cpus(other) != FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_a_create_the_runtime_refuses_gives_its_cpus_back_whatever_the_code(
+    env: Env,
+) -> None:
+    """An error the runtime sent, even UNAVAILABLE or DEADLINE_EXCEEDED, is its answer: no
+    container was made, and the CPUs go back."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    for status in (GrpcStatus.UNAVAILABLE, GrpcStatus.DEADLINE_EXCEEDED, GrpcStatus.INTERNAL):
+        env.fake.fail_next("CreateContainer", status, "runtime says no")
+        reply = await env.kubelet.create(pod, "main", 1000)
+        assert reply.status.name == status.name
+        assert env.engine.state.assignments == {}
+    assert env.engine.counters["failed_exclusive_creates"] == 3
+    assert env.engine.counters["unknown_create_outcomes"] == 0
+    assert_consistent(env)
+
+
+async def test_a_create_that_cannot_reach_the_runtime_gives_its_cpus_back(env: Env) -> None:
+    """Nothing left for the runtime: it made nothing, and the CPUs go back."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000).SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    nowhere = RuntimeChannel("unix:///nonexistent/containerd.sock")
+    reply = await env.engine.handle(call, ChannelForward(nowhere, call))
+    assert reply.status is Status.UNAVAILABLE
+    assert not reply.unanswered
+    assert env.engine.state.assignments == {}
+    assert env.engine.counters["failed_exclusive_creates"] == 1
+    assert_consistent(env)
 
 
 async def test_a_next_attempt_does_not_keep_a_held_set_the_policy_no_longer_allows(
