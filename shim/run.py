@@ -9,10 +9,10 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from shim import notify
 from shim.cgroups import CgroupError, CgroupLayout
@@ -302,13 +302,48 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
         notify.stopping()
         stop.clear()  # a second signal ends the grace period at once
         log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
-        finished = await server.shutdown(options.shutdown_grace, cut_short=stop)
-        if reloader is not None:
-            reloader.stop()
-        await watcher.stop()
-        await engine.drain(options.shutdown_grace)
+
+        async def stop_watching() -> None:
+            if reloader is not None:
+                reloader.stop()
+            await watcher.stop()
+
+        finished = await shut_down(server, engine, options.shutdown_grace, stop, stop_watching)
         log.info("stopped", extra={"fields": {"calls_finished": finished}})
         return 0
+
+
+# What the engine's last work (the checkpoint of the last changes, the runtime's records)
+# gets at least, when the calls in flight took the whole grace or a second signal came.
+LAST_WRITES_S = 1.0
+
+
+class _ShutsDown(Protocol):
+    async def shutdown(self, grace: float, cut_short: asyncio.Event | None = None) -> bool: ...
+
+
+class _Drains(Protocol):
+    async def drain(self, grace: float) -> None: ...
+
+
+async def shut_down(
+    server: _ShutsDown,
+    engine: _Drains,
+    grace: float,
+    cut_short: asyncio.Event,
+    stop_watching: Callable[[], Awaitable[None]],
+) -> bool:
+    """Let calls in flight finish, then the engine's work, all within one ``grace`` (plus
+    ``LAST_WRITES_S`` at most), so that a unit's stop timeout sized for the grace holds;
+    True when every call finished. A second signal (``cut_short``) ends the wait for calls
+    and leaves the engine its last second."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    finished = await server.shutdown(grace, cut_short=cut_short)
+    await stop_watching()
+    left = 0.0 if cut_short.is_set() else deadline - loop.time()
+    await engine.drain(max(left, LAST_WRITES_S))
+    return finished
 
 
 async def _unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:

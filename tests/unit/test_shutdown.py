@@ -1,0 +1,93 @@
+"""Shutdown on SIGTERM: calls in flight, then the engine's last work, within one grace."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from shim.run import LAST_WRITES_S, shut_down
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class Clock:
+    now: float = 1000.0
+
+
+@dataclass
+class SlowCalls:
+    """A relay whose calls in flight take ``takes`` seconds of the clock to finish (or the
+    whole grace, if longer); ``signal_again`` stands for a second SIGTERM meanwhile."""
+
+    clock: Clock
+    takes: float
+    signal_again: bool = False
+
+    async def shutdown(self, grace: float, cut_short: asyncio.Event | None = None) -> bool:
+        self.clock.now += min(self.takes, grace)
+        if self.signal_again:
+            assert cut_short is not None
+            cut_short.set()
+        return self.takes <= grace
+
+
+@dataclass
+class Draining:
+    clock: Clock
+    budgets: list[float] = field(default_factory=list)
+
+    async def drain(self, grace: float) -> None:
+        self.budgets.append(grace)
+        self.clock.now += grace
+
+
+async def stop(
+    monkeypatch: pytest.MonkeyPatch, takes: float, grace: float, signal_again: bool = False
+) -> tuple[bool, float, float]:
+    """Run a shutdown on the clock: (every call finished, the drain's budget, time taken)."""
+    clock = Clock()
+    monkeypatch.setattr(asyncio.get_running_loop(), "time", lambda: clock.now)
+    engine = Draining(clock)
+    watching_stopped = []
+
+    async def stop_watching() -> None:
+        watching_stopped.append(clock.now)
+
+    began = clock.now
+    finished = await shut_down(
+        SlowCalls(clock, takes, signal_again), engine, grace, asyncio.Event(), stop_watching
+    )
+    assert watching_stopped, "the watchers were not stopped"
+    (budget,) = engine.budgets
+    return finished, budget, clock.now - began
+
+
+async def test_the_engine_gets_what_the_calls_left_of_the_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    finished, budget, took = await stop(monkeypatch, takes=3.0, grace=10.0)
+    assert finished
+    assert budget == pytest.approx(7.0)
+    assert took == pytest.approx(10.0)
+
+
+async def test_calls_that_take_the_whole_grace_leave_the_engine_its_last_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, the engine got a second full grace: 20 s of a 30 s stop timeout went at 15.
+    finished, budget, took = await stop(monkeypatch, takes=60.0, grace=15.0)
+    assert not finished
+    assert budget == LAST_WRITES_S
+    assert took == pytest.approx(15.0 + LAST_WRITES_S)
+
+
+async def test_a_second_signal_leaves_the_engine_only_its_last_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    finished, budget, took = await stop(monkeypatch, takes=2.0, grace=120.0, signal_again=True)
+    assert finished
+    assert budget == LAST_WRITES_S
+    assert took == pytest.approx(2.0 + LAST_WRITES_S)
