@@ -431,8 +431,11 @@ class ClientConnection(asyncio.Protocol):
             elif isinstance(event, CallAborted):
                 amended = self._forwards.get(event.stream_id)
                 if amended is not None:
+                    message = "cpushim: the call ended without a reply"
                     amended.ended(
-                        Reply.no_answer(event.status, "cpushim: the call ended without a reply")
+                        Reply.error(event.status, message)
+                        if event.unprocessed
+                        else Reply.no_answer(event.status, message)
                     )
             elif isinstance(event, CallCancelled):
                 task_to_cancel = self._calls.pop(event.stream_id, None)

@@ -114,10 +114,13 @@ class CallCompleted:
 @dataclass(frozen=True)
 class CallAborted:
     """A followed call ended without trailers: reset by either side, or the runtime's
-    connection was lost. ``status`` is what its client is told."""
+    connection was lost. ``status`` is what its client is told. ``unprocessed`` when the
+    runtime cannot have acted on it: refused (a GOAWAY below it, REFUSED_STREAM), or ended
+    before its request was all written."""
 
     stream_id: int
     status: Status
+    unprocessed: bool = False
 
 
 @dataclass(frozen=True)
@@ -751,12 +754,13 @@ class Splice:
         if self._timing:
             self._finished(sid, Status.CANCELLED)
 
-    def _end_followed(self, sid: int, status: Status) -> None:
-        """A followed call ended without trailers; an amended one's adapter must learn it."""
+    def _end_followed(self, sid: int, status: Status, *, refused: bool = False) -> None:
+        """A followed call ended without trailers; an amended one's adapter must learn it
+        (``refused``: the runtime said it did not act on it)."""
         followed = self._following.pop(sid, None)
-        self._amending.pop(sid, None)
+        unwritten = self._amending.pop(sid, None) is not None
         if followed is not None and followed.amended:
-            self.events.append(CallAborted(sid, status))
+            self.events.append(CallAborted(sid, status, refused or unwritten))
 
     def _upstream_ended_held(self, sid: int) -> None:
         """The upstream ended an amended call before its request was sent (a deadline): the
@@ -831,7 +835,8 @@ class Splice:
                 elif ftype == fr.RST_STREAM:
                     spliced = self.open_streams.pop(sid, None) is not None
                     status = _reset_status(buf[pos + 9 : end])
-                    self._end_followed(sid, status)
+                    refused = int.from_bytes(buf[pos + 9 : pos + 13], "big") == fr.REFUSED_STREAM
+                    self._end_followed(sid, status, refused=length >= 4 and refused)
                     if self._local and sid in self._local:
                         self._upstream_ended_held(sid)
                     if self._timing and spliced:
@@ -1134,7 +1139,7 @@ class Splice:
         # Open calls, and amended ones their client reset that the runtime will not finish.
         for sid in [sid for sid in {*self.open_streams, *self._following} if sid > last]:
             self.open_streams.pop(sid, None)
-            self._end_followed(sid, Status.UNAVAILABLE)
+            self._end_followed(sid, Status.UNAVAILABLE, refused=True)
             self._upstream_ended_held(sid)
             # Not reported to the observer: the client retries them (as calls refused by
             # the relay's own GOAWAY).
@@ -1154,7 +1159,8 @@ class Splice:
         self._upstream_block = None
         for sid, followed in self._following.items():
             if followed.amended:
-                self.events.append(CallAborted(sid, Status.UNAVAILABLE))
+                unwritten = sid in self._amending
+                self.events.append(CallAborted(sid, Status.UNAVAILABLE, unwritten))
         self._following.clear()
         self._amending.clear()
         self._held_for_upstream.clear()

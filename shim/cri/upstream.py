@@ -130,22 +130,25 @@ class RuntimeChannel:
         """Send ``call`` (with ``request`` in place of its message if given) and return the
         runtime's reply; transport failures become UNAVAILABLE or DEADLINE_EXCEEDED replies."""
         body = call.request if request is None else request
+        # Set once the whole request has gone to the socket: before that, the runtime
+        # cannot have acted on it, whatever ends the call.
+        written: list[bool] = []
         try:
             if call.timeout is None:
-                return await self._exchange(call, body)
+                return await self._exchange(call, body, written)
             async with asyncio.timeout(call.timeout):
-                return await self._exchange(call, body)
+                return await self._exchange(call, body, written)
         except _NotConnectedError as exc:
             # Nothing was sent: the runtime did not act on it.
             return Reply.error(
                 Status.UNAVAILABLE, f"cpushim: runtime {self.endpoint} unavailable: {exc}"
             )
         except TimeoutError:
-            return Reply.no_answer(
+            return (Reply.no_answer if written else Reply.error)(
                 Status.DEADLINE_EXCEEDED, f"cpushim: {call.path} exceeded its deadline"
             )
         except (OSError, StreamTerminatedError, ConnectionError) as exc:
-            return Reply.no_answer(
+            return (Reply.no_answer if written else Reply.error)(
                 Status.UNAVAILABLE, f"cpushim: runtime {self.endpoint} unavailable: {exc}"
             )
         except GRPCError as exc:
@@ -153,7 +156,7 @@ class RuntimeChannel:
         except MessageError as exc:
             return Reply.no_answer(exc.status, f"cpushim: bad reply from the runtime: {exc}")
 
-    async def _exchange(self, call: UnaryCall, body: bytes) -> Reply:
+    async def _exchange(self, call: UnaryCall, body: bytes, written: list[bool]) -> Reply:
         if self._channel is None:
             # Made here, not in __init__: grpclib binds a channel to the loop it is made in.
             self._channel = Channel(path=self._path)
@@ -170,6 +173,7 @@ class RuntimeChannel:
                     self._request_headers(call), _processor=protocol.processor
                 )
                 await stream.send_data(frame_message(body), end_stream=True)
+                written.append(True)
                 headers = _as_bytes(await stream.recv_headers())
                 if header_value(headers, b"grpc-status") is not None:
                     return Reply(trailers=headers)

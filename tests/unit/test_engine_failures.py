@@ -210,3 +210,23 @@ async def test_an_internal_error_after_the_decision_leaks_no_cpus(
             assert env.cpus(shared_id) == "0-7"
         finally:
             env.channel.close()
+
+
+async def test_a_deadline_spent_connecting_to_the_runtime_is_no_unanswered_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing was written when the deadline passed while connecting: the runtime made
+    nothing, so the reply must not say the outcome is unknown (the CPUs go back)."""
+    from grpclib.client import Channel
+
+    async def never(self: Channel) -> None:
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(Channel, "__connect__", never)
+    channel = RuntimeChannel("unix:///nonexistent/containerd.sock")
+    try:
+        reply = await channel.unary(UnaryCall(rq.CREATE_CONTAINER, (), b"", 0.05))
+    finally:
+        channel.close()
+    assert reply.status is Status.DEADLINE_EXCEEDED
+    assert not reply.unanswered

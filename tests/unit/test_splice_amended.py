@@ -352,3 +352,23 @@ def test_stream_credit_the_runtime_grants_while_the_request_is_held_is_used() ->
     assert pair.splice.forward_request(sid, grpc_body(b"c" * 20_000))
     pair.pump()
     assert len(pair.received(pair.server_events, sid)) == 10_000
+
+
+def test_a_forwarded_call_the_runtime_refuses_by_goaway_was_not_processed() -> None:
+    # Streams above a GOAWAY's last stream id were never acted on (RFC 9113 6.8): the
+    # adapter must not take the call for one whose outcome is unknown.
+    pair = make_pair(amended=True)
+    sid = forwarded(pair)
+    pair.server.close_connection(last_stream_id=0)
+    pair.pump()
+    (aborted,) = events_on(pair.splice_events, sid, CallAborted)
+    assert aborted.unprocessed
+
+
+def test_a_forwarded_call_the_runtime_refuses_by_reset_was_not_processed() -> None:
+    pair = make_pair(amended=True)
+    sid = forwarded(pair)
+    pair.server.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+    pair.pump()
+    (aborted,) = events_on(pair.splice_events, sid, CallAborted)
+    assert aborted.unprocessed
