@@ -603,6 +603,16 @@ class Engine:
                     },
                 )
                 return reply
+            if held is not None and not held.container_id and cpus == held.cpus:
+                # An earlier create of this container went unanswered and this retry was
+                # refused (containerd: its name is reserved for the container that create
+                # made): that container may be on these CPUs, so they stay held, as before.
+                await self._record(self.state.assign(key, held, self.policy))
+                log.warning(
+                    "create failed; its CPUs stay held for an earlier unanswered create",
+                    extra={"fields": {"container": str(key), "cpus": str(cpus)}},
+                )
+                return reply
             # Not a pinning error: the CPUs were there, the runtime failed the create
             # (kubelet's counter, too, counts only what its policy could not allocate).
             self.counters["failed_exclusive_creates"] += 1

@@ -212,6 +212,27 @@ async def test_an_internal_error_after_the_decision_leaks_no_cpus(
             env.channel.close()
 
 
+async def test_a_retry_refused_as_reserved_keeps_the_cpus_of_the_unanswered_create(
+    env: Env,
+) -> None:
+    """kubelet never had the first create's reply, so it retries the same attempt, which
+    containerd refuses: the name is reserved for the container the first create made, on
+    the CPUs it was given. Those must stay held, as they were before the retry."""
+    kubelet = env.kubelet
+    pod = await kubelet.run_pod("db", "guaranteed")
+    request = kubelet.create_request(pod, "main", 1000).SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    await env.engine.handle(call, ReplyLost(env.channel, call))
+    [orphan] = env.fake.containers
+    reply = await kubelet.create(pod, "main", 1000)  # attempt 0 again
+    assert reply.status is not Status.OK
+    assert "is reserved" in reply.status_message
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].cpus == CPUSet.parse(env.cpus(orphan))
+    other = await kubelet.start_new(await kubelet.run_pod("other", "guaranteed"), "main", 1000)
+    assert env.cpus(other) != env.cpus(orphan)
+
+
 async def test_a_deadline_spent_connecting_to_the_runtime_is_no_unanswered_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
