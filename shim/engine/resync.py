@@ -471,6 +471,11 @@ def _tracked(
     exclusive = (
         assignment is not None and assignment.container_id == container.id
     ) or _carries_exclusive_settings(engine, resources, plan, kubelet_quota)
+    kubelet_mems = known.mems if known is not None else None
+    if known is None and exclusive:
+        # Pinned while cpushim knew nothing of it (--recover-from-runtime) and sharing now:
+        # the runtime's record is all that tells what kubelet's memory manager chose.
+        kubelet_mems = _kubelet_mems(engine, container)
     try:
         recorded: CPUSet | None = CPUSet.parse(container.resources.cpuset_cpus) or None
     except ValueError:
@@ -494,7 +499,7 @@ def _tracked(
         exclusive=exclusive,
         keep_quota=plan.keep_quota,
         kubelet_quota=kubelet_quota,
-        kubelet_mems=known.mems if known is not None else None,
+        kubelet_mems=kubelet_mems,
         phase=Phase.RUNNING if running else Phase.CREATED,
         applied=applied,
         cgroup=cgroup,

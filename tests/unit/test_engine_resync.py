@@ -7,10 +7,12 @@ import pytest
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
+from shim.policy.none import NonePolicy
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeContainer
 from tests.unit.engine_env import (
     FIRST_SINGLE,
+    TOPOLOGY,
     Env,
     assert_consistent,
     env,
@@ -177,3 +179,28 @@ async def test_recovery_pins_the_running_attempt_even_when_it_needs_new_cpus(env
     assert env.engine.state.assignments[key].container_id == running
     assert env.cpus(running) == str(env.engine.state.assignments[key].cpus)
     assert_consistent(env)
+
+
+async def test_recovery_under_none_gives_a_pinned_container_back_kubelets_memory_nodes(
+    env: Env,
+) -> None:
+    """operations.md: one that loses its exclusive CPUs (a switch to the none policy) gets
+    back the nodes kubelet chose; under --recover-from-runtime only containerd's record
+    tells them."""
+    kubelet = env.kubelet
+    # Node 1 (CPUs 2,3,6,7) is full, so a container whose memory kubelet put on node 1 gets
+    # a CPU of node 0 and keeps its memory on node 1.
+    full = kubelet.create_request(await kubelet.run_pod("full", "guaranteed"), "main", 4000)
+    full.config.linux.resources.cpuset_mems = "1"
+    await kubelet.ok("CreateContainer", full.SerializeToString())
+    pod = await kubelet.run_pod("db", "guaranteed")
+    request = kubelet.create_request(pod, "main", 1000)
+    request.config.linux.resources.cpuset_mems = "1"
+    raw = await kubelet.ok("CreateContainer", request.SerializeToString())
+    container_id = pb.CreateContainerResponse.FromString(raw).container_id
+    assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+    assert 1 not in TOPOLOGY.numa_nodes_of(CPUSet.parse(env.cpus(container_id)))
+
+    await env.restart(NonePolicy(TOPOLOGY), recover=True)
+    assert env.engine.state.assignments == {}
+    assert env.fake.containers[container_id].resources.cpuset_mems == "1"
