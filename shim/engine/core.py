@@ -1094,9 +1094,11 @@ class Engine:
 
     def _restored(self, tracked: Tracked) -> None:
         """After a move through the runtime: a container that lost its exclusive CPUs has its
-        shared settings now, and moves like any shared container from here on."""
+        shared settings now, and moves like any shared container from here on; one that
+        holds them has their memory nodes and quota now."""
         if self._lost(tracked):
             tracked.exclusive = False
+        tracked.settings_stale = False
 
     def _assignment_of(self, tracked: Tracked) -> Assignment | None:
         """The exclusive CPUs this container holds, if it holds any."""
@@ -1122,7 +1124,7 @@ class Engine:
             if tracked.phase is Phase.EXITED:
                 continue
             cpus, mems, quota = self._desired(tracked)
-            if cpus != tracked.applied or self._lost(tracked):
+            if cpus != tracked.applied or self._lost(tracked) or tracked.settings_stale:
                 moves.append((tracked, cpus, mems, quota))
         return moves
 

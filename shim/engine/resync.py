@@ -492,7 +492,18 @@ def _tracked(
             cgroup = None
         if applied is None:
             cgroup, applied = None, recorded
+    settings_stale = False
+    if assignment is not None and assignment.container_id == container.id:
+        # Kept on the CPUs it runs on, it is not moved: its mems and quota must be looked at.
+        try:
+            mems_now = CPUSet.parse(resources.cpuset_mems) if resources.cpuset_mems else None
+        except ValueError:
+            mems_now = None
+        wanted = CPUSet.parse(engine._mems_of(assignment))
+        quota_kept = plan.keep_quota or resources.cpu_quota == rq.NO_QUOTA
+        settings_stale = mems_now != wanted or not quota_kept
     return Tracked(
+        settings_stale=settings_stale,
         id=container.id,
         key=key,
         sandbox_id=container.sandbox_id,

@@ -56,6 +56,10 @@ class Tracked:
     # not apply, once logged; None when kubelet's resources match what the container holds
     # or was created asking for.
     resize_noted: int | None = None
+    # Holds exclusive CPUs but the runtime's record does not carry their memory nodes or the
+    # dropped quota (adopted at start-up on the CPUs it had, kubelet's static policy's): one
+    # move through the runtime gives them.
+    settings_stale: bool = False
     # When cpushim last wrote the cgroup directly (the loop's clock); the runtime is told once
     # the cpuset has stayed put for a while (shim/engine/moves.py).
     moved_at: float = 0.0

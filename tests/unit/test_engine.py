@@ -1207,3 +1207,21 @@ async def test_cpus_whose_container_id_was_never_learnt_go_with_their_sandbox(
     )
     assert env.engine.state.assignments == {}
     assert env.cpus(shared_id) == "0-7"
+
+
+async def test_an_adopted_container_kept_on_its_cpus_gets_an_exclusive_ones_settings(
+    env: Env,
+) -> None:
+    # Pinned by kubelet's static policy before the switch: a CPU of its own, kubelet's quota,
+    # every memory node.
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000)
+    request.config.linux.resources.cpuset_cpus = "2"
+    made = env.fake.add_container(pod.sandbox_id, request.config)
+    await env.restart()
+    resources = env.fake.containers[made].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems, resources.cpu_quota) == ("2", "1", -1)
+    # Squared once: the next start finds nothing to do.
+    updates = len(updates_to(env.fake, made))
+    await env.restart()
+    assert len(updates_to(env.fake, made)) == updates
