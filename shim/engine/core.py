@@ -837,8 +837,11 @@ class Engine:
             cpus, mems, quota = self._desired(tracked)
             if request.linux.cpu_quota > 0:
                 tracked.kubelet_quota = request.linux.cpu_quota
-            # kubelet's own quota stands unless the container's exclusive CPUs drop it.
-            rq.pin(request.linux, cpus, mems, quota=quota if quota == rq.NO_QUOTA else None)
+            # kubelet's own quota stands unless the container's exclusive CPUs drop it; an
+            # update that names none (not kubelet's) still gives a container that lost its
+            # exclusive CPUs kubelet's quota back, or _restored below would leave it at -1.
+            theirs = quota != rq.NO_QUOTA and request.linux.cpu_quota > 0
+            rq.pin(request.linux, cpus, mems, quota=None if theirs else quota)
             reply = await forward(request.SerializeToString())
             if reply.status is Status.OK:
                 tracked.applied = tracked.recorded = cpus

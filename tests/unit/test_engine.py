@@ -1209,6 +1209,25 @@ async def test_cpus_whose_container_id_was_never_learnt_go_with_their_sandbox(
     assert env.cpus(shared_id) == "0-7"
 
 
+async def test_another_clients_update_of_a_lost_container_gives_kubelets_quota_back(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    await env.restart(NonePolicy(TOPOLOGY))
+    assert env.fake.containers[pinned_id].resources.cpu_quota == -1
+    # Not kubelet's (no shares, no quota): it still restores the container, quota and all.
+    request = pb.UpdateContainerResourcesRequest(
+        container_id=pinned_id, linux=pb.LinuxContainerResources(memory_limit_in_bytes=2 * GIB)
+    )
+    await env.kubelet.ok("UpdateContainerResources", request.SerializeToString())
+    restored = env.fake.containers[pinned_id].resources
+    assert (restored.cpuset_cpus, restored.cpuset_mems) == ("0-7", "0-1")
+    assert restored.cpu_quota == milli_cpu_to_quota(1000)
+    assert not env.engine.containers[pinned_id].exclusive
+
+
 async def test_an_adopted_container_kept_on_its_cpus_gets_an_exclusive_ones_settings(
     env: Env,
 ) -> None:
