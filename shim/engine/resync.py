@@ -468,9 +468,13 @@ def _tracked(
     kubelet_quota = kubelet_cfs_quota(
         resources.cpu_shares, resources.cpu_quota, resources.cpu_period
     )
-    exclusive = (
-        assignment is not None and assignment.container_id == container.id
-    ) or _carries_exclusive_settings(engine, resources, plan, kubelet_quota)
+    holds = assignment is not None and assignment.container_id == container.id
+    exclusive = holds or _carries_exclusive_settings(engine, resources, plan, kubelet_quota)
+    keep_quota = plan.keep_quota
+    if holds and pod is None:
+        # Its sandbox is no longer listed, so its annotations are not at hand: the quota
+        # cpushim gave it says whether they keep it (one that drops it has -1).
+        keep_quota = resources.cpu_quota != rq.NO_QUOTA
     kubelet_mems = known.mems if known is not None else None
     if known is None and exclusive:
         # Pinned while cpushim knew nothing of it (--recover-from-runtime) and sharing now:
@@ -493,14 +497,15 @@ def _tracked(
         if applied is None:
             cgroup, applied = None, recorded
     settings_stale = False
-    if assignment is not None and assignment.container_id == container.id:
+    if holds:
+        assert assignment is not None
         # Kept on the CPUs it runs on, it is not moved: its mems and quota must be looked at.
         try:
             mems_now = CPUSet.parse(resources.cpuset_mems) if resources.cpuset_mems else None
         except ValueError:
             mems_now = None
         wanted = CPUSet.parse(engine._mems_of(assignment))
-        quota_kept = plan.keep_quota or resources.cpu_quota == rq.NO_QUOTA
+        quota_kept = keep_quota or resources.cpu_quota == rq.NO_QUOTA
         settings_stale = mems_now != wanted or not quota_kept
     return Tracked(
         settings_stale=settings_stale,
@@ -508,7 +513,7 @@ def _tracked(
         key=key,
         sandbox_id=container.sandbox_id,
         exclusive=exclusive,
-        keep_quota=plan.keep_quota,
+        keep_quota=keep_quota,
         kubelet_quota=kubelet_quota,
         kubelet_mems=kubelet_mems,
         phase=Phase.RUNNING if running else Phase.CREATED,

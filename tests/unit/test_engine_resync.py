@@ -204,3 +204,19 @@ async def test_recovery_under_none_gives_a_pinned_container_back_kubelets_memory
     await env.restart(NonePolicy(TOPOLOGY), recover=True)
     assert env.engine.state.assignments == {}
     assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+
+
+async def test_a_container_whose_sandbox_is_not_listed_keeps_the_quota_its_pod_keeps(
+    env: Env,
+) -> None:
+    """Without its sandbox the pod's cfs-quota annotation is not at hand; the quota cpushim
+    left it is its word: the start-up's squaring of an exclusive container's settings must
+    not drop it (nor a later move)."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", {"cpushim.io/cfs-quota": "keep"})
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    quota = env.fake.containers[container_id].resources.cpu_quota
+    assert quota > 0
+    del env.fake.sandboxes[pod.sandbox_id]
+    await env.restart()
+    assert env.fake.containers[container_id].resources.cpu_quota == quota
+    assert env.engine.containers[container_id].keep_quota
