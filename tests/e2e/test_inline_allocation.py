@@ -150,6 +150,40 @@ def test_containers_created_while_cpushim_was_down_are_adopted(
     assert_kernel(direct.kernel_cpus(shared_id), "0")
 
 
+def test_a_container_kubelets_static_policy_pinned_is_adopted_with_its_cpu_and_no_quota(
+    shim: Shim, direct: KubeletClient
+) -> None:
+    """Switching a node from kubelet's static policy: its containers run on their exclusive
+    CPU with kubelet's CFS quota. cpushim keeps the CPU and gives the container what an
+    exclusive container of its own has: no quota (and the memory nodes of its CPU)."""
+    sandbox = direct.run_pod_sandbox("static", "default", new_pod_uid(), "guaranteed")
+    pinned_id = direct.create_container(
+        sandbox, "main", TEST_IMAGE, WORKLOAD, resources=ONE_CPU, cpuset_cpus="1"
+    )
+    direct.start_container(pinned_id)
+    pinned = direct.kernel_cpus(pinned_id)
+    assert_kernel(pinned, "1")
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == str(
+        milli_cpu_to_quota(1000)
+    )
+
+    shim.start()
+    assert shim.assignments() == {sandbox.uid: {"main": "1"}}
+    assert_kernel(direct.kernel_cpus(pinned_id), "1")
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
+    nodes = Path("/sys/devices/system/node/online").read_text().strip()
+    assert cgroup_file("cpuset", pinned.cgroup_path, "cpuset.mems") == nodes  # one node here
+    assert direct.container_info(pinned_id)["runtimeSpec"]["linux"]["resources"]["cpu"][
+        "quota"
+    ] in (-1, None)
+    # A restart keeps it so (the unit tests check that it sends no update again).
+    shim.stop()
+    shim.start()
+    assert shim.assignments() == {sandbox.uid: {"main": "1"}}
+    assert_kernel(direct.kernel_cpus(pinned_id), "1")
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
+
+
 def test_a_container_that_loses_its_cpu_to_a_new_policy_gets_kubelets_quota_back(
     shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
 ) -> None:
