@@ -4,6 +4,8 @@ from kube-reserved + system-reserved)."""
 from __future__ import annotations
 
 from shim.cpuset import CPUSet
+from shim.policy.options import StaticPolicyOptions
+from shim.policy.take import take_by_topology
 from shim.topology import Topology
 
 __all__ = ["ReservedCPUsError", "reserved_cpus"]
@@ -15,7 +17,11 @@ class ReservedCPUsError(ValueError):
 
 
 def reserved_cpus(
-    topology: Topology, *, cpus: CPUSet | None = None, count: int | None = None
+    topology: Topology,
+    *,
+    cpus: CPUSet | None = None,
+    count: int | None = None,
+    options: StaticPolicyOptions | None = None,
 ) -> CPUSet:
     """The reserved set, from an explicit list or from a count; give exactly one.
 
@@ -53,6 +59,9 @@ def reserved_cpus(
         )
     housekeeping = topology.online - topology.isolated
     pool = housekeeping if len(housekeeping) >= count else topology.online
+    if options is not None and options.distribute_cpus_across_cores:
+        spread = StaticPolicyOptions(distribute_cpus_across_cores=True)
+        return take_by_topology(topology, pool, count, options=spread)
     return lowest_cores_first(topology, pool, count)
 
 

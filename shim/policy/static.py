@@ -104,10 +104,11 @@ class StaticPolicy:
         topology_manager_policy: str = "none",
     ) -> StaticPolicy:
         """A policy with the reserved set given explicitly or taken by count."""
+        options = options or StaticPolicyOptions()
         return cls(
             topology=topology,
-            reserved=reserved_cpus(topology, cpus=reserved, count=reserved_count),
-            options=options or StaticPolicyOptions(),
+            reserved=reserved_cpus(topology, cpus=reserved, count=reserved_count, options=options),
+            options=options,
             topology_manager_policy=topology_manager_policy,
         )
 

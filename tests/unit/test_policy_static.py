@@ -639,3 +639,13 @@ def test_take_by_topology_properties(
             if cpus.issubset(available) and len(cpus) == count:
                 assert got in {topology.cpus_in_socket(s) for s in topology.sockets}
                 break
+
+
+# -- against kubelet's static policy ---------------------------------------------------------
+
+
+def test_reserved_count_follows_distribute_cpus_across_cores() -> None:
+    # kubelet takes the reserved count with its own takeByTopology, options included.
+    policy = StaticPolicy.create(XEON, reserved_count=2, options=SPREAD)
+    assert policy.reserved == P("0-1")
+    assert StaticPolicy.create(XEON, reserved_count=2).reserved == P("0,24")
