@@ -44,12 +44,14 @@ def take_by_topology(
     if count == 0:
         return CPUSet()
     avail = available.mask & topology.online.mask
-    if avail.bit_count() < count:
+    per_core = topology.cpus_per_core
+    # full-pcpus-only is checked first, as kubelet's enforceSMTAlignment runs before it
+    # allocates: a shortage under this option is an SMTAlignmentError too.
+    if avail.bit_count() < count and not options.full_pcpus_only:
         raise AllocationError(
             f"cannot allocate {count} CPUs: only {avail.bit_count()} available"
             f" ({CPUSet.from_mask(avail) or 'none'})"
         )
-    per_core = topology.cpus_per_core
     if options.full_pcpus_only:
         if count % per_core:
             raise SMTAlignmentError(

@@ -644,8 +644,24 @@ def test_take_by_topology_properties(
 # -- against kubelet's static policy ---------------------------------------------------------
 
 
+def test_spread_takes_every_cores_first_free_thread_before_a_second_one() -> None:
+    # allocator.md: kubelet's spread order is ascending CPU id within the socket, so with
+    # CPU 5 held its 12th CPU is 24, CPU 0's sibling in the same container; cpushim takes
+    # 29, core 5's free thread, so that the container's CPUs share no core.
+    got = take_by_topology(XEON, XEON.online - P("5"), 12, options=SPREAD)
+    assert got == P("0-4,6-11,29")
+
+
 def test_reserved_count_follows_distribute_cpus_across_cores() -> None:
     # kubelet takes the reserved count with its own takeByTopology, options included.
     policy = StaticPolicy.create(XEON, reserved_count=2, options=SPREAD)
     assert policy.reserved == P("0-1")
     assert StaticPolicy.create(XEON, reserved_count=2).reserved == P("0,24")
+
+
+@pytest.mark.parametrize(("available", "count"), [("47", 3), ("47", 4), ("", 2)])
+def test_full_pcpus_only_shortage_is_an_smt_alignment_error(available: str, count: int) -> None:
+    # kubelet's enforceSMTAlignment runs before allocation: a non-multiple, or more than the
+    # whole free cores hold, is an SMTAlignmentError even when few CPUs are free at all.
+    with pytest.raises(SMTAlignmentError):
+        take_by_topology(XEON, P(available), count, options=FULL)
