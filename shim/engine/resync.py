@@ -406,11 +406,22 @@ def _kept_cpus(
     memory_nodes: CPUSet | None,
 ) -> CPUSet | None:
     """The container's current cpuset when the policy would hand it out now, else None."""
+    current, refusal = _current_refusal(engine, state, container, count, plan, memory_nodes)
+    return current if refusal is None else None
+
+
+def _current_refusal(
+    engine: Engine,
+    state: CPUState,
+    container: LiveContainer,
+    count: int,
+    plan: ContainerPlan,
+    memory_nodes: CPUSet | None,
+) -> tuple[CPUSet, str | None]:
+    """The container's current cpuset, and why the policy would not hand it out now."""
     request = exclusive_request(count, plan.isolated, memory_nodes)
     current = _current_cpus(container)
-    if engine.policy.refusal(state.exclusive(), request, current) is None:
-        return current
-    return None
+    return current, engine.policy.refusal(state.exclusive(), request, current)
 
 
 def _adopted_cpus(
@@ -424,11 +435,7 @@ def _adopted_cpus(
     """The container's current cpuset when it is a valid free choice, else a new allocation
     (from ``memory_nodes`` as far as it can); None (the container shares) when the policy
     cannot satisfy it."""
-    policy = engine.policy
-    exclusive = state.exclusive()
-    request = exclusive_request(count, plan.isolated, memory_nodes)
-    current = _current_cpus(container)
-    refusal = policy.refusal(exclusive, request, current)
+    current, refusal = _current_refusal(engine, state, container, count, plan, memory_nodes)
     if refusal is None:
         return current
     if current:
@@ -437,7 +444,9 @@ def _adopted_cpus(
             extra={"fields": {"container_id": container.id, "reason": refusal}},
         )
     try:
-        return policy.allocate(exclusive, request)
+        return engine.policy.allocate(
+            state.exclusive(), exclusive_request(count, plan.isolated, memory_nodes)
+        )
     except AllocationError as exc:
         engine.counters["adoptions_refused"] += 1
         log.error(
