@@ -5,6 +5,7 @@ CPUs 0,1,4,5 and socket 1 holds 2,3,6,7."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
+from shim.cri.server import RelayServer
 from shim.cri.upstream import ChannelForward, RuntimeChannel
 from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
 from shim.engine import requests as rq
@@ -25,6 +27,7 @@ from shim.engine.resync import start as resync
 from shim.policy import CPUPolicy
 from shim.policy.static import StaticPolicy
 from shim.state import integrity_problems
+from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import (
     QoSClass,
@@ -215,6 +218,27 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
         environment = await make_env(fake, tmp_path / "state")
         yield environment
         environment.channel.close()
+
+
+@contextlib.asynccontextmanager
+async def through_relay(env: Env) -> AsyncIterator[RuntimeChannel]:
+    """The engine behind the relay, as cpushim serves kubelet: a channel to the relay's
+    socket (the relay's own channel to the fake runtime is the engine's)."""
+    with short_tmpdir() as workdir:
+        relay = RelayServer(
+            listen=f"unix://{workdir}/cri.sock",
+            runtime_endpoint=env.fake.endpoint,
+            interceptor=env.engine,
+            runtime=env.channel,
+            follower=env.engine,
+        )
+        await relay.start()
+        kubelet = RuntimeChannel(f"unix://{workdir}/cri.sock")
+        try:
+            yield kubelet
+        finally:
+            kubelet.close()
+            await relay.shutdown(1.0)
 
 
 def assert_consistent(env: Env) -> None:

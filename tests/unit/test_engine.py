@@ -18,8 +18,7 @@ from grpclib.const import Status as GrpcStatus
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
-from shim.cri.server import Pending, RelayServer
-from shim.cri.upstream import RuntimeChannel
+from shim.cri.server import Pending
 from shim.engine import EngineOptions
 from shim.engine import requests as rq
 from shim.engine.resync import StartupError
@@ -29,7 +28,6 @@ from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
-from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import (
     QoSClass,
@@ -48,6 +46,7 @@ from tests.unit.engine_env import (
     env,
     make_env,
     static_policy,
+    through_relay,
     until,
     updates_to,
 )
@@ -623,26 +622,13 @@ async def wait_until(condition: Callable[[], bool], within: float = 5.0) -> None
 async def test_a_pod_is_remembered_from_its_run_pod_sandbox_through_the_relay(env: Env) -> None:
     # RunPodSandbox is spliced and followed: the engine reads the sandbox id from the reply
     # the relay copied on its way to kubelet.
-    with short_tmpdir() as workdir:
-        relay = RelayServer(
-            listen=f"unix://{workdir}/cri.sock",
-            runtime_endpoint=env.fake.endpoint,
-            interceptor=env.engine,
-            runtime=env.channel,
-            follower=env.engine,
+    async with through_relay(env) as kubelet:
+        config = pb.PodSandboxConfig(
+            metadata=pb.PodSandboxMetadata(name="web", uid="uid-1", namespace="shop"),
+            linux=pb.LinuxPodSandboxConfig(cgroup_parent="/kubepods/poduid-1"),
         )
-        await relay.start()
-        kubelet = RuntimeChannel(f"unix://{workdir}/cri.sock")
-        try:
-            config = pb.PodSandboxConfig(
-                metadata=pb.PodSandboxMetadata(name="web", uid="uid-1", namespace="shop"),
-                linux=pb.LinuxPodSandboxConfig(cgroup_parent="/kubepods/poduid-1"),
-            )
-            request = pb.RunPodSandboxRequest(config=config).SerializeToString()
-            reply = await kubelet.unary(UnaryCall(rq.RUN_POD_SANDBOX, (), request, 10.0))
-        finally:
-            kubelet.close()
-            await relay.shutdown(1.0)
+        request = pb.RunPodSandboxRequest(config=config).SerializeToString()
+        reply = await kubelet.unary(UnaryCall(rq.RUN_POD_SANDBOX, (), request, 10.0))
     assert reply.status is Status.OK
     sandbox_id = pb.RunPodSandboxResponse.FromString(reply.messages[0]).pod_sandbox_id
     pod = env.engine.pods[sandbox_id]

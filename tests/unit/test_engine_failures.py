@@ -10,13 +10,11 @@ from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
 from shim.cri.calls import Reply, Status, UnaryCall
-from shim.cri.server import RelayServer
 from shim.cri.upstream import ChannelForward, ReplySeen, RuntimeChannel
 from shim.engine import requests as rq
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey
-from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
 from tests.unit.engine_env import (
     FIRST_SINGLE,
@@ -25,6 +23,7 @@ from tests.unit.engine_env import (
     assert_consistent,
     env,
     make_env,
+    through_relay,
     until,
 )
 
@@ -77,34 +76,17 @@ async def test_a_create_whose_client_went_away_keeps_its_cpus_through_the_relay(
     forward without an answer, so the CPUs stay held for the container's next attempt."""
     pod = await env.kubelet.run_pod("db", "guaranteed")
     request = env.kubelet.create_request(pod, "main", 1000).SerializeToString()
-    with short_tmpdir() as workdir:
-        relay = RelayServer(
-            listen=f"unix://{workdir}/cri.sock",
-            runtime_endpoint=env.fake.endpoint,
-            interceptor=env.engine,
-            runtime=env.channel,
-            follower=env.engine,
-        )
-        await relay.start()
-        kubelet = RuntimeChannel(f"unix://{workdir}/cri.sock")
-        try:
-            gate = env.fake.gate("CreateContainer")
-            call = asyncio.create_task(
-                kubelet.unary(UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0))
-            )
-            await until(lambda: bool(env.fake.calls_of("CreateContainer")), "the create sent")
-            kubelet.close()  # kubelet goes away; containerd goes on and makes the container
-            reply = await call
-            assert reply.status is not Status.OK
-            env.fake.ungate("CreateContainer")
-            gate.set()
-            await until(lambda: bool(env.fake.containers), "the container made")
-            await until(
-                lambda: env.engine.counters["unknown_create_outcomes"] == 1, "the outcome seen"
-            )
-        finally:
-            kubelet.close()
-            await relay.shutdown(1.0)
+    async with through_relay(env) as kubelet:
+        gate = env.fake.gate("CreateContainer")
+        call = asyncio.create_task(kubelet.unary(UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)))
+        await until(lambda: bool(env.fake.calls_of("CreateContainer")), "the create sent")
+        kubelet.close()  # kubelet goes away; containerd goes on and makes the container
+        reply = await call
+        assert reply.status is not Status.OK
+        env.fake.ungate("CreateContainer")
+        gate.set()
+        await until(lambda: bool(env.fake.containers), "the container made")
+        await until(lambda: env.engine.counters["unknown_create_outcomes"] == 1, "the outcome seen")
     key = ContainerKey(pod.uid, "main")
     assert env.engine.state.assignments[key].cpus == CPUSet.parse(FIRST_SINGLE)
     assert env.engine.counters["failed_exclusive_creates"] == 0

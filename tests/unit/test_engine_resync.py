@@ -144,38 +144,36 @@ async def test_a_created_container_not_started_keeps_its_cpus(env: Env) -> None:
     assert_consistent(env)
 
 
-async def test_recovery_pins_the_running_attempt_not_a_created_one_left_beside_it(
-    env: Env,
-) -> None:
+async def orphan_beside_its_next_attempt(env: Env) -> tuple[ContainerKey, str, str]:
+    """Attempt 0 created (kubelet gave up on the call) and never started, attempt 1
+    running, both on CPU 4; the orphan's id sorts first. (key, orphan id, running id)"""
     pod = await env.kubelet.run_pod("db", "guaranteed")
-    # Attempt 0 was created (kubelet gave up on the call) and never started.
     reply = await env.kubelet.create(pod, "main", 1000)
     orphan = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
     running = await env.kubelet.start_new(pod, "main", 1000, attempt=1)
     orphan = renamed(env, orphan, "0" * 64)
     running = renamed(env, running, "f" * 64)
     assert env.cpus(orphan) == env.cpus(running) == FIRST_SINGLE
+    return ContainerKey(pod.uid, "main"), orphan, running
 
+
+async def test_recovery_pins_the_running_attempt_not_a_created_one_left_beside_it(
+    env: Env,
+) -> None:
+    key, _, running = await orphan_beside_its_next_attempt(env)
     await env.restart(recover=True)
-    key = ContainerKey(pod.uid, "main")
     assert env.engine.state.assignments[key].container_id == running
     assert env.cpus(running) == str(env.engine.state.assignments[key].cpus)
 
 
 async def test_recovery_pins_the_running_attempt_even_when_it_needs_new_cpus(env: Env) -> None:
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    reply = await env.kubelet.create(pod, "main", 1000)
-    orphan = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
-    running = await env.kubelet.start_new(pod, "main", 1000, attempt=1)
-    orphan = renamed(env, orphan, "0" * 64)
-    running = renamed(env, running, "f" * 64)
+    key, orphan, running = await orphan_beside_its_next_attempt(env)
     # The running attempt's cpuset is no set it may keep (someone gave it every CPU); the
     # orphan's still is.
     env.fake.containers[running].resources.cpuset_cpus = "0-7"
     assert env.cpus(orphan) == FIRST_SINGLE
 
     await env.restart(recover=True)
-    key = ContainerKey(pod.uid, "main")
     assert env.engine.state.assignments[key].container_id == running
     assert env.cpus(running) == str(env.engine.state.assignments[key].cpus)
     assert_consistent(env)
