@@ -237,22 +237,36 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 1
     shim_log.setup(options.log_level)
-    if options.config_path is not None:
-        log.info(
-            "config",
-            extra={
-                "fields": {
-                    "config": str(options.config_path),
-                    "flags": sorted(options.cli_overrides - {"config_path"}),
-                }
-            },
-        )
+    log_config(options)
     try:
         with asyncio.Runner(loop_factory=loop_factory(options.event_loop)) as runner:
             return runner.run(run(options))
     except (AlreadyServingError, ValueError, RuntimeError, OSError) as exc:
         log.error("cannot run", extra={"fields": {"error": str(exc)}})
         return 1
+
+
+def log_config(options: RunOptions) -> None:
+    """Say which config file is read and which flags override it; warn when the file turns
+    on recoverFromRuntime, which, left there, throws the checkpoint away at every start."""
+    if options.config_path is None:
+        return
+    log = logging.getLogger("shim.cli")
+    log.info(
+        "config",
+        extra={
+            "fields": {
+                "config": str(options.config_path),
+                "flags": sorted(options.cli_overrides - {"config_path"}),
+            }
+        },
+    )
+    if options.recover_from_runtime and "recover_from_runtime" not in options.cli_overrides:
+        log.warning(
+            "recoverFromRuntime is on in the config file: this start rebuilds the state from"
+            " the runtime, and so will every later one until it is set back to false",
+            extra={"fields": {"config": str(options.config_path)}},
+        )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import get_args
 import orjson
 import pytest
 
-from shim.cli import build_parser, run_options
+from shim.cli import build_parser, log_config, run_options
 from shim.config import (
     FAILURE_POLICIES,
     KEYS,
@@ -561,3 +561,33 @@ def test_a_reservation_the_machine_cannot_meet_names_its_key(
     with pytest.raises(ValueError, match=rf"^{key} \(--reserved-cpu") as refused:
         build_policy(replace(options, sysfs_root=sysfs))
     assert getattr(refused.value, "key", None) == key
+
+
+@pytest.mark.parametrize(
+    ("in_file", "flags", "warned"),
+    [
+        ("recoverFromRuntime = true\n", (), True),
+        ("recoverFromRuntime = false\n", ("--recover-from-runtime",), False),
+        ("recoverFromRuntime = false\n", (), False),
+    ],
+    ids=["file", "flag", "off"],
+)
+def test_recovery_turned_on_in_the_config_file_is_warned_of(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    in_file: str,
+    flags: tuple[str, ...],
+    warned: bool,
+) -> None:
+    """operations.md: left true in the file, every start throws the checkpoint away. A flag
+    is given once (systemd's unit runs with the file alone), so only the file is warned of."""
+    config = tmp_path / "config.toml"
+    config.write_text(in_file)
+    options = parse_cli("--config", str(config), *flags)
+    with caplog.at_level("INFO", logger="shim.cli"):
+        log_config(options)
+    warnings = [r for r in caplog.records if "recoverFromRuntime is on" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)
+    if warned:
+        assert warnings[0].levelname == "WARNING"
+        assert warnings[0].__dict__["fields"]["config"] == str(config)
