@@ -234,6 +234,8 @@ def test_reserved_by_count_takes_lowest_whole_cores(
 def test_reserved_by_count_leaves_isolated_cpus_alone() -> None:
     topology = Topology(cpus=XEON.cpus, isolated=P("0-5,24-29"))
     assert str(reserved_cpus(topology, count=2)) == "6,30"
+    # Spread one thread per core, too.
+    assert str(reserved_cpus(topology, count=2, options=SPREAD)) == "6-7"
 
 
 def test_reserved_explicit() -> None:
@@ -467,7 +469,7 @@ def test_policy_invariants(
     online = sorted(topology.online)
     if data.draw(st.booleans(), label="reserve by count"):
         count = data.draw(st.integers(1, max(1, min(3, len(online) - 1))), label="count")
-        reserved = reserved_cpus(topology, count=count)
+        reserved = reserved_cpus(topology, count=count, options=options)
     else:
         reserved = CPUSet(data.draw(st.frozensets(st.sampled_from(online), min_size=1)))
     try:
