@@ -27,7 +27,7 @@ from shim.engine.moves import pid_of
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import kubelet_cfs_quota
 from shim.pods import AnnotationError, ContainerPlan, Pod, exclusive_request, plan_container
-from shim.policy.static import AllocationError
+from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.state import (
     Assignment,
     CheckpointError,
@@ -380,19 +380,21 @@ def _current_cpus(container: LiveContainer) -> CPUSet:
         return CPUSet()
 
 
+def _recorded_mems(container: LiveContainer) -> CPUSet | None:
+    """The memory nodes in the runtime's record; None when it names none it can read."""
+    try:
+        return CPUSet.parse(container.resources.cpuset_mems) or None
+    except ValueError:
+        return None
+
+
 def _kubelet_mems(engine: Engine, container: LiveContainer) -> CPUSet | None:
     """The memory nodes kubelet's memory manager chose for a container cpushim does not know,
     as far as the runtime's record tells: nodes other than those of its CPUs are none that
     cpushim derives, so they are kubelet's (or a restore's every node, which narrows nothing).
     None when they are those of its CPUs or unknown."""
-    topology = engine.policy.topology
-    try:
-        mems = CPUSet.parse(container.resources.cpuset_mems)
-    except ValueError:
-        return None
-    if not mems:
-        return None
-    if mems == CPUSet(topology.numa_nodes_of(_current_cpus(container))):
+    mems = _recorded_mems(container)
+    if mems == CPUSet(engine.policy.topology.numa_nodes_of(_current_cpus(container))):
         return None
     return mems
 
@@ -406,7 +408,7 @@ def _kept_cpus(
     memory_nodes: CPUSet | None,
 ) -> CPUSet | None:
     """The container's current cpuset when the policy would hand it out now, else None."""
-    current, refusal = _current_refusal(engine, state, container, count, plan, memory_nodes)
+    current, _, refusal = _current_refusal(engine, state, container, count, plan, memory_nodes)
     return current if refusal is None else None
 
 
@@ -417,11 +419,12 @@ def _current_refusal(
     count: int,
     plan: ContainerPlan,
     memory_nodes: CPUSet | None,
-) -> tuple[CPUSet, str | None]:
-    """The container's current cpuset, and why the policy would not hand it out now."""
+) -> tuple[CPUSet, ExclusiveRequest, str | None]:
+    """The container's current cpuset, what it asks the policy for, and why the policy
+    would not hand it that set now."""
     request = exclusive_request(count, plan.isolated, memory_nodes)
     current = _current_cpus(container)
-    return current, engine.policy.refusal(state.exclusive(), request, current)
+    return current, request, engine.policy.refusal(state.exclusive(), request, current)
 
 
 def _adopted_cpus(
@@ -435,7 +438,9 @@ def _adopted_cpus(
     """The container's current cpuset when it is a valid free choice, else a new allocation
     (from ``memory_nodes`` as far as it can); None (the container shares) when the policy
     cannot satisfy it."""
-    current, refusal = _current_refusal(engine, state, container, count, plan, memory_nodes)
+    current, request, refusal = _current_refusal(
+        engine, state, container, count, plan, memory_nodes
+    )
     if refusal is None:
         return current
     if current:
@@ -444,9 +449,7 @@ def _adopted_cpus(
             extra={"fields": {"container_id": container.id, "reason": refusal}},
         )
     try:
-        return engine.policy.allocate(
-            state.exclusive(), exclusive_request(count, plan.isolated, memory_nodes)
-        )
+        return engine.policy.allocate(state.exclusive(), request)
     except AllocationError as exc:
         engine.counters["adoptions_refused"] += 1
         log.error(
@@ -489,10 +492,7 @@ def _tracked(
         # Pinned while cpushim knew nothing of it (--recover-from-runtime) and sharing now:
         # the runtime's record is all that tells what kubelet's memory manager chose.
         kubelet_mems = _kubelet_mems(engine, container)
-    try:
-        recorded: CPUSet | None = CPUSet.parse(container.resources.cpuset_cpus) or None
-    except ValueError:
-        recorded = None
+    recorded = _current_cpus(container) or None
     running = container.state == pb.CONTAINER_RUNNING
     cgroup = engine.mover.cgroup_of(container.info) if running else None
     applied = recorded
@@ -509,13 +509,9 @@ def _tracked(
     if holds:
         assert assignment is not None
         # Kept on the CPUs it runs on, it is not moved: its mems and quota must be looked at.
-        try:
-            mems_now = CPUSet.parse(resources.cpuset_mems) if resources.cpuset_mems else None
-        except ValueError:
-            mems_now = None
         wanted = CPUSet.parse(engine._mems_of(assignment))
         quota_kept = keep_quota or resources.cpu_quota == rq.NO_QUOTA
-        settings_stale = mems_now != wanted or not quota_kept
+        settings_stale = _recorded_mems(container) != wanted or not quota_kept
     return Tracked(
         settings_stale=settings_stale,
         id=container.id,
