@@ -1104,17 +1104,23 @@ async def test_a_restored_container_is_not_restored_again_at_the_next_restart(
     assert not env.engine.containers[pinned_id].exclusive
 
 
-async def test_kubelets_update_of_a_lost_container_restores_it_with_kubelets_quota(
-    env: Env,
-) -> None:
+async def lost_with_its_restore_refused(env: Env) -> str:
+    """A pinned 1-CPU container that lost its CPU to a restart under the none policy, whose
+    restore at that start the runtime refused: still marked, and at quota -1. Its id."""
     pod = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pod, "main", 1000)
-    # The restore at start-up fails: the container stays marked, and kubelet's next update
-    # carries it, with kubelet's own quota (a resize's).
     env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
     await env.restart(NonePolicy(TOPOLOGY))
     assert env.fake.containers[pinned_id].resources.cpu_quota == -1
     assert env.engine.containers[pinned_id].exclusive
+    return pinned_id
+
+
+async def test_kubelets_update_of_a_lost_container_restores_it_with_kubelets_quota(
+    env: Env,
+) -> None:
+    # kubelet's next update carries the restore, with kubelet's own quota (a resize's).
+    pinned_id = await lost_with_its_restore_refused(env)
     request = pb.UpdateContainerResourcesRequest(
         container_id=pinned_id,
         linux=pb.LinuxContainerResources(
@@ -1198,11 +1204,7 @@ async def test_cpus_whose_container_id_was_never_learnt_go_with_their_sandbox(
 async def test_another_clients_update_of_a_lost_container_gives_kubelets_quota_back(
     env: Env,
 ) -> None:
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
-    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
-    await env.restart(NonePolicy(TOPOLOGY))
-    assert env.fake.containers[pinned_id].resources.cpu_quota == -1
+    pinned_id = await lost_with_its_restore_refused(env)
     # Not kubelet's (no shares, no quota): it still restores the container, quota and all.
     request = pb.UpdateContainerResourcesRequest(
         container_id=pinned_id, linux=pb.LinuxContainerResources(memory_limit_in_bytes=2 * GIB)
