@@ -341,13 +341,13 @@ class Engine:
         return [key for key, a in self.state.assignments.items() if a.sandbox_id == sandbox_id]
 
     async def _pod_sandbox_stopped(self, request: bytes, response: bytes | None) -> None:
-        sandbox_id = pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id
+        sandbox_id = self._sandbox_id(pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id)
         async with self.lock:
             self._mark_sandbox_exited(sandbox_id)
             await self._release(self._held_in_sandbox(sandbox_id))
 
     def _pod_sandbox_stopped_now(self, request: bytes, response: bytes | None) -> Pending | None:
-        sandbox_id = pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id
+        sandbox_id = self._sandbox_id(pb.StopPodSandboxRequest.FromString(request).pod_sandbox_id)
         if self._held_in_sandbox(sandbox_id):
             return Pending.LATER
         self._mark_sandbox_exited(sandbox_id)
@@ -359,7 +359,7 @@ class Engine:
                 self._mark_exited(tracked)
 
     async def _pod_sandbox_removed(self, request: bytes, response: bytes | None) -> Afterwards:
-        sandbox_id = pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id
+        sandbox_id = self._sandbox_id(pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id)
         async with self.lock:
             self._untrack_sandbox(sandbox_id)
             await self._release(self._held_in_sandbox(sandbox_id))
@@ -368,7 +368,7 @@ class Engine:
     def _pod_sandbox_removed_now(
         self, request: bytes, response: bytes | None
     ) -> Afterwards | Pending:
-        sandbox_id = pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id
+        sandbox_id = self._sandbox_id(pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id)
         if self._held_in_sandbox(sandbox_id):
             return Pending.LATER
         self._untrack_sandbox(sandbox_id)
@@ -419,7 +419,7 @@ class Engine:
 
     async def _create_container(self, call: UnaryCall, forward: Forward) -> Reply:
         request = pb.CreateContainerRequest.FromString(call.request)
-        pod = self._pod_of(request.pod_sandbox_id, request.sandbox_config)
+        pod = self._pod_of(self._sandbox_id(request.pod_sandbox_id), request.sandbox_config)
         meta = request.config.metadata
         try:
             plan = plan_container(pod, meta.name, request.config.linux.resources)
@@ -476,8 +476,8 @@ class Engine:
             self.containers[response.container_id] = Tracked(
                 id=response.container_id,
                 key=key,
-                sandbox_id=request.pod_sandbox_id,
-                cgroup_parent=self._cgroup_parent(request),
+                sandbox_id=pod.sandbox_id,
+                cgroup_parent=self._cgroup_parent(request, pod),
                 exclusive=False,
                 keep_quota=True,
                 phase=Phase.CREATED,
@@ -642,8 +642,8 @@ class Engine:
         self.containers[container_id] = Tracked(
             id=container_id,
             key=key,
-            sandbox_id=request.pod_sandbox_id,
-            cgroup_parent=self._cgroup_parent(request),
+            sandbox_id=pod.sandbox_id,
+            cgroup_parent=self._cgroup_parent(request, pod),
             exclusive=True,
             keep_quota=plan.keep_quota,
             kubelet_quota=kubelet_quota,
@@ -733,12 +733,9 @@ class Engine:
         pinned = self._assignment_of(tracked) is not None
         self.projector.update(tracked.key, Cpuset(cpus, mems, exclusive=pinned))
 
-    def _cgroup_parent(self, request: pb.CreateContainerRequest) -> str:
-        parent = request.sandbox_config.linux.cgroup_parent
-        if parent:
-            return parent
-        pod = self.pods.get(request.pod_sandbox_id)
-        return pod.cgroup_parent if pod is not None else ""
+    @staticmethod
+    def _cgroup_parent(request: pb.CreateContainerRequest, pod: Pod) -> str:
+        return request.sandbox_config.linux.cgroup_parent or pod.cgroup_parent
 
     def _sandbox_of(self, key: ContainerKey) -> str:
         for pod in self.pods.values():
@@ -750,7 +747,7 @@ class Engine:
         return self._container_started_now(request, response)
 
     def _container_started_now(self, request: bytes, response: bytes | None) -> Afterwards:
-        container_id = pb.StartContainerRequest.FromString(request).container_id
+        container_id = self._container_id(pb.StartContainerRequest.FromString(request).container_id)
         tracked = self.containers.get(container_id)
         if tracked is None:
             return None
@@ -770,6 +767,26 @@ class Engine:
         tracked.phase = Phase.EXITED
         if self.watcher is not None:
             self.watcher.unwatch(tracked.id)
+
+    def _container_id(self, named: str) -> str:
+        """The full id of a container a call names. kubelet sends full ids; crictl and other
+        clients may send a prefix, which the runtime takes when it is unique: resolved
+        among the containers cpushim knows (the runtime's are more, so where it finds the
+        prefix ambiguous it refuses the call, and a refused call changes nothing here)."""
+        if not named or named in self.containers:
+            return named
+        known = set(self.containers)
+        known.update(a.container_id for a in self.state.assignments.values())
+        return _unique_prefix_match(named, known)
+
+    def _sandbox_id(self, named: str) -> str:
+        """The full id of a sandbox a call names (see ``_container_id``)."""
+        if not named or named in self.pods:
+            return named
+        known = set(self.pods)
+        known.update(a.sandbox_id for a in self.state.assignments.values())
+        known.update(t.sandbox_id for t in self.containers.values())
+        return _unique_prefix_match(named, known)
 
     def _untrack(self, container_id: str) -> None:
         self.containers.pop(container_id, None)
@@ -794,7 +811,7 @@ class Engine:
                 await self._release([key])
 
     async def _container_stopped(self, request: bytes, response: bytes | None) -> None:
-        container_id = pb.StopContainerRequest.FromString(request).container_id
+        container_id = self._container_id(pb.StopContainerRequest.FromString(request).container_id)
         async with self.lock:
             tracked = self.containers.get(container_id)
             if tracked is not None:
@@ -804,7 +821,7 @@ class Engine:
                 await self._release([key])
 
     def _container_stopped_now(self, request: bytes, response: bytes | None) -> Pending | None:
-        container_id = pb.StopContainerRequest.FromString(request).container_id
+        container_id = self._container_id(pb.StopContainerRequest.FromString(request).container_id)
         if self.state.holding(container_id) is not None:
             return Pending.LATER
         tracked = self.containers.get(container_id)
@@ -813,7 +830,9 @@ class Engine:
         return None
 
     async def _container_removed(self, request: bytes, response: bytes | None) -> None:
-        container_id = pb.RemoveContainerRequest.FromString(request).container_id
+        container_id = self._container_id(
+            pb.RemoveContainerRequest.FromString(request).container_id
+        )
         async with self.lock:
             self._untrack(container_id)
             key = self.state.holding(container_id)
@@ -821,7 +840,9 @@ class Engine:
                 await self._release([key])
 
     def _container_removed_now(self, request: bytes, response: bytes | None) -> Pending | None:
-        container_id = pb.RemoveContainerRequest.FromString(request).container_id
+        container_id = self._container_id(
+            pb.RemoveContainerRequest.FromString(request).container_id
+        )
         if self.state.holding(container_id) is not None:
             return Pending.LATER
         self._untrack(container_id)
@@ -829,7 +850,9 @@ class Engine:
 
     async def _update_container_resources(self, call: UnaryCall, forward: Forward) -> Reply:
         request = pb.UpdateContainerResourcesRequest.FromString(call.request)
-        tracked = self.containers.get(request.container_id)
+        # The request goes on naming the container as its client did: the runtime resolves
+        # a prefix itself, and refuses one that also names a container cpushim does not know.
+        tracked = self.containers.get(self._container_id(request.container_id))
         if tracked is None:
             return await forward()
         async with self.lock, tracked.write_lock:
@@ -1189,6 +1212,12 @@ class Engine:
         async with self.lock:
             await self._apply()
             return not self._out_of_place()
+
+
+def _unique_prefix_match(named: str, ids: set[str]) -> str:
+    """The one id of ``ids`` that starts with ``named``, else ``named`` itself."""
+    matches = [i for i in ids if i and i.startswith(named)]
+    return matches[0] if len(matches) == 1 else named
 
 
 def _response(reply: Reply, message_type: type[_M]) -> _M | None:
