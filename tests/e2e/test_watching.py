@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e.conftest import Shim
 from tests.e2e.pods import assert_kernel, start_pinned, start_shared_and_pinned
-from tests.harness.containerd import wait_for
+from tests.harness.containerd import PrivateContainerd, wait_for
 from tests.harness.kubelet import KubeletClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
@@ -154,3 +154,43 @@ def replace_file(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.new")
     temporary.write_text(text)
     os.replace(temporary, path)
+
+
+def test_after_a_containerd_restart_pins_releases_and_repairs_go_on(
+    shim: Shim,
+    containerd: PrivateContainerd,
+    direct: KubeletClient,
+    via: Callable[[], KubeletClient],
+) -> None:
+    """``systemctl restart containerd`` on a node (an upgrade): the containers run on, every
+    connection to containerd drops, cpushim's own channel among them, and cpushim must go on
+    as before: kubelet's next calls served, CPUs released and pinned, cpusets repaired."""
+    shim.start()
+    kubelet = via()
+    shared_id, _, pinned_id = start_shared_and_pinned(kubelet)
+    containerd.restart()
+    kubelet.wait_ready()  # through cpushim: kubelet's own way of waiting for its runtime
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+
+    kubelet.stop_container(pinned_id, timeout=5)
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+    assert shim.assignments() == {}
+    next_pod, next_id = start_pinned(kubelet)
+    assert_kernel(kubelet.kernel_cpus(next_id), "1")
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+    assert shim.assignments() == {next_pod.uid: {"main": "1"}}
+    # containerd's record of the shared container follows its cgroup (cpushim's own calls).
+    wait_for(
+        lambda: direct.recorded_cpuset_cpus(shared_id) == "0",
+        REACTION_TIMEOUT,
+        "containerd's record of the shared container",
+    )
+    # The new container is watched (cpushim located its cgroup through containerd).
+    cpuset_file(kubelet, next_id).write_text("0-1")
+    wait_for(
+        lambda: kubelet.kernel_cpus(next_id).cgroup_cpuset_cpus == "1",
+        REACTION_TIMEOUT,
+        "the new pinned container's cpuset written back",
+        on_timeout=lambda: shim.process.log() if shim.process else "",
+    )

@@ -221,31 +221,44 @@ class PrivateContainerd:
             for directory in (self.root, self.state, self.runc_root, self.dir / "cni"):
                 directory.mkdir(parents=True, exist_ok=True)
             self.config_path.write_text(self.render_config())
-            with self.log_path.open("wb") as log:
-                self._process = subprocess.Popen(
-                    [
-                        self._containerd,
-                        "--config",
-                        str(self.config_path),
-                        "--log-level",
-                        self.log_level,
-                    ],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    # Its own session: a Ctrl-C meant for pytest must not reach containerd
-                    # before the harness has stopped the containers in order.
-                    start_new_session=True,
-                )
-            wait_for(
-                self._ready,
-                self.start_timeout,
-                f"containerd socket {self.socket_path}",
-                on_timeout=self.log_tail,
-            )
+            self._launch()
         except BaseException:
             self.stop()
             raise
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """Stop the containerd process alone and start it again on the same root, state and
+        socket, as ``systemctl restart containerd`` does on a node: the containers (their
+        shims) run on, and containerd finds them again when it starts."""
+        process, self._process = self._process, None
+        if process is None:
+            raise ContainerdError("containerd is not started")
+        terminate(process, timeout)
+        self._launch()
+
+    def _launch(self) -> None:
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                [
+                    self._containerd,
+                    "--config",
+                    str(self.config_path),
+                    "--log-level",
+                    self.log_level,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Its own session: a Ctrl-C meant for pytest must not reach containerd
+                # before the harness has stopped the containers in order.
+                start_new_session=True,
+            )
+        wait_for(
+            self._ready,
+            self.start_timeout,
+            f"containerd socket {self.socket_path}",
+            on_timeout=self.log_tail,
+        )
 
     def _ready(self) -> bool:
         if self._process is not None and self._process.poll() is not None:
