@@ -242,7 +242,7 @@ async def through_relay(env: Env) -> AsyncIterator[RuntimeChannel]:
 
 
 def assert_consistent(env: Env) -> None:
-    """ARCHITECTURE.md section 4, on the engine's state and on what the runtime holds."""
+    """docs/architecture.md's invariants, on the engine's state and what the runtime holds."""
     state = env.engine.state
     assert integrity_problems(state, TOPOLOGY) == []
     for tracked in env.engine.containers.values():

@@ -338,7 +338,7 @@ def assert_exclusive(topology: Topology, seen: Observed, count: int) -> CPUSet:
 
 
 def assert_invariants(node: Node) -> None:
-    """ARCHITECTURE.md section 4, from the kernel: exclusive sets are disjoint from each
+    """docs/architecture.md's invariants, from the kernel: exclusive sets are disjoint from each
     other, from the reserved CPUs and from the shared pool; every shared container sees the
     same non-empty pool; pool and exclusive sets together are every CPU; cpushim's checkpoint
     names exactly the exclusive sets the kernel enforces."""
