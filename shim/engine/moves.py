@@ -37,9 +37,13 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
 from shim.cri.upstream import RuntimeChannel
 from shim.engine import requests as rq
+from shim.engine.retrying import MAX_RETRY_DELAY
 from shim.engine.tracked import Phase, Tracked
 
 log = logging.getLogger(__name__)
+
+# The least wait before a record the runtime refused is sent again.
+MIN_RECORD_RETRY_DELAY = 1.0
 
 
 def pid_of(verbose_info: str) -> int:
@@ -178,6 +182,7 @@ class Mover:
         # Since when the runtime's record has been behind the cgroup.
         behind_since = loop.time()
         retry_at = 0.0
+        refusals = 0  # in a row
         try:
             while tracked.phase is not Phase.EXITED:
                 await self._until_due(tracked, behind_since, retry_at)
@@ -195,6 +200,8 @@ class Mover:
                         # The cgroup is right; the runtime's record (and systemd's) is behind.
                         self.counters["runtime_record_errors"] += 1
                         retrying = not self._flush.is_set()
+                        delay = self._retry_delay(refusals)
+                        refusals += 1
                         log.warning(
                             "the runtime did not record a container's cpuset",
                             extra={
@@ -202,14 +209,15 @@ class Mover:
                                     "container_id": tracked.id,
                                     "cpus": str(cpus),
                                     "error": f"{reply.status.name}: {reply.status_message}",
-                                    "retry_in_s": self._retry_delay if retrying else None,
+                                    "retry_in_s": delay if retrying else None,
                                 }
                             },
                         )
                         if not retrying:
                             return  # shutting down: the next start's resync squares it
-                        retry_at = loop.time() + self._retry_delay
+                        retry_at = loop.time() + delay
                         continue
+                    refusals = 0
                     tracked.recorded = cpus
                     self.counters["runtime_records"] += 1
                 behind_since = loop.time()
@@ -230,11 +238,13 @@ class Mover:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._flush.wait(), wait)
 
-    @property
-    def _retry_delay(self) -> float:
-        """How long a refused record waits before it is tried again: the record delay, and
-        never less than a second, so a runtime that keeps refusing is not called in a loop."""
-        return max(self.record_delay, 1.0)
+    def _retry_delay(self, refusals: int) -> float:
+        """How long a refused record waits before it is tried again: the record delay, never
+        less than ``MIN_RECORD_RETRY_DELAY``, doubled for each refusal before it in a row up
+        to a minute, so a runtime that keeps refusing (one ``runc update`` and one warning
+        each time) is not called every second while the container lives."""
+        first = max(self.record_delay, MIN_RECORD_RETRY_DELAY)
+        return min(first * (1 << min(refusals, 16)), max(first, MAX_RETRY_DELAY))
 
     def flush(self) -> None:
         """Tell the runtime every cpuset written directly now, not after the delay (at

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from grpclib.const import Status as GrpcStatus
 
-from shim.engine import EngineOptions
+from shim.engine import EngineOptions, moves
 from tests.fake_runtime import FakeRuntime
 from tests.unit.engine_env import (
     FIRST_SINGLE,
@@ -147,6 +147,32 @@ async def test_a_record_the_runtime_refuses_is_counted_logged_and_retried(
         assert env.engine.counters["runtime_record_errors"] == 1
         (warning,) = [r for r in caplog.records if "did not record" in r.getMessage()]
         assert "containerd is busy" in str(warning.__dict__["fields"]["error"])
+        env.channel.close()
+
+
+async def test_a_record_the_runtime_keeps_refusing_is_retried_ever_less_often(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(moves, "MIN_RECORD_RETRY_DELAY", 0.02)
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await cgroup_env(tmp_path, fake, record_delay=0.0)
+        shared_id = await start_located(env, "web")
+        fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN, "runc update failed", 4)
+        with caplog.at_level("WARNING", logger="shim.engine.moves"):
+            pod = await env.kubelet.run_pod("db", "guaranteed")
+            pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+            await until(lambda: env.engine.counters["runtime_records"] == 1, "recorded")
+            # Refused again after a record went through: the wait starts over.
+            fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN, "runc update failed")
+            await env.kubelet.stop(pinned_id)
+            await until(lambda: env.engine.counters["runtime_records"] == 2, "recorded again")
+        waits = [
+            r.__dict__["fields"]["retry_in_s"]
+            for r in caplog.records
+            if "did not record" in r.getMessage()
+        ]
+        assert waits == [0.02, 0.04, 0.08, 0.16, 0.02]
+        assert env.cpus(shared_id) == "0-7"
         env.channel.close()
 
 
