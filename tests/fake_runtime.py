@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ from grpclib.server import Server, Stream
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.methods import ALL_METHODS, REQUEST_TYPES, Method
 from tests.fake_cri import RawCodec, short_tmpdir
+from tests.harness.containerd import CgroupDriver
 
 RUNTIME_NAME = "fake-containerd"
 RUNTIME_VERSION = "1.6.0-fake"
@@ -178,11 +179,17 @@ class FakeRuntime:
         cgroup_root: Path | None = None,
         cgroup_version: int = 1,
         pid_source: Callable[[], int] | None = None,
+        cgroup_driver: CgroupDriver = "cgroupfs",
     ) -> None:
-        # With a root, started containers get a cgroup directory below it (cgroupfs driver's
-        # layout: the sandbox's cgroup parent, then the container id) holding ``cpuset.cpus``,
-        # written on start and update and removed when the process exits, as runc does.
+        # With a root, started containers get a cgroup directory below it holding
+        # ``cpuset.cpus``, written on start and update and removed when the process exits, as
+        # runc does. The cgroupfs driver's layout: the sandbox's cgroup parent, then the
+        # container id; the systemd driver's: the pod slice's path (each dash of its name a
+        # level), then the scope ``cri-containerd-<id>.scope``.
         self.cgroup_root = cgroup_root
+        # kubelet's and containerd's (they agree): the form of the pods' cgroup parents
+        # kubelet sends (tests.harness.kubelet.pod_cgroup_parent) and so of the cgroup paths.
+        self.cgroup_driver = cgroup_driver
         # Version 2 adds the ``cgroup.events`` file, "populated 1" while the process runs.
         self.cgroup_version = cgroup_version
         self.sandboxes: dict[str, FakeSandbox] = {}
@@ -403,17 +410,30 @@ class FakeRuntime:
             (cgroup / "cgroup.procs").write_text(f"{container.pid}\n")
 
     def cgroup_path(self, container_id: str) -> str:
-        """The OCI ``cgroupsPath`` containerd gives a container (cgroupfs driver)."""
+        """The OCI ``cgroupsPath`` containerd gives a container: ``<pod slice>:cri-containerd:
+        <id>`` when the cgroup parent is a systemd slice (kubelet's systemd driver),
+        ``<parent>/<id>`` otherwise."""
         container = self.containers[container_id]
         sandbox = self.sandboxes.get(container.sandbox_id)
         parent = sandbox.config.linux.cgroup_parent if sandbox is not None else ""
+        base = PurePosixPath(parent).name
+        if base.endswith(".slice"):
+            return f"{base}:cri-containerd:{container.id}"
         return f"{parent}/{container.id}"
 
     def cgroup_dir(self, container_id: str) -> Path | None:
         """The container's cgroup directory under ``cgroup_root`` (None without a root)."""
         if self.cgroup_root is None:
             return None
-        return self.cgroup_root / self.cgroup_path(container_id).lstrip("/")
+        path = self.cgroup_path(container_id)
+        if not path.startswith("/") and path.count(":") == 2:
+            # systemd's rule, written out here rather than taken from shim.cgroups:
+            # a-b-c.slice is a.slice/a-b.slice/a-b-c.slice.
+            slice_name, prefix, name = path.split(":")
+            words = slice_name.removesuffix(".slice").split("-")
+            levels = ["-".join(words[: i + 1]) + ".slice" for i in range(len(words))]
+            return self.cgroup_root.joinpath(*levels, f"{prefix}-{name}.scope")
+        return self.cgroup_root / path.lstrip("/")
 
     def cgroup_cpus(self, container_id: str) -> str | None:
         """What the container's cgroup ``cpuset.cpus`` holds; None when it has none."""

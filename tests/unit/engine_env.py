@@ -29,6 +29,7 @@ from shim.policy.static import StaticPolicy
 from shim.state import integrity_problems
 from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
+from tests.harness.containerd import CgroupDriver
 from tests.harness.kubelet import (
     QoSClass,
     milli_cpu_to_quota,
@@ -68,6 +69,8 @@ class Kubelet:
     engine: Engine
     runtime: RuntimeChannel
     pods: list[Pod] = field(default_factory=list)
+    # kubelet's --cgroup-driver: the form of the pods' cgroup parents.
+    cgroup_driver: CgroupDriver = "cgroupfs"
 
     async def call(self, method: str, request: bytes, deadline: float = 10.0) -> Reply:
         call = UnaryCall(rq.RUNTIME + method, (), request, deadline)
@@ -89,7 +92,9 @@ class Kubelet:
         config = pb.PodSandboxConfig(
             metadata=pb.PodSandboxMetadata(name=name, uid=uid, namespace="default"),
             annotations=dict(annotations or {}),
-            linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent(qos, uid)),
+            linux=pb.LinuxPodSandboxConfig(
+                cgroup_parent=pod_cgroup_parent(qos, uid, self.cgroup_driver)
+            ),
         )
         raw = await self.ok(
             "RunPodSandbox", pb.RunPodSandboxRequest(config=config).SerializeToString()
@@ -180,7 +185,7 @@ class Env:
         )
         await resync(engine, recover_from_runtime=recover)
         self.engine = engine
-        self.kubelet = Kubelet(engine, self.channel, self.kubelet.pods)
+        self.kubelet = Kubelet(engine, self.channel, self.kubelet.pods, self.kubelet.cgroup_driver)
         return engine
 
 
@@ -194,11 +199,12 @@ async def make_env(
     projection: ProjectionSettings | None = None,
 ) -> Env:
     """An engine on ``fake``; when the fake keeps a cgroup tree, the engine writes it (as a
-    cgroup v1 cpuset hierarchy)."""
+    cgroup hierarchy of the fake's version), and kubelet's pods name cgroup parents in the
+    form of the fake's cgroup driver."""
     channel = RuntimeChannel(fake.endpoint)
     layout = None
     if fake.cgroup_root is not None:
-        layout = CgroupLayout(CgroupVersion.V1, fake.cgroup_root)
+        layout = CgroupLayout(CgroupVersion(fake.cgroup_version), fake.cgroup_root)
     engine = Engine(
         policy or static_policy(),
         CheckpointFile(state_dir),
@@ -208,7 +214,8 @@ async def make_env(
         projection=projection,
     )
     await resync(engine)
-    return Env(fake, state_dir, channel, engine, Kubelet(engine, channel))
+    kubelet = Kubelet(engine, channel, cgroup_driver=fake.cgroup_driver)
+    return Env(fake, state_dir, channel, engine, kubelet)
 
 
 @pytest.fixture

@@ -497,6 +497,66 @@ async def p(tmp_path: Path) -> AsyncIterator[tuple[Watched, Processes]]:
         processes.close()
 
 
+@pytest.fixture(
+    params=[(1, "cgroupfs"), (1, "systemd"), (2, "cgroupfs"), (2, "systemd")],
+    ids=["v1-cgroupfs", "v1-systemd", "v2-cgroupfs", "v2-systemd"],
+)
+async def every_layout(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[Watched, Processes]]:
+    """``p`` on each cgroup version with each driver: the systemd one names pods by slice
+    (``kubepods-burstable-pod<uid_>.slice``) and containers by scope, below the slices'
+    expanded path (``kubepods.slice/kubepods-burstable.slice/...``)."""
+    version, driver = request.param
+    processes = Processes()
+    try:
+        async with FakeRuntime(
+            cgroup_root=tmp_path / "cgroup",
+            cgroup_version=version,
+            cgroup_driver=driver,
+            pid_source=processes.spawn,
+        ) as fake:
+            async for watched in watched_env(tmp_path, fake):
+                watched.env.engine.mover.shims = (OWN_NAME,)
+                yield watched, processes
+    finally:
+        processes.close()
+
+
+@pytest.mark.parametrize("qos", ["guaranteed", "burstable", "besteffort"])
+async def test_each_drivers_cgroup_is_found_on_each_version_for_each_qos_class(
+    every_layout: tuple[Watched, Processes], qos: str
+) -> None:
+    """From containerd's layout at start, from the runtime's cgroupsPath later and after a
+    restart: the same directory, watched, and released from when the process ends."""
+    w, processes = every_layout
+    shared_id = await w.started("web")
+    container_id = await w.started("app", qos, 1000)
+    directory = w.env.fake.cgroup_dir(container_id)
+    assert directory is not None
+    assert directory.is_dir()
+    if w.env.fake.cgroup_driver == "systemd":
+        assert directory.name == f"cri-containerd-{container_id}.scope"
+        pod_slice = directory.parent
+        assert pod_slice.name.startswith("kubepods-")
+        assert pod_slice.name.endswith(".slice")
+        levels = pod_slice.relative_to(w.env.fake.cgroup_root or Path()).parts
+        assert len(levels) == (2 if qos == "guaranteed" else 3)
+    tracked = w.env.engine.containers[container_id]
+    assert tracked.cgroup == directory
+    assert w.counters["cgroups_derived"] == 2
+    tracked.cgroup, tracked.pid = None, 0
+    assert await w.env.engine.mover.locate(tracked) == directory
+    pinned = qos == "guaranteed"
+    assert w.env.kernel_cpus(container_id) == (FIRST_SINGLE if pinned else "0-7")
+    assert w.env.kernel_cpus(shared_id) == (SHARED_AFTER_FIRST_SINGLE if pinned else "0-7")
+
+    processes.kill(w.env.fake.containers[container_id].pid)
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "shared container grown")
+    await until(lambda: w.counters["exits_seen"] == 1, "the exit seen")
+    assert w.env.engine.state.holding(container_id) is None
+
+
 async def test_a_process_exit_releases_cpus_before_the_cgroup_goes(
     p: tuple[Watched, Processes],
 ) -> None:
