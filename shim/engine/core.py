@@ -759,8 +759,11 @@ class Engine:
     async def _locate(self, tracked: Tracked) -> None:
         """Learn where a started container's cgroup is, so later moves can write it directly
         and the watcher can watch it."""
-        await self.mover.locate(tracked, just_started=True)
-        if tracked.cgroup is not None and self.watcher is not None:
+        found = await self.mover.find(tracked, just_started=True)
+        if found.ended:
+            # Ended before its cgroup was looked for: no watch would see it.
+            await self.container_exited(tracked.id)
+        elif tracked.cgroup is not None and self.watcher is not None:
             self.watcher.watch(tracked)
 
     def _mark_exited(self, tracked: Tracked) -> None:

@@ -39,6 +39,7 @@ from shim.cri.upstream import RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.retrying import MAX_RETRY_DELAY
 from shim.engine.tracked import Phase, Tracked
+from shim.fileio import read_file
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,32 @@ def pid_of(verbose_info: str) -> int:
     except (ValueError, AttributeError):
         return 0
     return pid if isinstance(pid, int) and pid > 0 else 0
+
+
+@dataclass(frozen=True)
+class Found:
+    """Where a container's cgroup is (None: not found), and whether the container has
+    ended (its process is gone: its CPUs may go back)."""
+
+    cgroup: Path | None
+    ended: bool = False
+
+
+def _process_ended(pid: int) -> bool:
+    """Whether the process ``pid`` is gone or a zombie; False when unknown (0) or alive (a
+    pid reused by another process counts as alive: the container is then not taken for
+    ended)."""
+    if pid <= 0:
+        return False
+    try:
+        stat = read_file(f"/proc/{pid}/stat")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses; from the last ")".
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
 
 
 @dataclass(frozen=True)
@@ -258,27 +285,41 @@ class Mover:
         when neither containerd's layout nor the runtime says, or the cgroup does not
         exist). Only ``just_started`` containers are found from the layout: later, the
         container's own process may have moved, or handed its place on."""
+        return (await self.find(tracked, just_started=just_started)).cgroup
+
+    async def find(self, tracked: Tracked, *, just_started: bool = False) -> Found:
+        """:meth:`locate`, and when the cgroup is not found, whether that is because the
+        container has ended: the runtime no longer knows it or says it exited, or the cgroup
+        it names is gone with the process it names. A process that ends at once can take its
+        cgroup with it before it is looked for (systemd removes an emptied scope at once),
+        while containerd still reports the container running until its shim has cleaned up:
+        no watch would then ever see the exit."""
         if self.layout is None:
-            return None
+            return Found(None)
         if just_started and self._derive(tracked):
-            return tracked.cgroup
+            return Found(tracked.cgroup)
         request = pb.ContainerStatusRequest(container_id=tracked.id, verbose=True)
         reply = await self.runtime.unary(
             UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), self.timeout)
         )
+        if reply.status is Status.NOT_FOUND:
+            return Found(None, ended=True)
         if reply.status is not Status.OK or not reply.messages:
-            return None
+            return Found(None)
         try:
             status = pb.ContainerStatusResponse.FromString(reply.messages[0])
         except DecodeError:
-            return None
+            return Found(None)
         info = status.info.get("info", "")
         directory = self.cgroup_of(info)
-        if directory is None or not directory.is_dir():
-            return None
+        if directory is None:
+            return Found(None, ended=status.status.state == pb.CONTAINER_EXITED)
+        if not directory.is_dir():
+            ended = status.status.state == pb.CONTAINER_EXITED or _process_ended(pid_of(info))
+            return Found(None, ended=ended)
         tracked.cgroup = directory
         tracked.pid = pid_of(info)
-        return directory
+        return Found(directory)
 
     def _derive(self, tracked: Tracked) -> bool:
         """Locate the container without asking the runtime: containerd names the cgroup from

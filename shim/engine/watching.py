@@ -434,8 +434,9 @@ class Watcher:
         for tracked in list(self.engine.containers.values()):
             if tracked.phase is not Phase.RUNNING:
                 continue
-            if tracked.cgroup is None:
-                await self.engine.mover.locate(tracked)
+            if tracked.cgroup is None and (await self.engine.mover.find(tracked)).ended:
+                await self.engine.container_exited(tracked.id)
+                continue
             await self.check(tracked.id)
             running = tracked.phase is Phase.RUNNING and tracked.cgroup is not None
             if running and tracked.id not in self._containers:

@@ -557,6 +557,77 @@ async def test_each_drivers_cgroup_is_found_on_each_version_for_each_qos_class(
     assert w.env.engine.state.holding(container_id) is None
 
 
+@pytest.fixture
+async def v2_systemd(tmp_path: Path) -> AsyncIterator[tuple[Watched, Processes]]:
+    """``p`` on cgroup v2 with the systemd driver."""
+    processes = Processes()
+    try:
+        async with FakeRuntime(
+            cgroup_root=tmp_path / "cgroup",
+            cgroup_version=2,
+            cgroup_driver="systemd",
+            pid_source=processes.spawn,
+        ) as fake:
+            async for watched in watched_env(tmp_path, fake):
+                watched.env.engine.mover.shims = (OWN_NAME,)
+                yield watched, processes
+    finally:
+        processes.close()
+
+
+async def test_a_container_whose_cgroup_went_before_it_was_located_gives_its_cpus_back(
+    v2_systemd: tuple[Watched, Processes],
+) -> None:
+    """A process that ends at once: with the systemd driver, systemd removes the emptied
+    scope at once, while containerd still reports the container running (it marks it
+    exited only after its shim's cleanup). Neither the layout nor the runtime's cgroupsPath
+    then finds a cgroup, so no watch is placed; the process is gone, and so the container."""
+    w, processes = v2_systemd
+    shared_id = await w.started("web")
+    gate = w.env.fake.gate("ContainerStatus")
+
+    def ended_at_once() -> int:
+        pid = processes.spawn()
+        processes.kill(pid)
+        return pid
+
+    w.env.fake.pid_source = ended_at_once
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await w.env.kubelet.start_new(pod, "main", 1000)
+    assert w.env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    await until(lambda: len(w.env.fake.calls_of("ContainerStatus")) == 1, "asked where it is")
+    directory = w.env.fake.cgroup_dir(pinned_id)
+    assert directory is not None
+    shutil.rmtree(directory)  # systemd's cleanup of the emptied scope
+    assert w.env.fake.containers[pinned_id].state == pb.CONTAINER_RUNNING
+    w.env.fake.ungate("ContainerStatus")
+    gate.set()
+
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "shared container grown")
+    assert w.env.engine.state.holding(pinned_id) is None
+    assert w.counters["exits_seen"] == 1
+
+
+async def test_the_full_look_releases_a_container_that_exited_before_it_was_located(
+    w: Watched,
+) -> None:
+    """The runtime has noticed the exit by the time of the full look: its record says so."""
+    shared_id = await w.started("web")
+    gate = w.env.fake.gate("ContainerStatus")
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await w.env.kubelet.start_new(pod, "main", 1000)
+    await until(lambda: len(w.env.fake.calls_of("ContainerStatus")) == 2, "asked where it is")
+    w.env.fake.exit_container(pinned_id, exit_code=1)  # its cgroup goes with it
+    w.env.fake.ungate("ContainerStatus")
+    gate.set()
+    await w.settled()
+
+    await w.watcher.look_everywhere()
+    assert w.env.engine.state.holding(pinned_id) is None
+    assert w.env.kernel_cpus(shared_id) == "0-7"
+    assert w.counters["exits_seen"] == 1
+
+
 async def test_a_process_exit_releases_cpus_before_the_cgroup_goes(
     p: tuple[Watched, Processes],
 ) -> None:
