@@ -106,6 +106,10 @@ ENGINE_COUNTERS: dict[str, str] = {
     "runtime_record_errors": (
         "Cpusets written to a cgroup that the runtime refused to record (retried later)"
     ),
+    "stale_records_reapplied": (
+        "Drift repairs of the cpuset the runtime's record held from before a move not yet"
+        " told to it, applied again by systemd (a daemon-reload)"
+    ),
     "state_rewrites": "Times the state file on disk was found changed and rewritten",
     "watch_errors": "inotify watches that could not be placed",
 }

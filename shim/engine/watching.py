@@ -295,6 +295,9 @@ class Watcher:
             "cpus": str(cpus),
         }
         reversal = self._reversed_by_runtime(tracked, found, cpus)
+        if not reversal and self._record_applied_again(tracked, found, cpus):
+            fields["cause"] = "systemd applied the runtime's record from before the last move"
+            self.counters["stale_records_reapplied"] += 1
         if reversal:
             fields["cause"] = "systemd applied the runtime's mask byte-reversed"
             self.counters["byte_reversed_cpusets"] += 1
@@ -331,18 +334,36 @@ class Watcher:
         self.engine.project(tracked)
 
     def _reversed_by_runtime(self, tracked: Tracked, found: CPUSet, cpus: CPUSet) -> bool:
-        """Whether ``found`` is ``cpus`` as an unfixed runc hands it to systemd (which keeps
-        a cgroup v2 unit's cpuset only), for a container that still holds its own settings.
-        Another set that happens to match (``8`` reads as ``0``) is taken for it too: it is
-        written back all the same, and the runtime is told the first time."""
-        layout = self.engine.mover.layout
+        """Whether ``found`` is ``cpus``, or the set the runtime's record still holds (a move
+        written straight into the cgroup is told to the runtime, and so to systemd, only
+        later), as an unfixed runc hands it to systemd (which keeps a cgroup v2 unit's cpuset
+        only), for a container that still holds its own settings. Another set that happens
+        to match (``8`` reads as ``0``) is taken for it too: it is written back all the same,
+        and the runtime is told the first time."""
+        held = {cpus} if tracked.recorded is None else {cpus, tracked.recorded}
         return (
-            layout is not None
-            and layout.version is CgroupVersion.V2
+            self._v2
             and found != cpus
-            and found == cgroups.systemd_byte_reversed(cpus)
+            and found in {cgroups.systemd_byte_reversed(c) for c in held}
             and not self.engine._lost(tracked)
         )
+
+    def _record_applied_again(self, tracked: Tracked, found: CPUSet, cpus: CPUSet) -> bool:
+        """Whether ``found`` is the set the runtime's record holds from before a move written
+        straight into the cgroup and not told yet: systemd's copy (cgroup v2, the systemd
+        driver), which it writes again whenever it applies the unit (a daemon-reload). Put
+        right like any other, but nobody else's write."""
+        return (
+            self._v2
+            and found != cpus
+            and found == tracked.recorded
+            and not self.engine._lost(tracked)
+        )
+
+    @property
+    def _v2(self) -> bool:
+        layout = self.engine.mover.layout
+        return layout is not None and layout.version is CgroupVersion.V2
 
     # --- the state file ---------------------------------------------------------------------
 

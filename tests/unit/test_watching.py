@@ -162,6 +162,44 @@ async def test_a_cpuset_systemd_got_byte_reversed_from_runc_is_told_to_the_runti
     assert w.counters["byte_reversed_cpusets"] == (3 if v2 else 0)
 
 
+@pytest.mark.parametrize("runc", ["fixed", "before-1.1.6"])
+async def test_systemd_applying_the_runtimes_record_from_before_a_move_is_not_someone_else(
+    w16: Watched, runc: str
+) -> None:
+    """A shared container's move is written straight into its cgroup and told to the
+    runtime (and so to systemd, with the systemd driver) only after the record delay. A
+    daemon-reload meanwhile has systemd write the set it holds into the cgroup: the one from
+    before the move, byte-reversed by an unfixed runc. It is put right like any other, but it
+    is not someone else's write, and the alert for those must not fire."""
+    w = w16
+    layout = w.env.engine.mover.layout
+    v2 = layout is not None and layout.version is CgroupVersion.V2
+    await w.started("db-0", "guaranteed", 1000)
+    shared_id = await w.started("web")
+    tracked = w.env.engine.containers[shared_id]
+    recorded = tracked.recorded
+    assert recorded is not None
+    await w.started("db-1", "guaranteed", 1000)  # moves web; the runtime is told later
+    pool = CPUSet.parse(w.env.kernel_cpus(shared_id) or "")
+    assert pool != recorded
+    assert tracked.recorded == recorded
+    held = systemd_byte_reversed(recorded) if runc != "fixed" else recorded
+    assert held not in (pool, systemd_byte_reversed(pool))
+
+    cpuset_file(w.env, shared_id).write_text(f"{held}\n")  # systemd's daemon-reload
+    await until(lambda: w.counters["drift_repairs"] == 1, "repaired")
+    await w.settled()
+    assert w.env.kernel_cpus(shared_id) == str(pool)
+    assert updates_to(w.env.fake, shared_id)[-1] == str(pool)
+    someone_else = (
+        w.counters["drift_repairs"]
+        - w.counters["byte_reversed_cpusets"]
+        - w.counters["stale_records_reapplied"]
+    )
+    assert someone_else == (0 if v2 else 1)
+    assert w.counters["byte_reversed_cpusets"] == (1 if v2 and runc != "fixed" else 0)
+
+
 async def test_cpushims_own_moves_are_not_drift(w: Watched) -> None:
     shared_id = await w.started("web")
     for index in range(3):
