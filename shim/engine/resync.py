@@ -77,8 +77,8 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
     checkpoint cannot be trusted or the runtime cannot be listed."""
     loaded = _load(engine, recover_from_runtime)
     try:
-        pods = await _sandboxes(engine)
-        live, exited = await _containers(engine)
+        pods, stopped = await _sandboxes(engine)
+        live, exited = await _containers(engine, stopped)
     except DecodeError as exc:
         raise StartupError(
             f"resync: {engine.runtime.endpoint} answered with a message that does not decode"
@@ -169,10 +169,14 @@ async def _call(engine: Engine, path: str, request: bytes) -> Reply:
     return reply
 
 
-async def _sandboxes(engine: Engine) -> dict[str, Pod]:
+async def _sandboxes(engine: Engine) -> tuple[dict[str, Pod], set[str]]:
+    """The listed pods by sandbox id, and the ids of the sandboxes that are not ready."""
     reply = await _call(engine, rq.LIST_POD_SANDBOX, b"")
     pods: dict[str, Pod] = {}
+    stopped: set[str] = set()
     for item in pb.ListPodSandboxResponse.FromString(reply.messages[0]).items:
+        if item.state != pb.SANDBOX_READY:
+            stopped.add(item.id)
         request = pb.PodSandboxStatusRequest(pod_sandbox_id=item.id, verbose=True)
         status_reply = await engine.runtime.unary(
             UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
@@ -186,7 +190,7 @@ async def _sandboxes(engine: Engine) -> dict[str, Pod]:
             )
         status = pb.PodSandboxStatusResponse.FromString(status_reply.messages[0])
         pods[item.id] = Pod.from_config(item.id, _sandbox_config(item, status))
-    return pods
+    return pods, stopped
 
 
 def _sandbox_config(
@@ -208,15 +212,18 @@ def _sandbox_config(
 
 
 async def _containers(
-    engine: Engine,
+    engine: Engine, stopped: set[str]
 ) -> tuple[dict[str, LiveContainer], list[tuple[str, str]]]:
     """Containers that are not exited (exited ones hold no CPUs), and the (sandbox id, name)
-    of the exited ones."""
+    of the exited ones. A container created in a sandbox that is stopped since counts as
+    exited: the runtime starts none there (and the sandbox's stop left it created), so it
+    never runs."""
     reply = await _call(engine, rq.LIST_CONTAINERS, b"")
     live: dict[str, LiveContainer] = {}
     exited: list[tuple[str, str]] = []
     for item in pb.ListContainersResponse.FromString(reply.messages[0]).containers:
-        if item.state == pb.CONTAINER_EXITED:
+        never_runs = item.state == pb.CONTAINER_CREATED and item.pod_sandbox_id in stopped
+        if item.state == pb.CONTAINER_EXITED or never_runs:
             exited.append((item.pod_sandbox_id, item.metadata.name))
             continue
         request = pb.ContainerStatusRequest(container_id=item.id, verbose=True).SerializeToString()

@@ -218,3 +218,25 @@ async def test_a_container_whose_sandbox_is_not_listed_keeps_the_quota_its_pod_k
     await env.restart()
     assert env.fake.containers[container_id].resources.cpu_quota == quota
     assert env.engine.containers[container_id].keep_quota
+
+
+@pytest.mark.parametrize("recover", [False, True])
+async def test_a_created_container_left_in_a_stopped_sandbox_gets_no_cpus_at_a_restart(
+    env: Env, recover: bool
+) -> None:
+    """The runtime starts no container in a stopped sandbox (containerd: "sandbox container
+    is not running"), and its stop leaves a created one created: the orphan never runs, so
+    a restart must not take back the CPUs the sandbox's stop released."""
+    key, orphan, _ = await orphan_beside_its_next_attempt(env)
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    sandbox_id = env.fake.containers[orphan].sandbox_id
+    stop = pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id)
+    await env.kubelet.ok("StopPodSandbox", stop.SerializeToString())
+    assert env.fake.containers[orphan].state == pb.CONTAINER_CREATED
+    assert env.engine.state.assignments == {}
+
+    await env.restart(recover=recover)
+    assert key not in env.engine.state.assignments
+    assert env.saved() == {}
+    assert env.cpus(shared_id) == "0-7"
+    assert_consistent(env)
