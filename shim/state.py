@@ -281,6 +281,12 @@ def decode_checkpoint(data: bytes) -> CPUState:
     if not isinstance(document, dict):
         raise CheckpointError("it is not a JSON object")
     version = document.get("version")
+    if type(version) is int and version > CHECKPOINT_VERSION:
+        # The usual way here is a roll back to an older cpushim.
+        raise CheckpointError(
+            f"format version {version} is newer than {CHECKPOINT_VERSION}, the one this"
+            " cpushim reads: a newer cpushim wrote it, so run that version again"
+        )
     if isinstance(version, bool) or version != CHECKPOINT_VERSION:
         raise CheckpointError(
             f"format version {version!r} is not {CHECKPOINT_VERSION}, the one this cpushim reads"

@@ -719,7 +719,12 @@ def with_document(**changes: Any) -> Any:
         pytest.param(lambda d: b'"state"', "it is not a JSON object", id="string"),
         pytest.param(lambda d: b"null", "it is not a JSON object", id="null"),
         pytest.param(
-            with_document(version=2), "format version 2 is not 1, the one this", id="version 2"
+            with_document(version=2),
+            "format version 2 is newer than 1, the one this cpushim reads: a newer cpushim",
+            id="version 2",
+        ),
+        pytest.param(
+            with_document(version=0), "format version 0 is not 1, the one this", id="version 0"
         ),
         pytest.param(
             with_document(version="1"), "format version '1' is not 1", id="version string"
