@@ -21,6 +21,7 @@ from shim.engine.watching import Watcher
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeRuntime
+from tests.harness.containerd import CgroupDriver
 from tests.harness.sysfs import MachineSpec, expected_topology
 from tests.unit.engine_env import (
     FIRST_SINGLE,
@@ -111,18 +112,32 @@ async def test_an_exclusive_containers_cpuset_is_written_back(w: Watched) -> Non
     assert update.linux.cpu_quota == -1  # type: ignore[attr-defined]
 
 
-@pytest.fixture(params=[2, 1], ids=["v2", "v1"])
-async def w16(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Watched]:
-    """A watcher on 16 CPUs (2 sockets x 4 cores x 2 threads, CPU 0 reserved), on cgroup v2
-    (where systemd keeps units' cpusets) and on v1."""
+async def watched16(
+    tmp_path: Path, version: CgroupVersion, driver: CgroupDriver
+) -> AsyncIterator[Watched]:
+    """A watcher on 16 CPUs (2 sockets x 4 cores x 2 threads, CPU 0 reserved)."""
     sixteen = expected_topology(MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2))
     policy = StaticPolicy.create(sixteen, reserved=CPUSet.parse("0"))
-    version = CgroupVersion(request.param)
     root = tmp_path / "cgroup"
-    async with FakeRuntime(cgroup_root=root, cgroup_version=version) as fake:
+    async with FakeRuntime(cgroup_root=root, cgroup_version=version, cgroup_driver=driver) as fake:
         async for watched in watched_env(tmp_path, fake, policy=policy):
-            watched.env.engine.mover.layout = CgroupLayout(version, root)
             yield watched
+
+
+@pytest.fixture(params=[2, 1], ids=["v2", "v1"])
+async def w16(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Watched]:
+    """``watched16`` with the systemd driver, on cgroup v2 (where systemd keeps units'
+    cpusets) and on v1."""
+    async for watched in watched16(tmp_path, CgroupVersion(request.param), "systemd"):
+        yield watched
+
+
+@pytest.fixture
+async def w16_cgroupfs_v2(tmp_path: Path) -> AsyncIterator[Watched]:
+    """``watched16`` on cgroup v2 with the cgroupfs driver: systemd holds no container's
+    cpuset."""
+    async for watched in watched16(tmp_path, CgroupVersion.V2, "cgroupfs"):
+        yield watched
 
 
 async def test_a_cpuset_systemd_got_byte_reversed_from_runc_is_told_to_the_runtime_once(
@@ -198,6 +213,30 @@ async def test_systemd_applying_the_runtimes_record_from_before_a_move_is_not_so
     )
     assert someone_else == (0 if v2 else 1)
     assert w.counters["byte_reversed_cpusets"] == (1 if v2 and runc != "fixed" else 0)
+
+
+@pytest.mark.parametrize("runc", ["fixed", "before-1.1.6"])
+async def test_the_runtimes_old_record_written_under_the_cgroupfs_driver_is_someone_elses(
+    w16_cgroupfs_v2: Watched, runc: str
+) -> None:
+    """With the cgroupfs driver no unit holds the container's cpuset, so systemd cannot
+    write the runtime's record (or its byte reversal) into the cgroup: whoever did is
+    someone else, and the alert for those must see it."""
+    w = w16_cgroupfs_v2
+    await w.started("db-0", "guaranteed", 1000)
+    shared_id = await w.started("web")
+    tracked = w.env.engine.containers[shared_id]
+    recorded = tracked.recorded
+    assert recorded is not None
+    await w.started("db-1", "guaranteed", 1000)  # moves web; the runtime is told later
+    assert tracked.recorded == recorded
+    written = systemd_byte_reversed(recorded) if runc != "fixed" else recorded
+
+    cpuset_file(w.env, shared_id).write_text(f"{written}\n")
+    await until(lambda: w.counters["drift_repairs"] == 1, "repaired")
+    await w.settled()
+    assert w.counters["stale_records_reapplied"] == 0
+    assert w.counters["byte_reversed_cpusets"] == 0
 
 
 async def test_cpushims_own_moves_are_not_drift(w: Watched) -> None:
@@ -565,8 +604,8 @@ async def every_layout(
 async def test_each_drivers_cgroup_is_found_on_each_version_for_each_qos_class(
     every_layout: tuple[Watched, Processes], qos: str
 ) -> None:
-    """From containerd's layout at start, from the runtime's cgroupsPath later and after a
-    restart: the same directory, watched, and released from when the process ends."""
+    """From containerd's layout at start and from the runtime's cgroupsPath later: the same
+    directory, watched, and released from when the process ends."""
     w, processes = every_layout
     shared_id = await w.started("web")
     container_id = await w.started("app", qos, 1000)
@@ -649,16 +688,18 @@ async def test_a_container_whose_cgroup_went_before_it_was_located_gives_its_cpu
 async def test_the_full_look_releases_a_container_that_exited_before_it_was_located(
     w: Watched,
 ) -> None:
-    """The runtime has noticed the exit by the time of the full look: its record says so."""
+    """The look after the start told nothing (the runtime refused it), and the container
+    exited before the next: by the full look the runtime's record says so."""
     shared_id = await w.started("web")
-    gate = w.env.fake.gate("ContainerStatus")
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "containerd restarting")
     pod = await w.env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await w.env.kubelet.start_new(pod, "main", 1000)
     await until(lambda: len(w.env.fake.calls_of("ContainerStatus")) == 2, "asked where it is")
     w.env.fake.exit_container(pinned_id, exit_code=1)  # its cgroup goes with it
-    w.env.fake.ungate("ContainerStatus")
-    gate.set()
     await w.settled()
+    # Nothing but the full look can tell: the start's look was refused, nothing is watched.
+    assert w.env.engine.state.holding(pinned_id) is not None
+    assert pinned_id not in w.watcher._containers
 
     await w.watcher.look_everywhere()
     assert w.env.engine.state.holding(pinned_id) is None
