@@ -10,7 +10,8 @@ seconds, so a burst of moves costs one ``runc update``; a container that keeps m
 churning pods) is still recorded every ``record_max_delay`` seconds. An update in flight is
 waited for before the next direct write, so an older cpuset can never overwrite a newer one.
 An update the runtime refuses is logged, counted (``runtime_record_errors``) and tried again
-after the record delay, a second at least.
+after the record delay, a second at least, the wait doubling up to a minute while it keeps
+refusing.
 
 Exclusive containers (whose mems and CFS quota move too) and containers that have not started
 (no cgroup yet) always go through the runtime.

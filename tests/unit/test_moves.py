@@ -176,6 +176,41 @@ async def test_a_record_the_runtime_keeps_refusing_is_retried_ever_less_often(
         env.channel.close()
 
 
+async def test_a_record_refused_after_one_went_through_waits_the_least_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same recorder goes on after a record that went through while the container moved
+    (the move waited for the record's lock): a refusal then is the first in a row again."""
+    monkeypatch.setattr(moves, "MIN_RECORD_RETRY_DELAY", 0.02)
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await cgroup_env(tmp_path, fake, record_delay=0.0)
+        shared_id = await start_located(env, "web")
+        fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN, "runc update failed", 2)
+        with caplog.at_level("WARNING", logger="shim.engine.moves"):
+            pod = await env.kubelet.run_pod("db", "guaranteed")
+            pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+            await until(lambda: env.engine.counters["runtime_record_errors"] == 2, "refused")
+            held = fake.gate("UpdateContainerResources")
+            await until(lambda: len(updates_to(fake, shared_id)) == 3, "the third try held")
+            # It goes through; the move the stop makes meanwhile is refused, once.
+            fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN, "runc update failed")
+            stopping = asyncio.create_task(env.kubelet.stop(pinned_id))
+            lock = env.engine.containers[shared_id].write_lock
+            await until(lambda: bool(lock._waiters), "the stop's move waits for the record")
+            fake.ungate("UpdateContainerResources")
+            held.set()
+            await stopping
+            await until(lambda: env.engine.counters["runtime_records"] == 2, "recorded again")
+        waits = [
+            r.__dict__["fields"]["retry_in_s"]
+            for r in caplog.records
+            if "did not record" in r.getMessage()
+        ]
+        assert waits == [0.02, 0.04, 0.02]
+        assert updates_to(fake, shared_id)[-1] == "0-7"
+        env.channel.close()
+
+
 async def test_an_update_in_flight_is_never_overtaken_by_an_older_cpuset(tmp_path: Path) -> None:
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
         env = await cgroup_env(tmp_path, fake, record_delay=0.0)
