@@ -168,6 +168,12 @@ def test_after_a_containerd_restart_pins_releases_and_repairs_go_on(
     shim.start()
     kubelet = via()
     shared_id, _, pinned_id = start_shared_and_pinned(kubelet)
+    # The shared container's move to CPU 0 reaches containerd's record before the restart.
+    wait_for(
+        lambda: direct.recorded_cpuset_cpus(shared_id) == "0",
+        REACTION_TIMEOUT,
+        "containerd's record of the shared container before the restart",
+    )
     containerd.restart()
     kubelet.wait_ready()  # through cpushim: kubelet's own way of waiting for its runtime
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
@@ -176,17 +182,18 @@ def test_after_a_containerd_restart_pins_releases_and_repairs_go_on(
     kubelet.stop_container(pinned_id, timeout=5)
     assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
     assert shim.assignments() == {}
+    # containerd's record of the shared container follows its cgroup again: only a call on
+    # cpushim's own channel since the restart can have told it.
+    wait_for(
+        lambda: direct.recorded_cpuset_cpus(shared_id) == "0-1",
+        REACTION_TIMEOUT,
+        "containerd's record of the shared container",
+    )
     next_pod, next_id = start_pinned(kubelet)
     assert_kernel(kubelet.kernel_cpus(next_id), "1")
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
     assert shim.assignments() == {next_pod.uid: {"main": "1"}}
-    # containerd's record of the shared container follows its cgroup (cpushim's own calls).
-    wait_for(
-        lambda: direct.recorded_cpuset_cpus(shared_id) == "0",
-        REACTION_TIMEOUT,
-        "containerd's record of the shared container",
-    )
-    # The new container is watched (cpushim located its cgroup through containerd).
+    # The new container is watched, and its cpuset repaired.
     cpuset_file(kubelet, next_id).write_text("0-1")
     wait_for(
         lambda: kubelet.kernel_cpus(next_id).cgroup_cpuset_cpus == "1",
