@@ -7,7 +7,9 @@ driver): ``Env.kernel_cpus`` is what that tree says, ``Env.cpus`` what the runti
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from grpclib.const import Status as GrpcStatus
 
 from shim.engine import EngineOptions, moves
 from tests.fake_runtime import FakeRuntime
+from tests.harness.containerd import wait_for
 from tests.unit.engine_env import (
     FIRST_SINGLE,
     SHARED_AFTER_FIRST_SINGLE,
@@ -302,3 +305,21 @@ async def test_without_its_process_in_the_cgroup_a_container_is_located_by_the_r
     assert env.engine.containers[shared_id].cgroup == env.fake.cgroup_dir(shared_id)
     assert env.engine.counters["cgroups_derived"] == 0
     assert len(env.fake.calls_of("ContainerStatus")) == 1
+
+
+def test_a_process_that_ended_is_told_from_one_that_runs() -> None:
+    """What tells a container whose cgroup is gone from one whose cgroup is elsewhere: its
+    process is gone, or a zombie its parent (the runtime's shim) has not reaped yet."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not moves._process_ended(child.pid)
+        child.kill()
+        stat = Path(f"/proc/{child.pid}/stat")
+        wait_for(lambda: b") Z " in stat.read_bytes(), 10.0, "the child a zombie")
+        assert moves._process_ended(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert moves._process_ended(child.pid)  # reaped: gone
+    assert not moves._process_ended(0)  # not known: taken as running
+    assert not moves._process_ended(os.getpid())
