@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# containerd's ids are 64 hex digits: one that long is no prefix of another, so is used as named.
+FULL_ID_LENGTH = 64
+
 _M = TypeVar("_M", bound=Message)
 _T = TypeVar("_T")
 
@@ -776,7 +779,7 @@ class Engine:
         clients may send a prefix, which the runtime takes when it is unique: resolved
         among the containers cpushim knows (the runtime's are more, so where it finds the
         prefix ambiguous it refuses the call, and a refused call changes nothing here)."""
-        if not named or named in self.containers:
+        if not named or named in self.containers or len(named) >= FULL_ID_LENGTH:
             return named
         known = set(self.containers)
         known.update(a.container_id for a in self.state.assignments.values())
@@ -784,7 +787,7 @@ class Engine:
 
     def _sandbox_id(self, named: str) -> str:
         """The full id of a sandbox a call names (see ``_container_id``)."""
-        if not named or named in self.pods:
+        if not named or named in self.pods or len(named) >= FULL_ID_LENGTH:
             return named
         known = set(self.pods)
         known.update(a.sandbox_id for a in self.state.assignments.values())
