@@ -6,6 +6,7 @@ results kubelet's own tests expect for the same machine shapes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -667,3 +668,361 @@ def test_full_pcpus_only_shortage_is_an_smt_alignment_error(available: str, coun
     # whole free cores hold, is an SMTAlignmentError even when few CPUs are free at all.
     with pytest.raises(SMTAlignmentError):
         take_by_topology(XEON, P(available), count, options=FULL)
+
+
+# -- the orderings, one rule at a time, on small machines --------------------------------------
+
+# 2 sockets x 4 cores x 2 threads (siblings n, n+8); socket 0 = 0-3,8-11, socket 1 = 4-7,12-15.
+SMALL = expected_topology(MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2))
+# The same with two NUMA nodes per socket: 0-1,8-9 | 2-3,10-11 | 4-5,12-13 | 6-7,14-15.
+NUMA_PAIRS = expected_topology(
+    MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2, numa_per_socket=2)
+)
+# The same with one NUMA node holding both sockets.
+SHARED_NUMA = expected_topology(
+    MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2, sockets_per_numa=2)
+)
+# 4 sockets of 2 cores, two per NUMA node: sockets 0-1,8-9 | 2-3,10-11 | 4-5,12-13 | 6-7,14-15,
+# nodes 0-3,8-11 | 4-7,12-15.
+SOCKET_PAIRS = expected_topology(
+    MachineSpec(sockets=4, cores_per_die=2, threads_per_core=2, sockets_per_numa=2)
+)
+# AMD numbering (siblings 2n, 2n+1), two L3 groups per socket: 0-3 | 4-7 | 8-11 | 12-15.
+SMALL_AMD_L3 = expected_topology(
+    MachineSpec(
+        sockets=2, cores_per_die=4, threads_per_core=2, l3_per_die=2, sibling_numbering="amd"
+    )
+)
+# One socket, one NUMA node, L3 groups 0-7 | 8-15 (AMD numbering).
+ONE_NODE_AMD_L3 = expected_topology(
+    MachineSpec(
+        sockets=1, cores_per_die=8, threads_per_core=2, l3_per_die=2, sibling_numbering="amd"
+    )
+)
+# One core per NUMA node, L3 groups of two cores: 0-1,8-9 | 2-3,10-11 | 4-5,12-13 | 6-7,14-15.
+CORE_NODES = expected_topology(
+    MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2, numa_per_socket=4, l3_per_die=2)
+)
+FULL_UNCORE = StaticPolicyOptions(full_pcpus_only=True, prefer_align_cpus_by_uncorecache=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "topology", "available", "count", "options", "expected"),
+    [
+        # Step 1: whole groups, the level above first, each while the request needs its size.
+        (
+            "a free node's worth, in the busier socket",
+            NUMA_PAIRS,
+            P("0-5,7-15"),
+            4,
+            PACKED,
+            "4-5,12-13",
+        ),
+        (
+            "a free socket, then the busier node",
+            NUMA_PAIRS,
+            P("0-4,6-12,14-15"),
+            10,
+            PACKED,
+            "0-4,8-12",
+        ),
+        (
+            "one node, two sockets: a free socket whole",
+            SHARED_NUMA,
+            P("1-7,9-15"),
+            10,
+            PACKED,
+            "1,4-7,9,12-15",
+        ),
+        # Step 2: cores group by group, groups in best-fit order (sockets within NUMA-first
+        # order where a node holds sockets, nodes within socket-first order where a socket
+        # holds nodes).
+        (
+            "one node, two sockets: a core of the busier socket",
+            SHARED_NUMA,
+            P("0-3,5-15"),
+            2,
+            PACKED,
+            "5,13",
+        ),
+        ("a whole core of the busier node", NUMA_PAIRS, P("4-6,8-15"), 2, PACKED, "6,14"),
+        ("sockets in their node's order", SOCKET_PAIRS, P("0-5,7-13"), 2, PACKED, "4,12"),
+        # One group instead of two: the node (else socket) whose whole cores cover the
+        # request, then with a cache group that holds it, then the fewest free.
+        ("one node: the fewest free", NUMA_PAIRS, P("0,2-4,6-8,10-15"), 3, PACKED, "4,12-13"),
+        ("one socket: its whole cores decide", SMALL_AMD_L3, P("3-6,8-15"), 4, PACKED, "8-11"),
+        ("one socket: cores enough beat more cores", SMALL, P("0-7,9-13"), 6, PACKED, "1-3,9-11"),
+        (
+            "one node, two sockets: one socket holds it",
+            SHARED_NUMA,
+            P("0,5-15"),
+            6,
+            SPREAD,
+            "5-7,12-14",
+        ),
+        (
+            "one socket, full cores and a cache group",
+            NUMA_PAIRS,
+            P("1-2,4-7,9-15"),
+            6,
+            FULL_UNCORE,
+            "4-6,12-14",
+        ),
+        (
+            "one socket: a cache group exactly its size",
+            NUMA_PAIRS,
+            P("0-6,8-14"),
+            6,
+            UNCORE,
+            "4-6,12-14",
+        ),
+        # Socket 0 has the fewest free, socket 1 a free cache group: that decides only under
+        # prefer-align-cpus-by-uncorecache.
+        ("one socket: the fewest free", CORE_NODES, P("0,3-15"), 4, PACKED, "0,3,8,11"),
+        (
+            "one socket: the one a cache group holds it in",
+            CORE_NODES,
+            P("0,3-15"),
+            4,
+            UNCORE,
+            "4-5,12-13",
+        ),
+        # distribute-cpus-across-cores: idle cores first, second threads when they must.
+        ("spread: an idle core first", SINGLE_HT, P("1-7"), 1, SPREAD, "1"),
+        ("spread: then second threads", DUAL_HT, P("0-4,6"), 4, SPREAD, "0,2,4,6"),
+        ("spread: a whole node is enough", FOUR_NUMA, P("0-30,32-39"), 10, SPREAD, "15-19,35-39"),
+        # distribute-cpus-across-numa.
+        ("numa: a node exactly the size", NUMA_PAIRS, P("0-5"), 2, NUMA, "4-5"),
+        ("numa: shares only where they fit", DUAL_HT, P("0-2,4"), 4, NUMA, "0-2,4"),
+        ("numa: the even split, not the first tried", DUAL_HT, P("0-2"), 1, NUMA, "0"),
+        # 8 from each node, the 3 left one each on the three nodes with room (larger subsets
+        # first), not two on one node.
+        (
+            "numa: the remainder spread",
+            FOUR_NUMA,
+            P("0-1,3-21,23-29,31-39"),
+            35,
+            NUMA,
+            "0-1,3-21,23-28,31-38",
+        ),
+        (
+            "numa: the remainder where a node has room",
+            NUMA_PAIRS,
+            P("0,8,11-15"),
+            3,
+            NUMA,
+            "0,8,12",
+        ),
+        (
+            "numa: the remainder on the node that has it",
+            NUMA_PAIRS,
+            P("0-1,3-6,13-15"),
+            8,
+            NUMA,
+            "0-1,4-6,13-15",
+        ),
+        (
+            "numa: a remainder of whole cores on one node",
+            SMALL_AMD_L3,
+            P("0-5,7-15"),
+            10,
+            NUMA_FULL,
+            "0-3,8-13",
+        ),
+        (
+            "numa: each node's share packed, caches ignored",
+            ONE_NODE_AMD_L3,
+            P("2-13,15"),
+            1,
+            NUMA,
+            "15",
+        ),
+        # The fewest nodes come from the machine's average node (kubelet's
+        # rangeNUMANodesNeededToSatisfy): 8 of GAPS's 14 CPUs go over two nodes, though node 0
+        # alone has 8.
+        (
+            "numa: node count from the average node",
+            GAPS,
+            GAPS.online,
+            8,
+            NUMA,
+            "0-1,4,6,16-17,20,22",
+        ),
+    ],
+)
+def test_take_by_topology_orderings(
+    name: str,
+    topology: Topology,
+    available: CPUSet,
+    count: int,
+    options: StaticPolicyOptions,
+    expected: str,
+) -> None:
+    assert str(take_by_topology(topology, available, count, options=options)) == expected, name
+
+
+def test_full_pcpus_only_never_splits_a_core_where_threads_per_core_differ() -> None:
+    # CPU 6 is offline: core {2} has one thread. Socket 1 (2-3,7) is taken whole, and the one
+    # CPU still wanted would split core {1,5}: packing refuses rather than hand that out.
+    topology = expected_topology(
+        MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2, offline=frozenset({6}))
+    )
+    try:
+        got = take_by_topology(topology, P("1-5,7"), 4, options=FULL)
+    except SMTAlignmentError:
+        return
+    assert topology.whole_cores_in(got) == got
+
+
+# -- hints, reserved sets and values, rule by rule ---------------------------------------------
+
+
+def test_a_policy_built_directly_checks_its_reserved_set() -> None:
+    # policy_of rebuilds a checkpoint's policy this way, not through create().
+    with pytest.raises(ReservedCPUsError, match="not online"):
+        StaticPolicy(GAPS, P("0,5"))
+    with pytest.raises(ReservedCPUsError, match="at least one"):
+        StaticPolicy(XEON, CPUSet())
+    with pytest.raises(ReservedCPUsError, match="every online CPU"):
+        StaticPolicy(XEON, XEON.online)
+
+
+def test_a_hint_adds_no_cpu_outside_its_nodes() -> None:
+    # CPU 0 is not reserved and is free: neither a hint for node 1 nor one for a node the
+    # machine does not have may pull it in.
+    policy = StaticPolicy.create(XEON, reserved=P("12,36"))
+    assert policy.allocate({}, ExclusiveRequest(1, numa_affinity=frozenset({1}))) == P("13")
+    unhinted = policy.allocate({}, ExclusiveRequest(1))
+    assert policy.allocate({}, ExclusiveRequest(1, numa_affinity=frozenset({7}))) == unhinted
+
+
+def test_align_by_socket_widens_the_hint_only_to_its_own_sockets() -> None:
+    # Socket 1 is the busier: best fit alone would go there, the hint for node 0 keeps the
+    # CPUs in socket 0.
+    by_socket = StaticPolicy.create(
+        FOUR_NUMA, reserved_count=2, options=StaticPolicyOptions(align_by_socket=True)
+    )
+    held = {"x": P("10-16,30-35")}
+    got = by_socket.allocate(held, ExclusiveRequest(2, numa_affinity=frozenset({0})))
+    assert got.issubset(FOUR_NUMA.cpus_in_socket(0))
+
+
+def test_a_hinted_node_of_lone_threads_still_gives_what_it_has() -> None:
+    # Node 0 has only single threads free (their siblings are held): requests for 2 and 3
+    # take them there, not socket 1's free core (23,47), which best fit alone would choose.
+    policy = StaticPolicy.create(XEON, reserved=P("0,24"))
+    held = {"x": P("1-11"), "y": P("12-22,36-46")}
+    assert policy.allocate(held, ExclusiveRequest(2)) == P("23,47")
+    for count in (2, 3):
+        got = policy.allocate(held, ExclusiveRequest(count, numa_affinity=frozenset({0})))
+        assert got.issubset(XEON.cpus_in_numa_node(0))
+        assert len(got) == count
+
+
+def test_full_pcpus_only_takes_whole_cores_of_the_hinted_node_then_the_rest() -> None:
+    policy = StaticPolicy.create(XEON, reserved_count=2, options=FULL)
+    # Node 1 has one whole core (12,36) and two lone threads (13, 14): the whole core comes
+    # from there, the rest from whole cores elsewhere; the halves are never split off.
+    held = {"x": P("15-23,37-47")}
+    got = policy.allocate(held, ExclusiveRequest(4, numa_affinity=frozenset({1})))
+    assert got == P("1,12,25,36")
+    # Socket 0 is nearly full: a request node 1 can hold stays there all the same.
+    busy = {"x": P("2-11,26-35")}
+    got = policy.allocate(busy, ExclusiveRequest(4, numa_affinity=frozenset({1})))
+    assert got.issubset(XEON.cpus_in_numa_node(1))
+
+
+def test_full_pcpus_only_hint_on_a_node_with_a_lone_thread() -> None:
+    # CPU 6 is offline: node 1 is 2-3,7, core {2} one thread. Its whole cores give 3 CPUs, so
+    # a request for 4 takes one 2-thread core there (a multiple of the SMT level), the rest
+    # elsewhere.
+    topology = expected_topology(
+        MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2, offline=frozenset({6}))
+    )
+    policy = StaticPolicy(topology, P("0,4"), FULL)
+    got = policy.allocate({}, ExclusiveRequest(4, numa_affinity=frozenset({1})))
+    assert got == P("1,3,5,7")
+
+
+def test_reserved_by_count_uses_isolated_cpus_only_when_the_rest_cannot_cover_it() -> None:
+    # Exactly two CPUs are not isolated: they are the reserved pair, not 0 and 24.
+    topology = Topology(cpus=XEON.cpus, isolated=XEON.online - P("6,30"))
+    assert reserved_cpus(topology, count=2) == P("6,30")
+
+
+def test_requests_options_and_policies_are_immutable_values() -> None:
+    request = ExclusiveRequest(2)
+    assert hash(request) == hash(ExclusiveRequest(2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.count = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        FULL.full_pcpus_only = False  # type: ignore[misc]
+    policy = StaticPolicy.create(XEON, reserved_count=2)
+    assert hash(policy) == hash(StaticPolicy.create(XEON, reserved_count=2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.reserved = P("0")  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("spec", "available", "count", "options", "expected"),
+    [
+        # Four threads per core, four CPUs offline: the remainder's round robin passes a node
+        # it has already emptied, and skips it.
+        pytest.param(
+            MachineSpec(
+                sockets=4,
+                cores_per_die=4,
+                threads_per_core=4,
+                numa_per_socket=2,
+                offline=frozenset({9, 41, 49, 52}),
+            ),
+            "0-8,10,12-19,21-30,32-40,42-45,47-48,50-51,53-63",
+            55,
+            NUMA,
+            "0-8,10,12-19,21-30,32-40,42-45,47-48,50,53-63",
+            id="remainder skips an emptied node",
+        ),
+        # Two L3 groups per die: each node's share, and the remainder, are packed without
+        # regard to cache groups (the uncore option cannot be combined with this one).
+        pytest.param(
+            MachineSpec(
+                sockets=4,
+                dies_per_socket=2,
+                cores_per_die=8,
+                sockets_per_numa=2,
+                l3_per_die=2,
+                offline=frozenset({12, 14, 37, 57, 60}),
+            ),
+            "0,3,5,8,15,17-22,25-27,30-31,35-36,38,43,46-47,49-51,53-54,56,59,61-62",
+            19,
+            NUMA,
+            "17-22,25-27,30,49-51,53-54,56,59,61-62",
+            id="remainder packed without caches",
+        ),
+        pytest.param(
+            MachineSpec(
+                sockets=2,
+                dies_per_socket=2,
+                cores_per_die=6,
+                threads_per_core=2,
+                l3_per_die=3,
+                offline=frozenset({23, 27}),
+            ),
+            "0-16,18-19,22,24,26,28-36,39,41-46",
+            28,
+            NUMA_FULL,
+            "0,2,4-10,12,15,18-19,22,24,26,28-34,36,39,42-43,46",
+            id="fallback packed without caches",
+        ),
+    ],
+)
+def test_distribute_across_numa_on_uneven_machines(
+    spec: MachineSpec,
+    available: str,
+    count: int,
+    options: StaticPolicyOptions,
+    expected: str,
+) -> None:
+    # Found by differential fuzzing; the placements are today's, pinned.
+    topology = expected_topology(spec)
+    assert str(take_by_topology(topology, P(available), count, options=options)) == expected
