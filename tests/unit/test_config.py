@@ -21,6 +21,7 @@ from shim.config import (
     KEYS,
     KEYS_BY_NAME,
     ConfigError,
+    key_line,
     load_config,
     parse_address,
     parse_config,
@@ -178,13 +179,16 @@ def test_metrics_can_be_switched_off() -> None:
         ("127.0.0.1:9464", ("127.0.0.1", 9464)),
         ("[::1]:80", ("::1", 80)),
         ("node-1.example:65535", ("node-1.example", 65535)),
+        ("localhost:1", ("localhost", 1)),
     ],
 )
 def test_parse_address(text: str, expected: tuple[str, int]) -> None:
     assert parse_address(text) == expected
 
 
-@pytest.mark.parametrize("text", ["9464", ":9464", "host:", "host:0", "host:65536", "::1:80"])
+@pytest.mark.parametrize(
+    "text", ["9464", ":9464", "host:", "host:0", "host:65536", "::1:80", "[::1:80", "::1]:80"]
+)
 def test_parse_address_refuses(text: str) -> None:
     with pytest.raises(ValueError, match=re.escape(repr(text))):
         parse_address(text)
@@ -290,6 +294,7 @@ ERRORS = [
     ('listen = "/a.sock"\nreservedCpus = "0"\n', 2, "reservedCpus",
      "unknown key; did you mean reservedSystemCPUs?"),
     ('reserved-cpus = "0"', 1, "reserved-cpus", "did you mean reservedSystemCPUs?"),
+    ("zzzz = 1", 1, "zzzz", "unknown key"),
     ("policy = 'static'", 1, "policy", "did you mean cpuManagerPolicy?"),
     ('logLevel = "info"\n[metrics]\naddress = "x"\n', 2, "metrics", "unknown key"),
     ("reservedCPUCount = 0", 1, "reservedCPUCount", "at least one reserved CPU, got 0"),
@@ -324,6 +329,8 @@ ERRORS = [
      "unknown CPU manager policy option 'full-pcpu-only'"),
     ('cpuManagerPolicyOptions = { align-by-socket = "yes" }', 1,
      "cpuManagerPolicyOptions.align-by-socket", "bad value 'yes'"),
+    ('logLevel = "info"\ncpuManagerPolicyOptions = { bogus = "true" }\n', 2,
+     "cpuManagerPolicyOptions.bogus", "unknown CPU manager policy option 'bogus'"),
     ('listen = "/a.sock"\ncpuManagerPolicyOptions.full-pcpus-only = 1\n', 2,
      "cpuManagerPolicyOptions.full-pcpus-only", "want true or false, got 1"),
     ("[cpuManagerPolicyOptions]\nfull-pcpus-only = true\ndistribute-cpus-across-cores = true\n",
@@ -364,6 +371,37 @@ def test_duplicate_key_names_the_key_and_both_lines() -> None:
         ConfigError, match=r"^config\.toml:2: listen: set twice \(line 1 and line 2\); keep one$"
     ):
         parse_config('listen = "/a.sock"\nlisten = "/b.sock"\n', PATH)
+
+
+def test_duplicate_key_after_other_keys_names_the_duplicate() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config('logLevel = "info"\nlisten = "/a.sock"\nlisten = "/b.sock"\n', PATH)
+    assert (raised.value.line, raised.value.key) == (3, "listen")
+    assert raised.value.message == "set twice (line 2 and line 3); keep one"
+
+
+def test_a_key_first_written_on_the_failing_line_is_tomllibs_message() -> None:
+    # listen.x overwrites listen, but listen.x itself is set only once: not "set twice".
+    text = 'listen = "/a.sock"\nlisten.x = 1\n'
+    with pytest.raises(tomllib.TOMLDecodeError) as toml_error:
+        tomllib.loads(text)
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text, PATH)
+    assert str(raised.value) == f"config.toml:2: {toml_error.value}"
+    assert raised.value.key is None
+
+
+def test_key_line() -> None:
+    assert key_line(None, "listen") is None
+    assert key_line(b'logLevel = "info"\nlisten = "/a.sock"\n', "listen") == 2
+    assert key_line(b'logLevel = "info"\n', "listen") is None
+
+
+def test_a_flag_for_one_reserved_form_drops_only_the_files_reserved_keys() -> None:
+    file_values = parse_config('reservedCPUCount = 2\nlogLevel = "debug"\n', PATH)
+    options = resolve({"reserved_cpus": "0"}, file_values)
+    assert (options.reserved_cpus, options.reserved_cpu_count) == ("0", None)
+    assert options.log_level == "debug"
 
 
 def test_missing_file_names_the_path(tmp_path: Path) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,18 @@ def test_constructor_rejects_out_of_range_ids(bad: int) -> None:
         CPUSet([0, bad])
 
 
+def test_the_largest_cpu_id_is_65535() -> None:
+    # Linux's NR_CPUS tops out at 8192 today; the ceiling is a fixed part of the format.
+    assert CPUSet([65535]).max() == 65535
+    assert CPUSet.parse("65535") == CPUSet.from_mask(1 << 65535)
+    with pytest.raises(ValueError, match="65536 out of range"):
+        CPUSet([65536])
+    with pytest.raises(ValueError, match="65536 in '65536' exceeds"):
+        CPUSet.parse("65536")
+    with pytest.raises(ValueError, match="bits above the maximum"):
+        CPUSet.from_mask(1 << 65536)
+
+
 def test_constructor_rejects_non_ints() -> None:
     with pytest.raises(TypeError):
         CPUSet(["1"])  # type: ignore[list-item]
@@ -140,11 +154,19 @@ def test_algebra() -> None:
     assert a.isdisjoint(CPUSet.parse("6-7"))
     assert not a.isdisjoint(b)
     assert 3 in a
+    assert 0 in a
+    assert 5 in a
     assert 6 not in a
     assert -1 not in a
     assert "3" not in a
     assert len(a) == 6
     assert len(CPUSet()) == 0
+
+
+@pytest.mark.parametrize("op", [operator.or_, operator.and_, operator.sub, operator.xor])
+def test_operators_refuse_other_types(op: Callable[[object, object], object]) -> None:
+    with pytest.raises(TypeError):
+        op(CPUSet.parse("0-3"), {1})
 
 
 def test_min_max_first_take_lowest() -> None:

@@ -131,6 +131,8 @@ def test_milli_cpu_request_rejects_negative() -> None:
         (1000, 100000, 10),
         (50000, 100000, 500),
         (3000, 10000, 300),
+        (1, 100000, 1),  # below kubelet's floor: rounds up
+        (100000, 1, 100000000),  # a 1 us period
     ],
 )
 def test_milli_cpu_limit(quota: int, period: int, milli: int | None) -> None:
@@ -150,6 +152,9 @@ def test_milli_cpu_limit(quota: int, period: int, milli: int | None) -> None:
         pytest.param(0, -1, 100000, 0, id="no shares"),
         pytest.param(MAX_SHARES, -1, 100000, 0, id="shares at the cap: 256 cores or more"),
         pytest.param(1024, -2, 100000, 0, id="not cpushim's mark"),
+        pytest.param(2048, 1, 100000, 1, id="the smallest quota stands"),
+        pytest.param(2048, -1, -100000, 0, id="dropped, negative period: no limit"),
+        pytest.param(2048, -1, 1, 2, id="dropped, a 1 us period"),
     ],
 )
 def test_kubelet_cfs_quota(shares: int, quota: int, period: int, expected: int) -> None:
@@ -195,6 +200,13 @@ def test_limit_inverts_kubelet_above_the_floor(milli: int, period: int) -> None:
         (G, 1500, 0, 0, None),
         (G, MAX_SHARES, 300 * 100000, 100000, 300),  # above 256 cores the quota decides
         (G, MAX_SHARES, 0, 0, None),  # capped shares without a quota: unknown
+        (G, 262144, 256 * 100000, 100000, 256),  # exactly at the cap (262144 shares)
+        (G, 2048, 0, 100000, 2),  # a period but no quota: shares decide
+        (G, 2048, 200000, 0, 2),  # a quota but no period: no limit, shares decide
+        (G, 1024, 1, 100000, None),  # a 1 us quota is a limit, and not whole cores
+        (G, 2048, 3, 1, None),  # a 1 us period: 3 cores by the quota, 2 by the shares
+        (G, 1024, 150000, 100000, None),  # a fractional limit, whatever the shares
+        (G, 0, 0, 0, None),  # no CPU resources at all
         (B, 2048, 200000, 100000, None),
         (BE, 2, 0, 0, None),
     ],

@@ -557,6 +557,8 @@ def test_encoding_layout() -> None:
     data = encode_checkpoint(SAMPLE)
     assert data.endswith(b"\n")
     doc = orjson.loads(data)
+    # Indented, keys sorted: a file for operators to read.
+    assert data == orjson.dumps(doc, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n"
     assert set(doc) == {"version", "checksum", "body"}
     assert doc["version"] == CHECKPOINT_VERSION
     assert doc["checksum"] == seal(doc["body"])
@@ -895,3 +897,30 @@ def test_an_empty_shared_pool_is_a_problem_even_when_it_adds_up() -> None:
     assert integrity_problems(state, TOPOLOGY) == [
         "the shared pool is empty: containers without exclusive CPUs have none"
     ]
+
+
+def test_replan_displaces_the_last_kept_assignments_for_the_shared_pool() -> None:
+    # c loses its CPU to the new reserved set; a and b would then hold every shareable CPU of
+    # the strict policy, so the later of them (b) gives way too. Displaced keys come sorted.
+    state = state_with(STATIC, a="1-7", b="9-14", c="15")
+    strict = StaticPolicy.create(
+        TOPOLOGY, reserved=P("0,8,15"), options=StaticPolicyOptions(strict_cpu_reservation=True)
+    )
+    planned, displaced = replan(state, strict)
+    assert displaced == [ContainerKey("b", "app"), ContainerKey("c", "app")]
+    assert planned.exclusive() == {ContainerKey("a", "app"): P("1-7")}
+    assert planned.shared == P("9-14")
+    assert integrity_problems(planned, TOPOLOGY) == []
+
+
+def test_memory_nodes_must_not_be_empty() -> None:
+    state = state_with(STATIC, a="1,9")
+    key = ContainerKey("a", "app")
+    assert integrity_problems(state.update(key, mems=P("0")), TOPOLOGY) == []
+    assert integrity_problems(state.update(key, mems=CPUSet()), TOPOLOGY) == [
+        "a/app has an empty list of memory nodes"
+    ]
+
+
+def test_an_assignment_defaults_to_no_bookkeeping() -> None:
+    assert Assignment(P("1")) == Assignment(P("1"), "", "", 0, "", None)

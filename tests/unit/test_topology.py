@@ -118,6 +118,25 @@ def test_optional_files_missing(tmp_path: Path) -> None:
     assert {info.die for info in topo.cpus} == {0}
 
 
+def test_the_highest_complete_cache_entry_wins_stray_node_files_do_not_count(
+    tmp_path: Path,
+) -> None:
+    spec = MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2, l3_per_die=2)
+    root = write_sysfs(spec, tmp_path)
+    cache = root / "devices/system/cpu/cpu0/cache"
+    # A level without a CPU list, and a CPU list without a level: neither says anything.
+    (cache / "index4").mkdir()
+    (cache / "index4" / "level").write_text("4\n")
+    (cache / "index5").mkdir()
+    (cache / "index5" / "shared_cpu_list").write_text("0-15\n")
+    # A lower level listed after the last-level cache does not replace it.
+    (cache / "index6").mkdir()
+    (cache / "index6" / "level").write_text("2\n")
+    (cache / "index6" / "shared_cpu_list").write_text("0\n")
+    (root / "devices/system/node/node7").write_text("not a node directory\n")
+    assert Topology.from_sysfs(root) == expected_topology(spec)
+
+
 def test_cpu_in_online_list_without_topology_is_skipped(tmp_path: Path) -> None:
     root = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path)
     cpu3 = root / "devices/system/cpu/cpu3/topology"
@@ -198,6 +217,38 @@ def test_plain_data_constructor_and_validation() -> None:
         Topology(cpus=())
     with pytest.raises(TopologyError, match="twice"):
         Topology(cpus=(CPUInfo(cpu=0, socket=0, core_id=0),) * 2)
+
+
+def test_groups_come_ordered_by_id_and_unknown_ids_hold_nothing() -> None:
+    # CPU 0 sits in socket 1; core (1, 0, 0) is CPUs 0 and 3, core (0, 0, 0) CPUs 1 and 2.
+    topo = Topology(
+        cpus=(
+            CPUInfo(cpu=0, socket=1, core_id=0, numa_node=1, uncore_cache=1),
+            CPUInfo(cpu=1, socket=0, core_id=0),
+            CPUInfo(cpu=2, socket=0, core_id=0),
+            CPUInfo(cpu=3, socket=1, core_id=0, numa_node=1, uncore_cache=1),
+        )
+    )
+    assert topo.sockets == topo.numa_nodes == topo.uncore_caches == (0, 1)
+    # Cores by their lowest CPU, as kubelet numbers them, not by their whole mask.
+    assert topo.cores == ((1, 0, 0), (0, 0, 0))
+    assert topo.cpu_core == {0: (1, 0, 0), 1: (0, 0, 0), 2: (0, 0, 0), 3: (1, 0, 0)}
+    assert topo.sockets_of(CPUSet([0])) == frozenset({1})
+    assert topo.numa_nodes_of(CPUSet([1, 2])) == frozenset({0})
+    assert topo.numa_nodes_in_socket(0) == (0,)
+    assert topo.sockets_in_numa_node(1) == (1,)
+    assert topo.cpus_in_socket(7) == CPUSet()
+    assert topo.cpus_in_numa_node(7) == CPUSet()
+    assert topo.cpus_in_uncore_cache(7) == CPUSet()
+    assert topo.cpus_in_core((7, 0, 0)) == CPUSet()
+    assert topo.numa_nodes_in_socket(7) == ()
+    assert topo.sockets_in_numa_node(7) == ()
+
+
+def test_cpu_info_defaults() -> None:
+    info = CPUInfo(cpu=3, socket=1, core_id=2)
+    assert (info.numa_node, info.die, info.uncore_cache) == (0, 0, 0)
+    assert info.core == (1, 0, 2)
 
 
 machine_specs = st.builds(
