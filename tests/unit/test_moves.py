@@ -153,6 +153,15 @@ async def test_a_record_the_runtime_refuses_is_counted_logged_and_retried(
         env.channel.close()
 
 
+def record_retry_waits(caplog: pytest.LogCaptureFixture) -> list[float]:
+    """The waits the refused records' warnings announced, in order."""
+    return [
+        r.__dict__["fields"]["retry_in_s"]
+        for r in caplog.records
+        if "did not record" in r.getMessage()
+    ]
+
+
 async def test_a_record_the_runtime_keeps_refusing_is_retried_ever_less_often(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,15 +174,11 @@ async def test_a_record_the_runtime_keeps_refusing_is_retried_ever_less_often(
             pod = await env.kubelet.run_pod("db", "guaranteed")
             pinned_id = await env.kubelet.start_new(pod, "main", 1000)
             await until(lambda: env.engine.counters["runtime_records"] == 1, "recorded")
-            # Refused again after a record went through: the wait starts over.
+            # The next record (after the stop's move) is refused once: it waits the least.
             fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN, "runc update failed")
             await env.kubelet.stop(pinned_id)
             await until(lambda: env.engine.counters["runtime_records"] == 2, "recorded again")
-        waits = [
-            r.__dict__["fields"]["retry_in_s"]
-            for r in caplog.records
-            if "did not record" in r.getMessage()
-        ]
+        waits = record_retry_waits(caplog)
         assert waits == [0.02, 0.04, 0.08, 0.16, 0.02]
         assert env.cpus(shared_id) == "0-7"
         env.channel.close()
@@ -204,11 +209,7 @@ async def test_a_record_refused_after_one_went_through_waits_the_least_again(
             held.set()
             await stopping
             await until(lambda: env.engine.counters["runtime_records"] == 2, "recorded again")
-        waits = [
-            r.__dict__["fields"]["retry_in_s"]
-            for r in caplog.records
-            if "did not record" in r.getMessage()
-        ]
+        waits = record_retry_waits(caplog)
         assert waits == [0.02, 0.04, 0.02]
         assert updates_to(fake, shared_id)[-1] == "0-7"
         env.channel.close()

@@ -561,17 +561,30 @@ class Processes:
             self.kill(pid)
 
 
-@pytest.fixture
-async def p(tmp_path: Path) -> AsyncIterator[tuple[Watched, Processes]]:
+async def with_processes(
+    tmp_path: Path, version: int = 1, driver: CgroupDriver = "cgroupfs"
+) -> AsyncIterator[tuple[Watched, Processes]]:
+    """A watched engine whose containers' processes are real (children of this one)."""
     processes = Processes()
     try:
-        async with FakeRuntime(cgroup_root=tmp_path / "cpuset", pid_source=processes.spawn) as fake:
+        async with FakeRuntime(
+            cgroup_root=tmp_path / "cgroup",
+            cgroup_version=version,
+            cgroup_driver=driver,
+            pid_source=processes.spawn,
+        ) as fake:
             async for watched in watched_env(tmp_path, fake):
                 # The fake's processes are this one's children, not a containerd shim's.
                 watched.env.engine.mover.shims = (OWN_NAME,)
                 yield watched, processes
     finally:
         processes.close()
+
+
+@pytest.fixture
+async def p(tmp_path: Path) -> AsyncIterator[tuple[Watched, Processes]]:
+    async for watched_and_processes in with_processes(tmp_path):
+        yield watched_and_processes
 
 
 @pytest.fixture(
@@ -585,19 +598,8 @@ async def every_layout(
     (``kubepods-burstable-pod<uid_>.slice``) and containers by scope, below the slices'
     expanded path (``kubepods.slice/kubepods-burstable.slice/...``)."""
     version, driver = request.param
-    processes = Processes()
-    try:
-        async with FakeRuntime(
-            cgroup_root=tmp_path / "cgroup",
-            cgroup_version=version,
-            cgroup_driver=driver,
-            pid_source=processes.spawn,
-        ) as fake:
-            async for watched in watched_env(tmp_path, fake):
-                watched.env.engine.mover.shims = (OWN_NAME,)
-                yield watched, processes
-    finally:
-        processes.close()
+    async for watched_and_processes in with_processes(tmp_path, version, driver):
+        yield watched_and_processes
 
 
 @pytest.mark.parametrize("qos", ["guaranteed", "burstable", "besteffort"])
@@ -637,19 +639,8 @@ async def test_each_drivers_cgroup_is_found_on_each_version_for_each_qos_class(
 @pytest.fixture
 async def v2_systemd(tmp_path: Path) -> AsyncIterator[tuple[Watched, Processes]]:
     """``p`` on cgroup v2 with the systemd driver."""
-    processes = Processes()
-    try:
-        async with FakeRuntime(
-            cgroup_root=tmp_path / "cgroup",
-            cgroup_version=2,
-            cgroup_driver="systemd",
-            pid_source=processes.spawn,
-        ) as fake:
-            async for watched in watched_env(tmp_path, fake):
-                watched.env.engine.mover.shims = (OWN_NAME,)
-                yield watched, processes
-    finally:
-        processes.close()
+    async for watched_and_processes in with_processes(tmp_path, 2, "systemd"):
+        yield watched_and_processes
 
 
 async def test_a_container_whose_cgroup_went_before_it_was_located_gives_its_cpus_back(
