@@ -177,6 +177,19 @@ async def test_a_cpuset_systemd_got_byte_reversed_from_runc_is_told_to_the_runti
     assert w.counters["byte_reversed_cpusets"] == (3 if v2 else 0)
 
 
+async def moved_before_its_record(w: Watched) -> tuple[str, CPUSet]:
+    """A shared container moved straight in its cgroup, the runtime not told yet: its id
+    and the cpuset the runtime's record (and systemd's copy) still holds."""
+    await w.started("db-0", "guaranteed", 1000)
+    shared_id = await w.started("web")
+    tracked = w.env.engine.containers[shared_id]
+    recorded = tracked.recorded
+    assert recorded is not None
+    await w.started("db-1", "guaranteed", 1000)  # moves web; the runtime is told later
+    assert tracked.recorded == recorded
+    return shared_id, recorded
+
+
 @pytest.mark.parametrize("runc", ["fixed", "before-1.1.6"])
 async def test_systemd_applying_the_runtimes_record_from_before_a_move_is_not_someone_else(
     w16: Watched, runc: str
@@ -189,15 +202,9 @@ async def test_systemd_applying_the_runtimes_record_from_before_a_move_is_not_so
     w = w16
     layout = w.env.engine.mover.layout
     v2 = layout is not None and layout.version is CgroupVersion.V2
-    await w.started("db-0", "guaranteed", 1000)
-    shared_id = await w.started("web")
-    tracked = w.env.engine.containers[shared_id]
-    recorded = tracked.recorded
-    assert recorded is not None
-    await w.started("db-1", "guaranteed", 1000)  # moves web; the runtime is told later
+    shared_id, recorded = await moved_before_its_record(w)
     pool = CPUSet.parse(w.env.kernel_cpus(shared_id) or "")
     assert pool != recorded
-    assert tracked.recorded == recorded
     held = systemd_byte_reversed(recorded) if runc != "fixed" else recorded
     assert held not in (pool, systemd_byte_reversed(pool))
 
@@ -223,13 +230,7 @@ async def test_the_runtimes_old_record_written_under_the_cgroupfs_driver_is_some
     write the runtime's record (or its byte reversal) into the cgroup: whoever did is
     someone else, and the alert for those must see it."""
     w = w16_cgroupfs_v2
-    await w.started("db-0", "guaranteed", 1000)
-    shared_id = await w.started("web")
-    tracked = w.env.engine.containers[shared_id]
-    recorded = tracked.recorded
-    assert recorded is not None
-    await w.started("db-1", "guaranteed", 1000)  # moves web; the runtime is told later
-    assert tracked.recorded == recorded
+    shared_id, recorded = await moved_before_its_record(w)
     written = systemd_byte_reversed(recorded) if runc != "fixed" else recorded
 
     cpuset_file(w.env, shared_id).write_text(f"{written}\n")
