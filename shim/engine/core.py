@@ -1177,28 +1177,35 @@ class Engine:
         if not waiting:
             return
         limit = asyncio.Semaphore(self.options.update_concurrency)
+        gone: list[str] = []
 
         async def move(tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None) -> None:
             async with limit:
-                await self._write_cpuset(tracked, cpus, mems, quota)
+                if await self._write_cpuset(tracked, cpus, mems, quota):
+                    gone.append(tracked.id)
 
         await asyncio.gather(*(move(*m) for m in waiting))
+        # Removed behind cpushim's back (directly on the runtime): no call from kubelet will
+        # name it again, so exclusive CPUs it held would stay held until its pod went.
+        await self._release(k for i in gone if (k := self.state.holding(i)) is not None)
 
     async def _write_cpuset(
         self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
-    ) -> None:
+    ) -> bool:
+        """Move one container; True when the runtime no longer knows it (it is forgotten)."""
         result = await self.mover.move(tracked, cpus, mems, quota)
         if result.ok:
             self._restored(tracked)
             self.project(tracked)
         if result.gone:
-            # Removed behind our back (directly on the runtime): stop tracking it.
             self._untrack(tracked.id)
-        elif not result.ok:
+            return True
+        if not result.ok:
             # tracked.applied is unchanged. Without a retry the container would stay where
             # it was (a shared one on CPUs just given out exclusively) until the next
             # decision: the watches compare the cgroup with what was applied.
             self._retry_moves_soon()
+        return False
 
     def _retry_moves_soon(self) -> None:
         if self._move_retry is None and not self._draining.is_set():

@@ -819,6 +819,22 @@ async def test_a_container_removed_behind_our_back_is_forgotten(env: Env) -> Non
     assert gone_id not in env.engine.containers
 
 
+async def test_a_pinned_container_found_gone_by_a_move_gives_its_cpus_back(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("db", "guaranteed")
+    gone_id = await kubelet.start_new(pod, "main", 1000)
+    del env.fake.containers[gone_id]  # removed straight on the runtime
+    # A reload that reserves its CPU moves it, and the runtime no longer knows it.
+    lost = await env.engine.change_policy(static_policy(reserved=f"0,{FIRST_SINGLE}"))
+    assert lost == []
+    assert gone_id not in env.engine.containers
+    assert env.engine.state.assignments == {}
+    assert env.saved() == {}
+    assert env.cpus(shared_id) == str(ALL)
+    assert_consistent(env)
+
+
 # --- restarts --------------------------------------------------------------------------------
 
 
