@@ -68,6 +68,10 @@ ENGINE_COUNTERS: dict[str, str] = {
         " (without a ContainerStatus call)"
     ),
     "checkpoint_errors": "Failures to write the state checkpoint",
+    "child_cpuset_writes": (
+        "Cpusets written into cgroups a container made below its own (cgroup v1), so that"
+        " the container's cpuset could move"
+    ),
     "config_errors": "Configuration reloads refused because the new configuration was invalid",
     "config_reloads": "Configuration reloads applied",
     "cpu_resizes_not_applied": (

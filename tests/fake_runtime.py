@@ -43,6 +43,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 
+from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.methods import ALL_METHODS, REQUEST_TYPES, Method
 from tests.fake_cri import RawCodec, short_tmpdir
@@ -150,6 +151,18 @@ def merge_resources(
         for page_size, limit in limits.items():
             current.hugepage_limits.add(page_size=page_size, limit=limit)
     current.unified.update(update.unified)
+
+
+def v1_children_outside(directory: Path, cpus: str) -> list[Path]:
+    """The child cpusets below ``directory`` that hold CPUs outside ``cpus``: a write of
+    ``cpus`` there is refused with EBUSY by cgroup v1 (a child stays inside its parent)."""
+    allowed = CPUSet.parse(cpus.strip())
+    return [
+        child
+        for child in sorted(directory.iterdir())
+        if (child / "cpuset.cpus").is_file()
+        and not CPUSet.parse((child / "cpuset.cpus").read_text().strip()).issubset(allowed)
+    ]
 
 
 def _omit_empty(values: Mapping[str, object]) -> dict[str, object]:
@@ -696,8 +709,19 @@ class FakeRuntime:
         container = self._container(request.container_id)
         if container.removing:
             raise GRPCError(Status.UNKNOWN, f"container {container.id!r} is in removing state")
-        merge_resources(container.resources, request.linux)
         cgroup = self.cgroup_dir(container.id)
-        if container.state == pb.CONTAINER_RUNNING and cgroup is not None and cgroup.is_dir():
+        running = container.state == pb.CONTAINER_RUNNING and cgroup is not None
+        if running and cgroup is not None and cgroup.is_dir() and self.cgroup_version == 1:
+            cpus = request.linux.cpuset_cpus or container.resources.cpuset_cpus
+            if v1_children_outside(cgroup, cpus):
+                # runc update writes the container's own cpuset.cpus only, as the kernel
+                # refuses it.
+                raise GRPCError(
+                    Status.UNKNOWN,
+                    f"failed to update resources: write {cgroup}/cpuset.cpus:"
+                    " device or resource busy",
+                )
+        merge_resources(container.resources, request.linux)
+        if running and cgroup is not None and cgroup.is_dir():
             (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
         return pb.UpdateContainerResourcesResponse()

@@ -31,8 +31,8 @@ from typing import Any
 import orjson
 from google.protobuf.message import DecodeError
 
-from shim import cgroups
-from shim.cgroups import CgroupError, CgroupLayout
+from shim import cgroups, child_cpusets
+from shim.cgroups import CgroupError, CgroupLayout, CgroupVersion
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
@@ -134,12 +134,21 @@ class Mover:
             return False
         return self._write_cgroup(tracked, cpus)
 
+    def write_tree(self, directory: Path, cpus: CPUSet) -> None:
+        """Write ``cpus`` into a container's cgroup; under cgroup v1, into the child cpusets
+        it made below its own first (shim/child_cpusets.py). OSError when refused."""
+        if self.layout is not None and self.layout.version is CgroupVersion.V1:
+            written = child_cpusets.write_children(directory, cpus)
+            if written:
+                self.counters["child_cpuset_writes"] += written
+        cgroups.write_cpus(directory, cpus)
+
     def _write_cgroup(self, tracked: Tracked, cpus: CPUSet) -> bool:
         assert tracked.cgroup is not None
         try:
             # Inline, not in a worker thread: the write takes tens of microseconds, the hop
             # to a thread and back costs more on a busy node.
-            cgroups.write_cpus(tracked.cgroup, cpus)
+            self.write_tree(tracked.cgroup, cpus)
         except OSError as exc:
             # Gone, or a parent that does not allow these CPUs: the runtime decides.
             log.info(
@@ -174,6 +183,7 @@ class Mover:
         self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
     ) -> MoveResult:
         """UpdateContainerResources with the container's write lock already held."""
+        written = self._write_tree_first(tracked, cpus)
         request = rq.update_request(tracked.id, cpus, mems, quota=quota)
         reply = await self.runtime.unary(
             UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
@@ -184,6 +194,11 @@ class Mover:
             return MoveResult(ok=True)
         if reply.status is Status.NOT_FOUND:
             return MoveResult(ok=False, gone=True)
+        if written:
+            # The CPUs are in place; what the runtime refused (its record, the memory nodes,
+            # the quota) is tried again as a settings-only move.
+            tracked.applied = cpus
+            tracked.settings_stale = True
         self.counters["cpuset_update_errors"] += 1
         log.warning(
             "could not move a container",
@@ -197,6 +212,30 @@ class Mover:
             },
         )
         return MoveResult(ok=False)
+
+    def _write_tree_first(self, tracked: Tracked, cpus: CPUSet) -> bool:
+        """Before a move through the runtime: under cgroup v1, a running container with child
+        cpusets gets its CPUs written here, children first, since ``runc update`` writes
+        the container's own file only and the kernel refuses a shrink below a child. True
+        when written."""
+        directory = tracked.cgroup
+        if (
+            directory is None
+            or tracked.phase is not Phase.RUNNING
+            or self.layout is None
+            or self.layout.version is not CgroupVersion.V1
+            or not child_cpusets.has_children(directory)
+        ):
+            return False
+        try:
+            self.write_tree(directory, cpus)
+        except OSError as exc:
+            log.info(
+                "direct write of a container with child cpusets failed",
+                extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
+            )
+            return False
+        return True
 
     # --- telling the runtime what was written directly -------------------------------------------
 

@@ -313,7 +313,7 @@ class Watcher:
             "cpuset changed behind cpushim's back; writing it back", extra={"fields": fields}
         )
         try:
-            cgroups.write_cpus(tracked.cgroup, cpus)
+            self.engine.mover.write_tree(tracked.cgroup, cpus)
             tracked.applied = cpus
         except OSError as exc:
             log.info(

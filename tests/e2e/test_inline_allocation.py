@@ -6,7 +6,9 @@ exclusively. Each test starts its own cpushim (static policy) on a fresh state d
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from tests.harness.kubelet import (
     cgroup_file,
     milli_cpu_to_quota,
     new_pod_uid,
+    read_status_field,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
@@ -290,3 +293,46 @@ def test_a_corrupt_checkpoint_stops_start_up_until_recovered_from_the_runtime(
     kept = [p.name for p in shim.state_dir.iterdir() if p.name.startswith("state.json.replaced-")]
     assert len(kept) == 1
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+
+
+def test_a_shared_container_with_cgroups_of_its_own_moves_with_them(
+    shim: Shim, via: Callable[[], KubeletClient]
+) -> None:
+    """cgroup v1 refuses to shrink a cpuset below a child's (EBUSY), through ``runc update``
+    too: a container running its own containers (Docker in a pod) would keep the CPU handed
+    out exclusively. cpushim moves the children with it."""
+    shim.start()
+    kubelet = via()
+    _, shared_id = start_pod(kubelet, "besteffort", "besteffort")
+    cgroup = Path("/sys/fs/cgroup/cpuset", kubelet.kernel_cpus(shared_id).cgroup_path.lstrip("/"))
+    inner = cgroup / "inner"  # as a runtime inside the container makes it: every CPU
+    job = inner / "job"  # one of its containers, pinned to CPU 1
+    for directory, cpus in ((inner, "0-1"), (job, "1")):
+        directory.mkdir()
+        (directory / "cpuset.cpus").write_text(cpus)
+        (directory / "cpuset.mems").write_text((cgroup / "cpuset.mems").read_text())
+    worker = subprocess.Popen(["sleep", "600"])
+    try:
+        (job / "tasks").write_text(str(worker.pid))
+        assert read_status_field(worker.pid, "Cpus_allowed_list") == "1"
+
+        _, pinned_id = start_pinned(kubelet)
+        assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+        assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+        assert (inner / "cpuset.cpus").read_text().strip() == "0"
+        # Nothing of CPU 1 is left to the job: it gets what the container has.
+        assert (job / "cpuset.cpus").read_text().strip() == "0"
+        assert read_status_field(worker.pid, "Cpus_allowed_list") == "0"
+
+        kubelet.stop_container(pinned_id, timeout=5)
+        assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+        # Each had all of its parent's CPUs before the stop, so each follows it back.
+        assert (inner / "cpuset.cpus").read_text().strip() == "0-1"
+        assert (job / "cpuset.cpus").read_text().strip() == "0-1"
+        assert read_status_field(worker.pid, "Cpus_allowed_list") == "0-1"
+    finally:
+        worker.kill()
+        worker.wait()
+        for directory in (job, inner):
+            with contextlib.suppress(FileNotFoundError):
+                directory.rmdir()

@@ -1,0 +1,174 @@
+"""Containers with cgroups of their own under cgroup v1: their child cpusets move with them.
+
+The fake containerd's cgroup tree is plain files; here every cpuset write, cpushim's and the
+fake runtime's, is checked as cgroup v1 checks it (EBUSY when a child would be left outside),
+so a move that forgets the children fails as it does on a node.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from grpclib.const import Status as GrpcStatus
+
+from shim import cgroups
+from shim.cpuset import CPUSet
+from shim.engine import EngineOptions
+from tests.fake_runtime import FakeRuntime, v1_children_outside
+from tests.unit.engine_env import (
+    FIRST_SINGLE,
+    SHARED_AFTER_FIRST_SINGLE,
+    Env,
+    make_env,
+    static_policy,
+    until,
+)
+from tests.unit.test_watching import Watched, watched_env
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def v1_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpushim's cgroup writes refused as cgroup v1 refuses them."""
+    write = cgroups.write_cpus
+
+    def write_as_v1(directory: Path, cpus: CPUSet) -> None:
+        if v1_children_outside(directory, str(cpus)):
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(directory / "cpuset.cpus"))
+        parent = directory.parent / "cpuset.cpus"
+        if parent.is_file() and not cpus.issubset(CPUSet.parse(parent.read_text().strip())):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(directory / "cpuset.cpus"))
+        write(directory, cpus)
+
+    monkeypatch.setattr(cgroups, "write_cpus", write_as_v1)
+
+
+@pytest.fixture
+async def env(tmp_path: Path, v1_rules: None) -> AsyncIterator[Env]:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        # Records only when drained, retries at once.
+        options = EngineOptions(record_delay=3600.0, record_max_delay=3600.0, retry_delay=0.01)
+        environment = await make_env(fake, tmp_path / "state", options=options)
+        yield environment
+        environment.channel.close()
+
+
+async def located(env: Env, container_id: str) -> Path:
+    tracked = env.engine.containers[container_id]
+    await until(lambda: tracked.cgroup is not None, "the cgroup located")
+    assert tracked.cgroup is not None
+    return tracked.cgroup
+
+
+def child(parent: Path, name: str, cpus: str) -> Path:
+    directory = parent / name
+    directory.mkdir()
+    (directory / "cpuset.cpus").write_text(cpus + "\n")
+    return directory
+
+
+def cpus_of(directory: Path) -> str:
+    return (directory / "cpuset.cpus").read_text().strip()
+
+
+async def test_a_shared_container_shrinks_and_grows_with_its_child_cpusets(env: Env) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("ci", "besteffort"), "main")
+    cgroup = await located(env, shared_id)
+    inner = child(cgroup, "docker", "0-7")  # a runtime inside the container: every CPU
+    job = child(inner, "job", FIRST_SINGLE)  # one of its containers, pinned
+
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert cpus_of(inner) == SHARED_AFTER_FIRST_SINGLE
+    assert cpus_of(job) == SHARED_AFTER_FIRST_SINGLE  # none of its CPUs left: all of the new
+    assert env.engine.counters["child_cpuset_writes"] == 2
+
+    await env.kubelet.stop(pinned_id)
+    assert env.kernel_cpus(shared_id) == "0-7"
+    assert cpus_of(inner) == "0-7"
+    assert cpus_of(job) == "0-7"
+
+
+async def test_a_child_with_fewer_cpus_keeps_what_the_new_set_leaves_it(env: Env) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("ci", "besteffort"), "main")
+    job = child(await located(env, shared_id), "job", f"{FIRST_SINGLE}-5")
+
+    pinned_id = await env.kubelet.start_new(
+        await env.kubelet.run_pod("db", "guaranteed"), "main", 1000
+    )
+    assert cpus_of(job) == "5"
+    await env.kubelet.stop(pinned_id)
+    assert env.kernel_cpus(shared_id) == "0-7"
+    assert cpus_of(job) == "5"  # it had fewer than its parent: nothing to follow
+
+
+async def test_a_pinned_container_moved_through_the_runtime_takes_its_children(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    inner = child(await located(env, pinned_id), "inner", FIRST_SINGLE)
+
+    # Its CPU becomes reserved: it gets another one, through the runtime (memory nodes and
+    # quota move with it).
+    assert await env.engine.change_policy(static_policy(reserved=f"0,{FIRST_SINGLE}")) == []
+    moved = env.engine.state.assignments[next(iter(env.engine.state.assignments))].cpus
+    assert FIRST_SINGLE not in str(moved)
+    assert env.cpus(pinned_id) == str(moved)
+    assert env.kernel_cpus(pinned_id) == str(moved)
+    assert cpus_of(inner) == str(moved)
+    assert env.engine.counters["cpuset_update_errors"] == 0
+
+
+async def test_a_runtime_refusal_after_the_direct_write_is_tried_again(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    inner = child(await located(env, pinned_id), "inner", FIRST_SINGLE)
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+
+    assert await env.engine.change_policy(static_policy(reserved=f"0,{FIRST_SINGLE}")) == []
+    moved = str(next(iter(env.engine.state.assignments.values())).cpus)
+    # The CPUs are in place at once; the runtime's record follows on the retry.
+    assert env.kernel_cpus(pinned_id) == moved
+    assert cpus_of(inner) == moved
+    await until(lambda: env.cpus(pinned_id) == moved, "the runtime's record moved")
+    await until(lambda: not env.engine.containers[pinned_id].settings_stale, "settled")
+    assert env.engine.counters["cpuset_update_errors"] == 1
+    assert env.engine.counters["drift_repairs"] == 0
+
+
+async def test_without_children_a_move_writes_the_container_alone(env: Env) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    await located(env, shared_id)
+    await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 1000)
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert env.engine.counters["child_cpuset_writes"] == 0
+
+
+@pytest.fixture
+async def w(tmp_path: Path, v1_rules: None) -> AsyncIterator[Watched]:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        async for watched in watched_env(tmp_path, fake):
+            yield watched
+
+
+async def test_a_drift_repair_narrows_the_children_the_other_writer_widened(w: Watched) -> None:
+    shared_id = await w.started("ci")
+    await w.started("db", "guaranteed", 1000)
+    cgroup = w.env.fake.cgroup_dir(shared_id)
+    assert cgroup is not None
+    inner = child(cgroup, "docker", SHARED_AFTER_FIRST_SINGLE)
+    # Someone else gives the container and its runtime's cgroup every CPU (the watch is on
+    # the container's file: that write is the one it sees).
+    (inner / "cpuset.cpus").write_text("0-7\n")
+    (cgroup / "cpuset.cpus").write_text("0-7\n")
+
+    await until(lambda: cpus_of(inner) == SHARED_AFTER_FIRST_SINGLE, "child narrowed")
+    await w.settled()
+    assert w.env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert w.counters["drift_repairs"] == 1
