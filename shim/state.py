@@ -9,7 +9,7 @@ arithmetic, and so a checkpoint whose parts disagree is caught.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Final
@@ -87,6 +87,10 @@ class CPUState:
     assignments: Mapping[ContainerKey, Assignment] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    # The exclusive CPUs each released container held last: its next attempt gets them back
+    # when the policy would hand them out then (they may be anyone's meanwhile). Kept while
+    # its pod may still come back with one; in the checkpoint, so a restart keeps them too.
+    released: Mapping[ContainerKey, CPUSet] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def empty(cls, policy: CPUPolicy) -> CPUState:
@@ -118,13 +122,30 @@ class CPUState:
     def assign(self, key: ContainerKey, assignment: Assignment, policy: CPUPolicy) -> CPUState:
         assignments = dict(self.assignments)
         assignments[key] = assignment
-        return self._with(assignments, policy)
+        state = self._with(assignments, policy)
+        if key not in self.released:
+            return state
+        released = dict(self.released)
+        del released[key]
+        return replace(state, released=MappingProxyType(released))
 
     def release(self, keys: Iterable[ContainerKey], policy: CPUPolicy) -> CPUState:
+        """These containers' CPUs back to the shared pool, remembered as theirs."""
         assignments = dict(self.assignments)
+        released = dict(self.released)
         for key in keys:
-            assignments.pop(key, None)
-        return self._with(assignments, policy)
+            assignment = assignments.pop(key, None)
+            if assignment is not None:
+                released[key] = assignment.cpus
+        state = self._with(assignments, policy)
+        return replace(state, released=MappingProxyType(dict(sorted(released.items()))))
+
+    def keep_released(self, pod_uids: Collection[str]) -> CPUState:
+        """Without the released CPUs of pods other than ``pod_uids`` (pods that are gone)."""
+        kept = {key: cpus for key, cpus in self.released.items() if key.pod_uid in pod_uids}
+        if len(kept) == len(self.released):
+            return self
+        return replace(self, released=MappingProxyType(kept))
 
     def update(self, key: ContainerKey, **changes: Any) -> CPUState:
         """The same CPUs, other bookkeeping (container id, sandbox, attempt)."""
@@ -252,7 +273,7 @@ def _body(state: CPUState) -> dict[str, Any]:
             # Only when kubelet chose them: a checkpoint without is what earlier versions
             # wrote and read (they ignore the key, so a rollback keeps working).
             entry["mems"] = str(a.mems)
-    return {
+    body: dict[str, Any] = {
         "policy": state.policy,
         "options": sorted(state.options),
         "reserved": str(state.reserved),
@@ -260,6 +281,13 @@ def _body(state: CPUState) -> dict[str, Any]:
         "shared": str(state.shared),
         "assignments": pods,
     }
+    if state.released:
+        # Only when there are any, as "mems" above: earlier versions ignore the key.
+        released: dict[str, dict[str, str]] = {}
+        for key, cpus in sorted(state.released.items()):
+            released.setdefault(key.pod_uid, {})[key.name] = str(cpus)
+        body["released"] = released
+    return body
 
 
 def _checksum(body: Mapping[str, Any]) -> str:
@@ -334,6 +362,20 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
                 pod=_text(entry.get("pod", ""), "pod"),
                 mems=mems,
             )
+    released: dict[ContainerKey, CPUSet] = {}
+    released_pods = body.get("released", {})
+    if not isinstance(released_pods, dict):
+        raise TypeError("released must be an object")
+    for pod_uid, containers in released_pods.items():
+        if not isinstance(containers, dict):
+            raise TypeError(f"released CPUs of pod {pod_uid} must be an object")
+        for name, cpus in containers.items():
+            try:
+                released[ContainerKey(pod_uid, name)] = CPUSet.parse(
+                    _text(cpus, f"{pod_uid}/{name} released")
+                )
+            except ValueError as exc:
+                raise ValueError(f"{pod_uid}/{name} released: {exc}") from exc
     options = body["options"]
     if not isinstance(options, list):
         raise TypeError("options must be a list")
@@ -344,4 +386,5 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
         topology=_text(body["topology"], "topology"),
         shared=CPUSet.parse(_text(body["shared"], "shared")),
         assignments=MappingProxyType(dict(sorted(assignments.items()))),
+        released=MappingProxyType(dict(sorted(released.items()))),
     )

@@ -120,9 +120,6 @@ class Engine:
         self.state = state if state is not None else CPUState.empty(policy)
         self.pods: dict[str, Pod] = {}
         self.containers: dict[str, Tracked] = {}
-        # The CPUs a container held when it last stopped: a re-created container gets them
-        # back when they are still free.
-        self.last_cpus: dict[ContainerKey, CPUSet] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -382,15 +379,13 @@ class Engine:
             self._untrack(container_id)
 
     def _forget_sandbox(self, sandbox_id: str) -> Afterwards:
-        """Forget a removed sandbox; when it was its pod's last, what cpushim kept for the pod
-        goes too, its projection directories once kubelet has its reply (unless a sandbox of
-        the same pod, a static pod's next, has come meanwhile)."""
+        """Forget a removed sandbox; when it was its pod's last, its projection directories
+        go once kubelet has its reply (unless a sandbox of the same pod, a static pod's next,
+        has come meanwhile), and its released CPUs at the next decision."""
         pod = self.pods.pop(sandbox_id, None)
         if pod is None or any(p.uid == pod.uid for p in self.pods.values()):
             return None
         uid = pod.uid
-        for key in [k for k in self.last_cpus if k.pod_uid == uid]:
-            del self.last_cpus[key]
         projector = self.projector
         if projector is None:
             return None
@@ -551,7 +546,8 @@ class Engine:
         )
         try:
             try:
-                await self._commit(self.state.assign(key, assignment, self.policy))
+                decided = self.state.assign(key, assignment, self.policy)
+                await self._commit(decided.keep_released(self._pod_uids()))
                 await self._apply()
             finally:
                 await projecting
@@ -690,7 +686,7 @@ class Engine:
         held = CPUSet().union(*exclusive.values())
         free = self.policy.exclusive_candidates - held
         request = exclusive_request(count, plan.isolated, memory_nodes)
-        released = self.last_cpus.get(key)
+        released = self.state.released.get(key)
         # Old CPUs come back only as a set the policy would hand out now: a reload or a
         # restart may have turned on an option they do not meet.
         if released is not None and self.policy.refusal(exclusive, request, released) is None:
@@ -739,6 +735,11 @@ class Engine:
     @staticmethod
     def _cgroup_parent(request: pb.CreateContainerRequest, pod: Pod) -> str:
         return request.sandbox_config.linux.cgroup_parent or pod.cgroup_parent
+
+    def _pod_uids(self) -> set[str]:
+        """The pods that have a sandbox: the released CPUs of any other pod are forgotten at
+        the next decision (a pod's removal changes no CPU, so it writes no checkpoint)."""
+        return {pod.uid for pod in self.pods.values()}
 
     def _sandbox_of(self, key: ContainerKey) -> str:
         for pod in self.pods.values():
@@ -1035,10 +1036,7 @@ class Engine:
         keys = [k for k in keys if k in self.state.assignments]
         if not keys:
             return
-        for key in keys:
-            held = self.state.assignments[key]
-            self.last_cpus[key] = held.cpus
-        await self._record(self.state.release(keys, self.policy))
+        await self._record(self.state.release(keys, self.policy).keep_released(self._pod_uids()))
         log.info(
             "released",
             extra={

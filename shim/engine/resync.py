@@ -308,11 +308,9 @@ def _reconcile(
             gone.append(key)
         else:
             holders[key] = container
-    for key in gone:
-        held = state.assignments[key]
-        engine.last_cpus[key] = held.cpus
-        report.released.append(str(key))
-    state = state.release(gone, policy)
+    report.released.extend(str(key) for key in gone)
+    # Of pods removed while cpushim was down, nothing comes back.
+    state = state.release(gone, policy).keep_released({pod.uid for pod in pods.values()})
     for key, container in holders.items():
         if state.assignments[key].container_id != container.id:
             state = state.update(key, container_id=container.id, sandbox_id=container.sandbox_id)

@@ -67,7 +67,9 @@ async def test_a_pod_stopped_and_removed_by_prefix_is_released_and_forgotten(env
     )
     assert pod.sandbox_id not in env.engine.pods
     assert all(t.sandbox_id != pod.sandbox_id for t in env.engine.containers.values())
-    assert not any(key.pod_uid == pod.uid for key in env.engine.last_cpus)
+    # The pod's released CPUs go at the next decision.
+    await kubelet.start_new(await kubelet.run_pod("next", "guaranteed"), "main", 1000)
+    assert not any(key.pod_uid == pod.uid for key in env.engine.state.released)
 
 
 async def test_a_create_in_a_sandbox_named_by_prefix_belongs_to_that_sandbox(env: Env) -> None:

@@ -240,3 +240,38 @@ async def test_a_created_container_left_in_a_stopped_sandbox_gets_no_cpus_at_a_r
     assert env.saved() == {}
     assert env.cpus(shared_id) == "0-7"
     assert_consistent(env)
+
+
+async def test_a_recreated_container_gets_its_cpus_back_after_a_restart(env: Env) -> None:
+    kubelet = env.kubelet
+    first = await kubelet.run_pod("first", "guaranteed")
+    second = await kubelet.run_pod("second", "guaranteed")
+    first_id = await kubelet.start_new(first, "main", 1000)
+    second_id = await kubelet.start_new(second, "main", 1000)
+    assert (env.cpus(first_id), env.cpus(second_id)) == (FIRST_SINGLE, "1")
+    await kubelet.stop(first_id)
+    await kubelet.stop(second_id)
+
+    await env.restart()
+    # Both CPUs are free; the allocator alone would give "second" the first one again.
+    again = await env.kubelet.start_new(second, "main", 1000, attempt=1)
+    assert env.cpus(again) == "1"
+    assert_consistent(env)
+
+
+async def test_released_cpus_of_pods_removed_while_cpushim_was_down_are_forgotten(
+    env: Env,
+) -> None:
+    kubelet = env.kubelet
+    gone = await kubelet.run_pod("gone", "guaranteed")
+    stays = await kubelet.run_pod("stays", "guaranteed")
+    await kubelet.stop(await kubelet.start_new(gone, "main", 1000))
+    await kubelet.stop(await kubelet.start_new(stays, "main", 1000))
+    assert {key.pod_uid for key in env.engine.state.released} == {gone.uid, stays.uid}
+    del env.fake.sandboxes[gone.sandbox_id]  # removed straight on the runtime
+
+    await env.restart()
+    # Each held CPU 4 in turn, "gone" first.
+    assert dict(env.engine.state.released) == {
+        ContainerKey(stays.uid, "main"): CPUSet.parse(FIRST_SINGLE)
+    }

@@ -134,6 +134,29 @@ def test_release_ignores_unknown_keys_and_takes_several() -> None:
     assert dict(everything.assignments) == {}
 
 
+def test_a_release_remembers_the_cpus_and_the_next_assignment_forgets_them() -> None:
+    a, b, c = (ContainerKey(uid, "app") for uid in "abc")
+    state = state_with(STATIC, a="1", b="2")
+    released = state.release([a, ContainerKey("nobody", "x")], STATIC)
+    assert dict(released.released) == {a: P("1")}
+    # Anyone may take them meanwhile; the memory stays until the container is assigned.
+    taken = released.assign(c, Assignment(P("1")), STATIC)
+    assert dict(taken.released) == {a: P("1")}
+    again = taken.release([c], STATIC).assign(a, Assignment(P("3")), STATIC)
+    assert dict(again.released) == {c: P("1")}
+    assert dict(state.released) == {}  # the original is unchanged
+    assert state_with(STATIC, b="2").release([b], STATIC).shared == CPUState.empty(STATIC).shared
+
+
+def test_keep_released_forgets_the_pods_that_are_gone() -> None:
+    b = ContainerKey("b", "app")
+    state = state_with(STATIC, a="1", b="2", c="3").release([ContainerKey("a", "app"), b], STATIC)
+    assert state.keep_released({"a", "b"}) is state
+    assert dict(state.keep_released({"b", "c"}).released) == {b: P("2")}
+    assert dict(state.keep_released(set()).released) == {}
+    assert state.keep_released(set()).assignments == state.assignments
+
+
 def test_assignments_are_kept_sorted_and_read_only() -> None:
     state = CPUState.empty(STATIC)
     for key in (C, A, B):
@@ -624,6 +647,16 @@ def test_round_trip(state: CPUState) -> None:
     assert encode_checkpoint(decoded) == encode_checkpoint(state)
 
 
+def test_released_cpus_round_trip_and_are_written_only_when_there_are_any() -> None:
+    state = SAMPLE.assign(A, Assignment(P("2")), STATIC).release([A], STATIC)
+    data = encode_checkpoint(state)
+    assert orjson.loads(data)["body"]["released"] == {"pod-a": {"app": "2"}}
+    assert decode_checkpoint(data) == state
+    # Without any, the file is what earlier versions wrote and read.
+    assert "released" not in orjson.loads(encode_checkpoint(SAMPLE))["body"]
+    assert decode_checkpoint(encode_checkpoint(SAMPLE)).released == {}
+
+
 def test_decode_without_pod_label() -> None:
     doc = document(SAMPLE)
     del doc["body"]["assignments"][SAMPLE_UID][SAMPLE_NAME]["pod"]
@@ -857,6 +890,26 @@ def entry_del(name: str) -> Any:
         ),
         pytest.param(
             body_set(topology=None), "TypeError: topology must be a string", id="topology null"
+        ),
+        pytest.param(
+            body_set(released=["1"]),
+            "TypeError: released must be an object",
+            id="released not an object",
+        ),
+        pytest.param(
+            body_set(released={SAMPLE_UID: "1"}),
+            "TypeError: released CPUs of pod 0f1e2d3c-uid must be an object",
+            id="released pod not an object",
+        ),
+        pytest.param(
+            body_set(released={SAMPLE_UID: {"app": 1}}),
+            "TypeError: 0f1e2d3c-uid/app released must be a string, not int",
+            id="released not a string",
+        ),
+        pytest.param(
+            body_set(released={SAMPLE_UID: {"app": "1-x"}}),
+            "ValueError: 0f1e2d3c-uid/app released: invalid CPU list '1-x'",
+            id="bad released list",
         ),
     ],
 )
