@@ -15,7 +15,7 @@ node (v1 controllers plus an empty v2 mount) keeps cpusets in v1. Both name the 
 ``cpuset.cpus``; v2 adds ``cgroup.events``, whose ``populated`` line turns 0 when the last
 process leaves.
 
-The parsing is pure; :func:`read_cpus` and :func:`write_cpus` are the only I/O.
+The parsing is pure; the readers and writers of cgroup files at the end are the only I/O.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from shim.fileio import read_file
 from shim.mountinfo import parse_mountinfo
 
 CPUSET_CPUS = "cpuset.cpus"
+CPUSET_MEMS = "cpuset.mems"
 CGROUP_EVENTS = "cgroup.events"
 
 
@@ -175,20 +176,26 @@ def _parent_is_one_of(pid: int, names: tuple[str, ...], proc: Path) -> bool:
 
 def read_cpus(directory: Path) -> CPUSet | None:
     """The cgroup's ``cpuset.cpus``; None when the cgroup is gone."""
+    return read_list(directory, CPUSET_CPUS)
+
+
+def read_list(directory: Path, name: str) -> CPUSet | None:
+    """A cgroup file in the kernel's list format (``cpuset.cpus``, ``cpuset.mems``); None
+    when the cgroup is gone, ValueError when it holds no list."""
     try:
-        text = read_file(directory / CPUSET_CPUS).decode()
+        text = read_file(directory / name).decode()
     except (FileNotFoundError, NotADirectoryError):
         return None
     return CPUSet.parse(text.strip())
 
 
-def write_cpus(directory: Path, cpus: CPUSet) -> None:
-    """Write the cgroup's ``cpuset.cpus`` in one write(2), as the kernel wants it. OSError
-    (ENOENT when the cgroup is gone, EINVAL when the parent does not have these CPUs) is the
-    caller's to handle."""
+def write_list(directory: Path, name: str, values: CPUSet) -> None:
+    """Write a cgroup file in the kernel's list format in one write(2), as the kernel wants
+    it. OSError (ENOENT when the cgroup is gone, EINVAL when the parent does not have these
+    CPUs or nodes, EBUSY when a v1 child has more) is the caller's to handle."""
     # O_TRUNC as a shell redirection does: cgroupfs ignores it, a plain file (tests) needs it.
-    fd = os.open(directory / CPUSET_CPUS, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+    fd = os.open(directory / name, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
-        os.write(fd, str(cpus).encode() or b"\n")
+        os.write(fd, str(values).encode() or b"\n")
     finally:
         os.close(fd)

@@ -69,8 +69,8 @@ ENGINE_COUNTERS: dict[str, str] = {
     ),
     "checkpoint_errors": "Failures to write the state checkpoint",
     "child_cpuset_writes": (
-        "Cpusets written into cgroups a container made below its own (cgroup v1), so that"
-        " the container's cpuset could move"
+        "Cpuset writes that made room for a container's move past the cgroups it made below"
+        " its own (cgroup v1): into those cgroups, and widening the container's first"
     ),
     "config_errors": "Configuration reloads refused because the new configuration was invalid",
     "config_reloads": "Configuration reloads applied",

@@ -153,15 +153,16 @@ def merge_resources(
     current.unified.update(update.unified)
 
 
-def v1_children_outside(directory: Path, cpus: str) -> list[Path]:
-    """The child cpusets below ``directory`` that hold CPUs outside ``cpus``: a write of
-    ``cpus`` there is refused with EBUSY by cgroup v1 (a child stays inside its parent)."""
-    allowed = CPUSet.parse(cpus.strip())
+def v1_children_outside(directory: Path, name: str, values: str) -> list[Path]:
+    """The child cpusets below ``directory`` whose file ``name`` (``cpuset.cpus``,
+    ``cpuset.mems``) holds more than ``values``: a write of ``values`` there is refused with
+    EBUSY by cgroup v1 (a child stays inside its parent)."""
+    allowed = CPUSet.parse(values.strip())
     return [
         child
         for child in sorted(directory.iterdir())
-        if (child / "cpuset.cpus").is_file()
-        and not CPUSet.parse((child / "cpuset.cpus").read_text().strip()).issubset(allowed)
+        if (child / name).is_file()
+        and not CPUSet.parse((child / name).read_text().strip()).issubset(allowed)
     ]
 
 
@@ -417,6 +418,8 @@ class FakeRuntime:
             return
         cgroup.mkdir(parents=True, exist_ok=True)
         (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
+        if self.cgroup_version == 1 and container.resources.cpuset_mems:
+            (cgroup / "cpuset.mems").write_text(container.resources.cpuset_mems + "\n")
         if self.cgroup_version == 2:
             (cgroup / "cgroup.events").write_text("populated 1\nfrozen 0\n")
         if self.pid_source is not None:
@@ -712,16 +715,21 @@ class FakeRuntime:
         cgroup = self.cgroup_dir(container.id)
         running = container.state == pb.CONTAINER_RUNNING and cgroup is not None
         if running and cgroup is not None and cgroup.is_dir() and self.cgroup_version == 1:
-            cpus = request.linux.cpuset_cpus or container.resources.cpuset_cpus
-            if v1_children_outside(cgroup, cpus):
-                # runc update writes the container's own cpuset.cpus only, as the kernel
-                # refuses it.
-                raise GRPCError(
-                    Status.UNKNOWN,
-                    f"failed to update resources: write {cgroup}/cpuset.cpus:"
-                    " device or resource busy",
-                )
+            # runc update writes the container's own files only, as the kernel refuses them.
+            wanted = {
+                "cpuset.cpus": request.linux.cpuset_cpus or container.resources.cpuset_cpus,
+                "cpuset.mems": request.linux.cpuset_mems,
+            }
+            for name, values in wanted.items():
+                if values and v1_children_outside(cgroup, name, values):
+                    raise GRPCError(
+                        Status.UNKNOWN,
+                        f"failed to update resources: write {cgroup}/{name}:"
+                        " device or resource busy",
+                    )
         merge_resources(container.resources, request.linux)
         if running and cgroup is not None and cgroup.is_dir():
             (cgroup / "cpuset.cpus").write_text(container.resources.cpuset_cpus + "\n")
+            if (cgroup / "cpuset.mems").is_file() and container.resources.cpuset_mems:
+                (cgroup / "cpuset.mems").write_text(container.resources.cpuset_mems + "\n")
         return pb.UpdateContainerResourcesResponse()

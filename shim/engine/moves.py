@@ -134,21 +134,30 @@ class Mover:
             return False
         return self._write_cgroup(tracked, cpus)
 
-    def write_tree(self, directory: Path, cpus: CPUSet) -> None:
-        """Write ``cpus`` into a container's cgroup; under cgroup v1, into the child cpusets
-        it made below its own first (shim/child_cpusets.py). OSError when refused."""
-        if self.layout is not None and self.layout.version is CgroupVersion.V1:
-            written = child_cpusets.write_children(directory, cpus)
-            if written:
-                self.counters["child_cpuset_writes"] += written
-        cgroups.write_cpus(directory, cpus)
+    def write_tree(self, tracked: Tracked, cpus: CPUSet, mems: CPUSet | None = None) -> None:
+        """Write ``cpus`` (and ``mems``, when given) into a container's cgroup; under cgroup
+        v1, into the cgroups it made below its own first (shim/child_cpusets.py). OSError
+        when refused."""
+        directory = tracked.cgroup
+        assert directory is not None
+        files = [(cgroups.CPUSET_CPUS, cpus)]
+        if mems is not None:
+            files.append((cgroups.CPUSET_MEMS, mems))
+        for name, values in files:
+            if self.layout is not None and self.layout.version is CgroupVersion.V1:
+                memory = tracked.child_memory.get(name, {})
+                written, memory = child_cpusets.write_children(directory, name, values, memory)
+                tracked.child_memory[name] = memory
+                if written:
+                    self.counters["child_cpuset_writes"] += written
+            cgroups.write_list(directory, name, values)
 
     def _write_cgroup(self, tracked: Tracked, cpus: CPUSet) -> bool:
         assert tracked.cgroup is not None
         try:
             # Inline, not in a worker thread: the write takes tens of microseconds, the hop
             # to a thread and back costs more on a busy node.
-            self.write_tree(tracked.cgroup, cpus)
+            self.write_tree(tracked, cpus)
         except OSError as exc:
             # Gone, or a parent that does not allow these CPUs: the runtime decides.
             log.info(
@@ -183,7 +192,7 @@ class Mover:
         self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
     ) -> MoveResult:
         """UpdateContainerResources with the container's write lock already held."""
-        written = self._write_tree_first(tracked, cpus)
+        written = self._write_tree_first(tracked, cpus, mems)
         request = rq.update_request(tracked.id, cpus, mems, quota=quota)
         reply = await self.runtime.unary(
             UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
@@ -195,10 +204,15 @@ class Mover:
         if reply.status is Status.NOT_FOUND:
             return MoveResult(ok=False, gone=True)
         if written:
-            # The CPUs are in place; what the runtime refused (its record, the memory nodes,
-            # the quota) is tried again as a settings-only move.
+            # The cpuset is in place, and the watches compare with what was applied.
             tracked.applied = cpus
-            tracked.settings_stale = True
+            tracked.moved_at = asyncio.get_running_loop().time()
+            if mems or quota is not None:
+                # The quota (and its record) goes through the runtime only: the move is
+                # tried again for them, as for an adopted container's settings.
+                tracked.settings_stale = True
+            else:
+                self.record_later(tracked)
         self.counters["cpuset_update_errors"] += 1
         log.warning(
             "could not move a container",
@@ -213,11 +227,11 @@ class Mover:
         )
         return MoveResult(ok=False)
 
-    def _write_tree_first(self, tracked: Tracked, cpus: CPUSet) -> bool:
+    def _write_tree_first(self, tracked: Tracked, cpus: CPUSet, mems: str) -> bool:
         """Before a move through the runtime: under cgroup v1, a running container with child
-        cpusets gets its CPUs written here, children first, since ``runc update`` writes
-        the container's own file only and the kernel refuses a shrink below a child. True
-        when written."""
+        cpusets gets its CPUs (and memory nodes) written here, children first, since ``runc
+        update`` writes the container's own files only and the kernel refuses a shrink below
+        a child. True when written."""
         directory = tracked.cgroup
         if (
             directory is None
@@ -228,8 +242,8 @@ class Mover:
         ):
             return False
         try:
-            self.write_tree(directory, cpus)
-        except OSError as exc:
+            self.write_tree(tracked, cpus, CPUSet.parse(mems) if mems else None)
+        except (OSError, ValueError) as exc:
             log.info(
                 "direct write of a container with child cpusets failed",
                 extra={"fields": {"container_id": tracked.id, "error": str(exc)}},

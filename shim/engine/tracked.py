@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shim.child_cpusets import Memory
 from shim.cpuset import CPUSet
 from shim.state import ContainerKey
 
@@ -56,10 +57,14 @@ class Tracked:
     # not apply, once logged; None when kubelet's resources match what the container holds
     # or was created asking for.
     resize_noted: int | None = None
-    # Holds exclusive CPUs but the runtime's record does not carry their memory nodes or the
-    # dropped quota (adopted at start-up on the CPUs it had, kubelet's static policy's): one
-    # move through the runtime gives them.
+    # Its cgroup holds the cpuset it should but the runtime's record does not carry the
+    # memory nodes or quota that go with it: adopted at start-up on the exclusive CPUs it had
+    # (kubelet's static policy's), or moved straight in its cgroup past its child cpusets
+    # while the runtime refused the rest. One move through the runtime gives them.
     settings_stale: bool = False
+    # Under cgroup v1, what cpushim knows of the cgroups the container made below its own,
+    # by file (cpuset.cpus, cpuset.mems): moved with it (shim/child_cpusets.py).
+    child_memory: dict[str, Memory] = field(default_factory=dict, repr=False)
     # When cpushim last wrote the cgroup directly (the loop's clock); the runtime is told once
     # the cpuset has stayed put for a while (shim/engine/moves.py).
     moved_at: float = 0.0

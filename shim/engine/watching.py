@@ -313,7 +313,7 @@ class Watcher:
             "cpuset changed behind cpushim's back; writing it back", extra={"fields": fields}
         )
         try:
-            self.engine.mover.write_tree(tracked.cgroup, cpus)
+            self.engine.mover.write_tree(tracked, cpus)
             tracked.applied = cpus
         except OSError as exc:
             log.info(

@@ -15,9 +15,10 @@ from shim.cgroups import (
     first_process,
     populated,
     read_cpus,
+    read_list,
     relative_cgroup_path,
     systemd_byte_reversed,
-    write_cpus,
+    write_list,
 )
 from shim.cpuset import CPUSet
 
@@ -168,12 +169,17 @@ def test_a_set_within_the_first_eight_cpus_comes_through_unchanged() -> None:
 
 def test_cpus_are_read_and_written_in_the_kernel_list_format(tmp_path: Path) -> None:
     (tmp_path / "cpuset.cpus").write_text("0-3\n")
+    (tmp_path / "cpuset.mems").write_text("0\n")
     assert read_cpus(tmp_path) == CPUSet.parse("0-3")
-    write_cpus(tmp_path, CPUSet({1, 2, 3, 7}))
-    assert (tmp_path / "cpuset.cpus").read_text() == "1-3,7"
+    write_list(tmp_path, "cpuset.mems", CPUSet({1, 2, 3, 7}))
+    assert (tmp_path / "cpuset.mems").read_text() == "1-3,7"
+    assert read_list(tmp_path, "cpuset.mems") == CPUSet({1, 2, 3, 7})
     assert read_cpus(tmp_path / "gone") is None
     with pytest.raises(FileNotFoundError):
-        write_cpus(tmp_path / "gone", CPUSet({1}))
+        write_list(tmp_path / "gone", "cpuset.cpus", CPUSet({1}))
+    (tmp_path / "cpuset.cpus").write_text("zero\n")
+    with pytest.raises(ValueError, match="zero"):
+        read_cpus(tmp_path)
 
 
 @pytest.mark.parametrize(

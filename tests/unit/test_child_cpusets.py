@@ -2,31 +2,47 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path, PurePosixPath
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shim.child_cpusets import OWN, child_cpusets, plan_writes, targets, write_children
+from shim import cgroups
+from shim.child_cpusets import (
+    OWN,
+    Child,
+    Memory,
+    child_values,
+    has_children,
+    plan_writes,
+    targets,
+    write_children,
+)
 from shim.cpuset import CPUSet
 
 P = PurePosixPath
+CPUS = "cpuset.cpus"
+Tree = dict[PurePosixPath, CPUSet]
 
 
 def cpus(text: str) -> CPUSet:
     return CPUSet.parse(text)
 
 
+def tree(**values: str) -> Tree:
+    """Children by path, ``a__b`` for ``a/b``."""
+    return {P(name.replace("__", "/")): cpus(value) for name, value in values.items()}
+
+
 def apply_as_v1(
-    old: CPUSet,
-    new: CPUSet,
-    children: dict[PurePosixPath, CPUSet],
-    writes: list[tuple[PurePosixPath, CPUSet]],
-) -> dict[PurePosixPath, CPUSet]:
+    old: CPUSet, new: CPUSet, found: Tree, writes: list[tuple[PurePosixPath, CPUSet]]
+) -> Tree:
     """The tree after ``writes`` and the container's own write of ``new``, each write checked
     as cgroup v1 checks it: inside the parent, around every child, never emptied."""
-    holds = dict(children)
+    holds = dict(found)
     holds[OWN] = old
     for path, value in [*writes, (OWN, new)]:
         assert value, f"{path} emptied"
@@ -39,89 +55,123 @@ def apply_as_v1(
     return holds
 
 
+def move(old: str, new: str, found: Tree, memory: Memory | None = None) -> tuple[Tree, Memory]:
+    """One move planned and carried out under v1's rules: the children after it, and the
+    memory it leaves."""
+    writes, remembered = plan_writes(cpus(old), cpus(new), found, memory or {})
+    after = apply_as_v1(cpus(old), cpus(new), found, writes)
+    del after[OWN]
+    return after, remembered
+
+
+universe = st.sets(st.integers(0, 7), min_size=1).map(CPUSet)
+
+
 @st.composite
-def trees(draw: st.DrawFn) -> tuple[CPUSet, CPUSet, dict[PurePosixPath, CPUSet]]:
-    """A container's cpuset, the one it moves to, and child cpusets valid under v1."""
-    universe = range(8)
-    old = CPUSet(draw(st.sets(st.sampled_from(universe), min_size=1)))
-    new = CPUSet(draw(st.sets(st.sampled_from(universe), min_size=1)))
-    children: dict[PurePosixPath, CPUSet] = {}
+def trees(draw: st.DrawFn) -> tuple[CPUSet, Tree]:
+    """A container's cpuset and child cpusets valid under v1 below it."""
+    old = draw(universe)
+    found: Tree = {}
     parents = [(P("."), old)]
     for index in range(draw(st.integers(0, 6))):
         parent, held = draw(st.sampled_from(parents))
-        kind = draw(st.sampled_from(["follows", "fewer", "empty"]))
+        kind = draw(st.sampled_from(["follows", "own", "empty"]))
         if kind == "follows":
             value = held
-        elif kind == "fewer":
+        elif kind == "own":
             value = CPUSet(draw(st.sets(st.sampled_from(sorted(held)), min_size=1)))
         else:
             value = CPUSet()
         path = parent / f"c{index}"
-        children[path] = value
+        found[path] = value
         if value:
             parents.append((path, value))
-    return old, new, children
+    return old, found
 
 
-@given(trees())
-def test_every_write_keeps_the_kernels_rules_and_ends_at_the_targets(
-    tree: tuple[CPUSet, CPUSet, dict[PurePosixPath, CPUSet]],
+@given(trees(), st.lists(universe, min_size=1, max_size=4))
+def test_moves_keep_the_kernels_rules_and_end_at_the_targets(
+    start: tuple[CPUSet, Tree], sets: list[CPUSet]
 ) -> None:
-    old, new, children = tree
-    writes = plan_writes(old, new, children)
-    final = apply_as_v1(old, new, children, writes)
-    assert final == {OWN: new, **targets(old, new, children)}
-    for path, value in targets(old, new, children).items():
-        assert value.issubset(new)
-        assert bool(value) == bool(children[path])
+    old, found = start
+    memory: Memory = {}
+    for new in sets:
+        writes, remembered = plan_writes(old, new, found, memory)
+        after = apply_as_v1(old, new, found, writes)
+        assert after == {OWN: new, **{p: c.written for p, c in remembered.items()}}
+        for path, child in remembered.items():
+            assert child.written.issubset(new)
+            assert bool(child.written) == bool(found[path])
+        old, found, memory = new, {p: c.written for p, c in remembered.items()}, remembered
 
 
-@given(trees())
+@given(trees(), universe)
+def test_a_move_and_its_way_back_restore_every_child(
+    start: tuple[CPUSet, Tree], new: CPUSet
+) -> None:
+    """What v2 shows: a child's own set comes back with its parent's CPUs."""
+    old, found = start
+    there, memory = move(str(old), str(new), found)
+    back, _ = move(str(new), str(old), there, memory)
+    assert back == found
+
+
+@given(trees(), universe)
 def test_a_plan_writes_each_cgroup_at_most_twice_a_leaf_once_and_nothing_without_children(
-    tree: tuple[CPUSet, CPUSet, dict[PurePosixPath, CPUSet]],
+    start: tuple[CPUSet, Tree], new: CPUSet
 ) -> None:
-    old, new, children = tree
-    writes = plan_writes(old, new, children)
+    old, found = start
+    writes, _ = plan_writes(old, new, found, {})
     written = [path for path, _ in writes]
     assert all(written.count(path) <= 2 for path in written)
     assert written.count(OWN) <= 1
-    for path in children:
-        if not any(other.parent == path for other in children):
+    for path in found:
+        if not any(other.parent == path for other in found):
             assert written.count(path) <= 1, f"leaf {path} widened"
-    if not children:
+    if not found:
         assert writes == []
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "children", "expected"),
+    ("old", "new", "found", "expected"),
     [
-        pytest.param(
-            "0-3", "0-1", {"a": "0-3", "a/b": "0-3"}, {"a": "0-1", "a/b": "0-1"}, id="followers"
-        ),
-        pytest.param("0-3", "0-1", {"a": "1-2"}, {"a": "1"}, id="fewer keep what is left"),
-        pytest.param("0-3", "0-1", {"a": "2-3"}, {"a": "0-1"}, id="none left: all of new"),
-        pytest.param("0-1", "0-3", {"a": "0-1"}, {"a": "0-3"}, id="a follower grows"),
-        pytest.param("0-1", "0-3", {"a": "1"}, {"a": "1"}, id="a pinned child stays"),
-        pytest.param("0-3", "0-1", {"a": ""}, {"a": ""}, id="never configured"),
-        pytest.param("0-3", "0-1", {"a": "0-2", "a/b": "0-2"}, {"a": "0-1", "a/b": "0-1"}),
+        pytest.param("0-3", "0-1", tree(a="0-3", a__b="0-3"), tree(a="0-1", a__b="0-1")),
+        pytest.param("0-3", "0-1", tree(a="1-2"), tree(a="1"), id="its own: what is left"),
+        pytest.param("0-3", "0-1", tree(a="2-3"), tree(a="0-1"), id="none left: all of new"),
+        pytest.param("0-1", "0-3", tree(a="0-1"), tree(a="0-3"), id="a follower grows"),
+        pytest.param("0-1", "0-3", tree(a="1"), tree(a="1"), id="its own stays"),
+        pytest.param("0-3", "0-1", tree(a=""), tree(a=""), id="never configured"),
+        pytest.param("0-3", "0-1", tree(a="0-2", a__b="0-2"), tree(a="0-1", a__b="0-1")),
     ],
 )
-def test_targets(old: str, new: str, children: dict[str, str], expected: dict[str, str]) -> None:
-    tree = {P(k): cpus(v) for k, v in children.items()}
-    assert targets(cpus(old), cpus(new), tree) == {P(k): cpus(v) for k, v in expected.items()}
+def test_targets(old: str, new: str, found: Tree, expected: Tree) -> None:
+    got = targets(cpus(old), cpus(new), found, {})
+    assert {path: child.written for path, child in got.items()} == expected
+
+
+def test_a_pinned_child_gets_its_cpus_back_when_the_container_grows_again() -> None:
+    shrunk, memory = move("0-3", "0", tree(a="0-3", a__job="1"))
+    assert shrunk == tree(a="0", a__job="0")
+    assert memory[P("a/job")] == Child(cpus("1"), cpus("0"))
+    grown, _ = move("0", "0-3", shrunk, memory)
+    assert grown == tree(a="0-3", a__job="1")
+
+
+def test_a_child_its_owner_changed_since_is_taken_as_it_is_now() -> None:
+    shrunk, memory = move("0-3", "0-1", tree(a="0-3"))
+    assert (shrunk, memory[P("a")]) == (tree(a="0-1"), Child(None, cpus("0-1")))
+    grown, _ = move("0-1", "0-3", tree(a="1"), memory)  # its owner pinned it meanwhile
+    assert grown == tree(a="1")
 
 
 def test_a_shrink_narrows_the_children_bottom_up_and_leaves_the_container_to_the_caller() -> None:
-    tree = {P("a"): cpus("0-3"), P("a/b"): cpus("0-3")}
-    assert plan_writes(cpus("0-3"), cpus("0"), tree) == [(P("a/b"), cpus("0")), (P("a"), cpus("0"))]
+    writes, _ = plan_writes(cpus("0-3"), cpus("0"), tree(a="0-3", a__b="0-3"), {})
+    assert writes == [(P("a/b"), cpus("0")), (P("a"), cpus("0"))]
 
 
 def test_a_move_to_other_cpus_widens_the_container_first() -> None:
-    tree = {P("a"): cpus("0-1")}
-    assert plan_writes(cpus("0-1"), cpus("2-3"), tree) == [
-        (OWN, cpus("0-3")),
-        (P("a"), cpus("2-3")),
-    ]
+    writes, _ = plan_writes(cpus("0-1"), cpus("2-3"), tree(a="0-1"), {})
+    assert writes == [(OWN, cpus("0-3")), (P("a"), cpus("2-3"))]
 
 
 # --- the files ---------------------------------------------------------------------------------
@@ -129,45 +179,81 @@ def test_a_move_to_other_cpus_widens_the_container_first() -> None:
 
 def cgroup(path: Path, value: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "cpuset.cpus").write_text(value + "\n")
+    (path / CPUS).write_text(value + "\n")
     (path / "tasks").write_text("")
     return path
 
 
-def test_child_cpusets_finds_every_cgroup_below_and_nothing_else(tmp_path: Path) -> None:
+def held(directory: Path) -> str:
+    return (directory / CPUS).read_text().strip()
+
+
+def test_child_values_finds_every_cgroup_below_and_nothing_else(tmp_path: Path) -> None:
     container = cgroup(tmp_path / "c", "0-3")
-    assert child_cpusets(container) == {}
+    assert not has_children(container)
+    assert child_values(container, CPUS) == {}
     cgroup(container / "inner", "0-3")
     cgroup(container / "inner" / "job", "2")
     (container / "inner" / "not-a-cgroup").mkdir()  # no cpuset.cpus
-    assert child_cpusets(container) == {P("inner"): cpus("0-3"), P("inner/job"): cpus("2")}
+    assert has_children(container)
+    assert child_values(container, CPUS) == tree(inner="0-3", inner__job="2")
 
 
-def test_write_children_moves_them_and_leaves_the_container_at_old_or_wider(tmp_path: Path) -> None:
+def test_a_file_that_holds_no_list_is_an_os_error(tmp_path: Path) -> None:
     container = cgroup(tmp_path / "c", "0-3")
-    assert write_children(container, cpus("0-1")) == 0  # none: nothing written
+    cgroup(container / "inner", "zero")
+    with pytest.raises(OSError, match="holds no list"):
+        write_children(container, CPUS, cpus("0"), {})
+
+
+def test_write_children_moves_them_and_leaves_the_container_to_the_caller(tmp_path: Path) -> None:
+    container = cgroup(tmp_path / "c", "0-3")
+    assert write_children(container, CPUS, cpus("0-1"), {}) == (0, {})  # none: nothing written
     cgroup(container / "inner", "0-3")
     cgroup(container / "inner" / "job", "3")
-    assert write_children(container, cpus("0-1")) == 2
-    assert (container / "inner" / "cpuset.cpus").read_text() == "0-1"
-    assert (container / "inner" / "job" / "cpuset.cpus").read_text() == "0-1"
-    assert (container / "cpuset.cpus").read_text() == "0-3\n"  # the caller's to write
+    count, memory = write_children(container, CPUS, cpus("0-1"), {})
+    assert count == 2
+    assert (held(container / "inner"), held(container / "inner" / "job")) == ("0-1", "0-1")
+    assert held(container) == "0-3"  # the caller's to write
+    assert memory[P("inner/job")] == Child(cpus("3"), cpus("0-1"))
 
 
 def test_write_children_skips_a_child_removed_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     container = cgroup(tmp_path / "c", "0-3")
-    cgroup(container / "gone", "0-3")
+    gone = cgroup(container / "gone", "0-3")
     cgroup(container / "stays", "0-3")
-    found = child_cpusets(container)
+    write = cgroups.write_list
 
-    def found_then_removed(directory: Path) -> dict[PurePosixPath, CPUSet]:
-        (container / "gone" / "cpuset.cpus").unlink()
-        (container / "gone" / "tasks").unlink()
-        (container / "gone").rmdir()
-        return found
+    def removed(directory: Path, name: str, values: CPUSet) -> None:
+        if directory == gone:
+            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        write(directory, name, values)
 
-    monkeypatch.setattr("shim.child_cpusets.child_cpusets", found_then_removed)
-    assert write_children(container, cpus("0")) == 1
-    assert (container / "stays" / "cpuset.cpus").read_text() == "0"
+    monkeypatch.setattr(cgroups, "write_list", removed)
+    assert write_children(container, CPUS, cpus("0"), {})[0] == 1
+    assert held(container / "stays") == "0"
+
+
+def test_a_refused_write_undoes_the_ones_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    container = cgroup(tmp_path / "c", "0-1")
+    refused = cgroup(container / "a", "0-1")
+    cgroup(container / "b", "1")
+    write = cgroups.write_list
+    tried: list[str] = []
+
+    def refuse_a(directory: Path, name: str, values: CPUSet) -> None:
+        tried.append(f"{directory.name}={values}")
+        if directory == refused:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        write(directory, name, values)
+
+    monkeypatch.setattr(cgroups, "write_list", refuse_a)
+    with pytest.raises(OSError, match="busy"):
+        write_children(container, CPUS, cpus("2-3"), {})
+    # The container widened, "b" moved, "a" refused: "b", then the container, put back.
+    assert tried == ["c=0-3", "b=2-3", "a=2-3", "b=1", "c=0-1"]
+    assert (held(container), held(container / "a"), held(container / "b")) == ("0-1", "0-1", "1")

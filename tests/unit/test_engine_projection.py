@@ -115,14 +115,14 @@ async def test_a_projection_is_written_only_after_the_cgroup_holds_it(
     tracked = env.engine.containers[shared_id]
     await until(lambda: tracked.cgroup is not None, "the shared container's cgroup located")
     written_to_cgroup: list[str] = []
-    real_write = cgroups.write_cpus
+    real_write = cgroups.write_list
 
-    def write_cpus(directory: Path, cpus: CPUSet) -> None:
-        real_write(directory, cpus)
-        if directory == tracked.cgroup:
+    def write_list(directory: Path, name: str, cpus: CPUSet) -> None:
+        real_write(directory, name, cpus)
+        if directory == tracked.cgroup and name == cgroups.CPUSET_CPUS:
             written_to_cgroup.append(str(cpus))
 
-    monkeypatch.setattr(cgroups, "write_cpus", write_cpus)
+    monkeypatch.setattr(cgroups, "write_list", write_list)
     projected_then: list[tuple[str, list[str]]] = []
 
     def on_written(key: ContainerKey, generation: int) -> None:

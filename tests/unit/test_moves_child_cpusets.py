@@ -8,6 +8,7 @@ so a move that forgets the children fails as it does on a node.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -35,17 +36,18 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def v1_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     """cpushim's cgroup writes refused as cgroup v1 refuses them."""
-    write = cgroups.write_cpus
+    write = cgroups.write_list
 
-    def write_as_v1(directory: Path, cpus: CPUSet) -> None:
-        if v1_children_outside(directory, str(cpus)):
-            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(directory / "cpuset.cpus"))
-        parent = directory.parent / "cpuset.cpus"
-        if parent.is_file() and not cpus.issubset(CPUSet.parse(parent.read_text().strip())):
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(directory / "cpuset.cpus"))
-        write(directory, cpus)
+    def write_as_v1(directory: Path, name: str, values: CPUSet) -> None:
+        path = str(directory / name)
+        if v1_children_outside(directory, name, str(values)):
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
+        parent = directory.parent / name
+        if parent.is_file() and not values.issubset(CPUSet.parse(parent.read_text().strip())):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        write(directory, name, values)
 
-    monkeypatch.setattr(cgroups, "write_cpus", write_as_v1)
+    monkeypatch.setattr(cgroups, "write_list", write_as_v1)
 
 
 @pytest.fixture
@@ -65,10 +67,12 @@ async def located(env: Env, container_id: str) -> Path:
     return tracked.cgroup
 
 
-def child(parent: Path, name: str, cpus: str) -> Path:
+def child(parent: Path, name: str, cpus: str, mems: str = "") -> Path:
     directory = parent / name
     directory.mkdir()
     (directory / "cpuset.cpus").write_text(cpus + "\n")
+    if mems:
+        (directory / "cpuset.mems").write_text(mems + "\n")
     return directory
 
 
@@ -93,10 +97,10 @@ async def test_a_shared_container_shrinks_and_grows_with_its_child_cpusets(env: 
     await env.kubelet.stop(pinned_id)
     assert env.kernel_cpus(shared_id) == "0-7"
     assert cpus_of(inner) == "0-7"
-    assert cpus_of(job) == "0-7"
+    assert cpus_of(job) == FIRST_SINGLE  # its own CPU again, as cgroup v2 would show it
 
 
-async def test_a_child_with_fewer_cpus_keeps_what_the_new_set_leaves_it(env: Env) -> None:
+async def test_a_child_with_a_set_of_its_own_keeps_what_is_left_and_gets_it_back(env: Env) -> None:
     shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("ci", "besteffort"), "main")
     job = child(await located(env, shared_id), "job", f"{FIRST_SINGLE}-5")
 
@@ -106,7 +110,7 @@ async def test_a_child_with_fewer_cpus_keeps_what_the_new_set_leaves_it(env: Env
     assert cpus_of(job) == "5"
     await env.kubelet.stop(pinned_id)
     assert env.kernel_cpus(shared_id) == "0-7"
-    assert cpus_of(job) == "5"  # it had fewer than its parent: nothing to follow
+    assert cpus_of(job) == f"{FIRST_SINGLE}-5"  # its own set again
 
 
 async def test_a_pinned_container_moved_through_the_runtime_takes_its_children(env: Env) -> None:
@@ -172,3 +176,80 @@ async def test_a_drift_repair_narrows_the_children_the_other_writer_widened(w: W
     await w.settled()
     assert w.env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
     assert w.counters["drift_repairs"] == 1
+
+
+async def test_a_shared_container_whose_repair_the_runtime_refused_settles(w: Watched) -> None:
+    """A shared container's repair is written straight into its cgroup (children first) and
+    then sent through the runtime, which refuses it: the cgroup is right, the record is left
+    to be sent later, and nothing stays out of place (a move retried for settings a shared
+    container does not have would be retried for good)."""
+    shared_id = await w.started("ci")
+    await w.started("db", "guaranteed", 1000)
+    cgroup = w.env.fake.cgroup_dir(shared_id)
+    assert cgroup is not None
+    inner = child(cgroup, "docker", SHARED_AFTER_FIRST_SINGLE)
+    w.env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    (inner / "cpuset.cpus").write_text("0-7\n")
+    (cgroup / "cpuset.cpus").write_text("0-7\n")
+
+    await until(lambda: w.env.engine.counters["cpuset_update_errors"] == 1, "refused")
+    await w.settled()
+    assert w.env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert cpus_of(inner) == SHARED_AFTER_FIRST_SINGLE
+    assert not w.env.engine.containers[shared_id].settings_stale
+    assert w.env.engine._out_of_place() == []
+    await w.env.engine.drain(5.0)
+    assert w.env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE  # the runtime's record
+
+
+async def test_a_drift_repair_writes_the_children_itself(
+    w: Watched, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="shim")
+    shared_id = await w.started("ci")
+    await w.started("db", "guaranteed", 1000)
+    cgroup = w.env.fake.cgroup_dir(shared_id)
+    assert cgroup is not None
+    inner = child(cgroup, "docker", "0-7")
+    (cgroup / "cpuset.cpus").write_text("0-7\n")
+    await until(lambda: w.counters["drift_repairs"] == 1, "repaired")
+    await w.settled()
+    assert cpus_of(inner) == SHARED_AFTER_FIRST_SINGLE
+    assert "direct repair failed" not in caplog.text
+
+
+async def test_a_pinned_container_moved_to_another_numa_node_takes_its_childrens_memory(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    cgroup = await located(env, pinned_id)
+    assert (cgroup / "cpuset.mems").read_text().strip() == "0"
+    inner = child(cgroup, "inner", FIRST_SINGLE, mems="0")
+
+    # Socket 0 (NUMA node 0) becomes reserved: the container moves to node 1.
+    assert await env.engine.change_policy(static_policy(reserved="0-1,4-5")) == []
+    moved = str(next(iter(env.engine.state.assignments.values())).cpus)
+    assert env.kernel_cpus(pinned_id) == moved
+    assert (cgroup / "cpuset.mems").read_text().strip() == "1"
+    assert (cpus_of(inner), (inner / "cpuset.mems").read_text().strip()) == (moved, "1")
+    assert env.engine.counters["cpuset_update_errors"] == 0
+
+
+async def test_under_cgroup_v2_the_children_are_left_to_the_kernel(tmp_path: Path) -> None:
+    async with FakeRuntime(cgroup_root=tmp_path / "cgroup", cgroup_version=2) as fake:
+        env = await make_env(fake, tmp_path / "state")
+        try:
+            shared_id = await env.kubelet.start_new(
+                await env.kubelet.run_pod("ci", "besteffort"), "main"
+            )
+            cgroup = await located(env, shared_id)
+            # v2 takes a parent's write whatever its children hold; their effective CPUs
+            # follow it.
+            inner = child(cgroup, "docker", "0-7")
+            await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 1000)
+            assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+            assert cpus_of(inner) == "0-7"
+            assert env.engine.counters["child_cpuset_writes"] == 0
+        finally:
+            env.channel.close()
