@@ -248,6 +248,19 @@ async def through_relay(env: Env) -> AsyncIterator[RuntimeChannel]:
             await relay.shutdown(1.0)
 
 
+async def second_of_two_released(env: Env) -> Pod:
+    """Two Guaranteed 1-CPU pods pinned, then stopped in turn: the second pod, whose CPU
+    (1) the allocator alone would not choose again (it would give the first one's, 4)."""
+    first = await env.kubelet.run_pod("first", "guaranteed")
+    second = await env.kubelet.run_pod("second", "guaranteed")
+    first_id = await env.kubelet.start_new(first, "main", 1000)
+    second_id = await env.kubelet.start_new(second, "main", 1000)
+    assert (env.cpus(first_id), env.cpus(second_id)) == (FIRST_SINGLE, "1")
+    await env.kubelet.stop(first_id)
+    await env.kubelet.stop(second_id)
+    return second
+
+
 def assert_consistent(env: Env) -> None:
     """docs/architecture.md's invariants, on the engine's state and what the runtime holds."""
     state = env.engine.state

@@ -218,20 +218,29 @@ def test_write_children_moves_them_and_leaves_the_container_to_the_caller(tmp_pa
     assert memory[P("inner/job")] == Child(cpus("3"), cpus("0-1"))
 
 
+def writes_failing_in(monkeypatch: pytest.MonkeyPatch, failing: Path, code: int) -> list[str]:
+    """Every cgroup write from now on fails with ``code`` in ``failing``; returns the list
+    each attempted write is logged in (``<directory name>=<list>``)."""
+    write = cgroups.write_list
+    tried: list[str] = []
+
+    def written(directory: Path, name: str, values: CPUSet) -> None:
+        tried.append(f"{directory.name}={values}")
+        if directory == failing:
+            raise OSError(code, os.strerror(code))
+        write(directory, name, values)
+
+    monkeypatch.setattr(cgroups, "write_list", written)
+    return tried
+
+
 def test_write_children_skips_a_child_removed_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     container = cgroup(tmp_path / "c", "0-3")
     gone = cgroup(container / "gone", "0-3")
     cgroup(container / "stays", "0-3")
-    write = cgroups.write_list
-
-    def removed(directory: Path, name: str, values: CPUSet) -> None:
-        if directory == gone:
-            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
-        write(directory, name, values)
-
-    monkeypatch.setattr(cgroups, "write_list", removed)
+    writes_failing_in(monkeypatch, gone, errno.ENODEV)
     assert write_children(container, CPUS, cpus("0"), {})[0] == 1
     assert held(container / "stays") == "0"
 
@@ -242,16 +251,7 @@ def test_a_refused_write_undoes_the_ones_before_it(
     container = cgroup(tmp_path / "c", "0-1")
     refused = cgroup(container / "a", "0-1")
     cgroup(container / "b", "1")
-    write = cgroups.write_list
-    tried: list[str] = []
-
-    def refuse_a(directory: Path, name: str, values: CPUSet) -> None:
-        tried.append(f"{directory.name}={values}")
-        if directory == refused:
-            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
-        write(directory, name, values)
-
-    monkeypatch.setattr(cgroups, "write_list", refuse_a)
+    tried = writes_failing_in(monkeypatch, refused, errno.EBUSY)
     with pytest.raises(OSError, match="busy"):
         write_children(container, CPUS, cpus("2-3"), {})
     # The container widened, "b" moved, "a" refused: "b", then the container, put back.

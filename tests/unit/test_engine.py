@@ -45,6 +45,7 @@ from tests.unit.engine_env import (
     assert_consistent,
     env,
     make_env,
+    second_of_two_released,
     static_policy,
     through_relay,
     until,
@@ -240,16 +241,8 @@ async def test_a_failed_stop_keeps_the_cpus(env: Env) -> None:
 
 
 async def test_a_recreated_container_gets_its_cpus_back(env: Env) -> None:
-    kubelet = env.kubelet
-    first = await kubelet.run_pod("first", "guaranteed")
-    second = await kubelet.run_pod("second", "guaranteed")
-    first_id = await kubelet.start_new(first, "main", 1000)
-    second_id = await kubelet.start_new(second, "main", 1000)
-    assert (env.cpus(first_id), env.cpus(second_id)) == (FIRST_SINGLE, "1")
-    await kubelet.stop(first_id)
-    await kubelet.stop(second_id)
-    # Both CPUs are free; the allocator alone would give "second" the first one again.
-    again = await kubelet.start_new(second, "main", 1000, attempt=1)
+    second = await second_of_two_released(env)
+    again = await env.kubelet.start_new(second, "main", 1000, attempt=1)
     assert env.cpus(again) == "1"
 
 

@@ -16,6 +16,7 @@ from tests.unit.engine_env import (
     Env,
     assert_consistent,
     env,
+    second_of_two_released,
 )
 
 pytestmark = pytest.mark.anyio
@@ -243,17 +244,8 @@ async def test_a_created_container_left_in_a_stopped_sandbox_gets_no_cpus_at_a_r
 
 
 async def test_a_recreated_container_gets_its_cpus_back_after_a_restart(env: Env) -> None:
-    kubelet = env.kubelet
-    first = await kubelet.run_pod("first", "guaranteed")
-    second = await kubelet.run_pod("second", "guaranteed")
-    first_id = await kubelet.start_new(first, "main", 1000)
-    second_id = await kubelet.start_new(second, "main", 1000)
-    assert (env.cpus(first_id), env.cpus(second_id)) == (FIRST_SINGLE, "1")
-    await kubelet.stop(first_id)
-    await kubelet.stop(second_id)
-
+    second = await second_of_two_released(env)
     await env.restart()
-    # Both CPUs are free; the allocator alone would give "second" the first one again.
     again = await env.kubelet.start_new(second, "main", 1000, attempt=1)
     assert env.cpus(again) == "1"
     assert_consistent(env)
