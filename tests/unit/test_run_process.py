@@ -69,6 +69,14 @@ def log_events(log: Path) -> list[dict[str, object]]:
     return [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
 
+def logged(log: Path, message: str) -> bool:
+    """Whether a whole line of the log says ``message`` (the last may be half written)."""
+    whole = log.read_text().rpartition("\n")[0]
+    return any(
+        orjson.loads(line)["msg"] == message for line in whole.splitlines() if line.startswith("{")
+    )
+
+
 def call_in_flight(
     fake: FakeRuntimeServer,
     channel: grpc.Channel,
@@ -101,7 +109,8 @@ def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeSer
     proc = start_cpushim(listen, fake.endpoint, log)
     try:
         wait_serving(proc, listen, log)
-        assert any(e["msg"] == "serving" for e in log_events(log))
+        # The socket accepts connections a moment before the line is logged.
+        wait_for(lambda: logged(log, "serving"), 10, "the serving line")
         outcome: dict[str, object] = {}
         with grpc.insecure_channel(f"unix://{listen}") as ch:
             assert unary(ch, RUNTIME + "Version", b"echo:v", timeout=10).endswith(b"echo:v")
@@ -132,7 +141,7 @@ def test_a_second_sigterm_ends_the_grace_period_at_once(fake: FakeRuntimeServer)
             caller = call_in_flight(fake, ch, b"sleep:100", 110, outcome)
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 10
-            while not any(e["msg"] == "shutting down" for e in log_events(log)):
+            while not logged(log, "shutting down"):
                 assert proc.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, "cpushim never began to shut down"
                 time.sleep(0.01)
@@ -201,7 +210,7 @@ def test_a_signal_while_waiting_for_the_runtime_stops_cleanly(sig: signal.Signal
         )
         try:
             deadline = time.monotonic() + 20
-            while not any(e["msg"] == "waiting for the runtime" for e in log_events(log)):
+            while not logged(log, "waiting for the runtime"):
                 assert proc.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, "cpushim never waited for the runtime"
                 time.sleep(0.02)
