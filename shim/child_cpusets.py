@@ -19,14 +19,15 @@ wrote there was changed by its owner, and what it holds is its new want.
 
 Every write keeps the kernel's rule, child inside parent: first a cgroup whose children need
 room is widened to what it has and what they get (parents first), then each child is
-narrowed to what it gets (children first); the container's own write comes last, by the
-caller (straight into the cgroup, or by the runtime). A write that is refused midway has the
-ones before it undone, so the tree is as it was. Sibling children marked ``cpu_exclusive``
-that would end up sharing a CPU are refused by the kernel as well; that needs the container
-and each of its parents to be exclusive too, which kubelet's cgroups never are.
+narrowed to what it gets (children first); the container's own write comes last. A write
+that is refused midway (the container's own included: a child made meanwhile) has the ones
+before it undone, so the tree is as it was. Sibling children marked ``cpu_exclusive`` that
+would end up sharing a CPU are refused by the kernel as well; that needs the container and
+each of its parents to be exclusive too, which kubelet's cgroups never are. Wants are
+remembered while cpushim runs: after a restart a child is taken as it is then.
 
 :func:`plan_writes` is pure; :func:`has_children`, :func:`child_values` and
-:func:`write_children` do the I/O.
+:func:`move_with_children` do the I/O.
 """
 
 from __future__ import annotations
@@ -150,24 +151,23 @@ def child_values(directory: Path, name: str) -> dict[PurePosixPath, CPUSet]:
     return found
 
 
-def write_children(
+def move_with_children(
     directory: Path, name: str, new: CPUSet, memory: Memory
 ) -> tuple[int, dict[PurePosixPath, Child]]:
-    """Prepare a v1 container cgroup with children for its move to ``new`` in file ``name``
-    (``cpuset.cpus`` or ``cpuset.mems``): :func:`plan_writes`, carried out; the caller then
-    writes ``new`` into the container. Returns how many writes were made and the memory for
-    the next move. OSError when a write is refused, after the writes before it were undone;
-    a child removed meanwhile is skipped."""
+    """Write ``new`` into a v1 container cgroup's file ``name`` (``cpuset.cpus`` or
+    ``cpuset.mems``), the cgroups below it first (:func:`plan_writes`). Returns how many
+    writes made room (all but the container's own) and the memory for the next move.
+    OSError when a write is refused, after every write before it was undone; a child
+    removed meanwhile is skipped."""
     found = child_values(directory, name)
-    if not found:
-        return 0, {}
-    old = _read(directory, name)
+    old = _read(directory, name) if found else None
     if old is None:
+        cgroups.write_list(directory, name, new)
         return 0, {}
     writes, remembered = plan_writes(old, new, found, memory)
     done: list[tuple[PurePosixPath, CPUSet]] = []
     holds = {OWN: old, **found}
-    for path, values in writes:
+    for path, values in [*writes, (OWN, new)]:
         try:
             cgroups.write_list(directory / path, name, values)
         except OSError as exc:
@@ -177,7 +177,7 @@ def write_children(
             raise
         done.append((path, holds[path]))
         holds[path] = values
-    return len(done), remembered
+    return len(done) - 1, remembered
 
 
 def _undo(directory: Path, name: str, done: list[tuple[PurePosixPath, CPUSet]]) -> None:
@@ -203,7 +203,7 @@ __all__ = [
     "Memory",
     "child_values",
     "has_children",
+    "move_with_children",
     "plan_writes",
     "targets",
-    "write_children",
 ]

@@ -1194,6 +1194,7 @@ class Engine:
         result = await self.mover.move(tracked, cpus, mems, quota)
         if result.ok:
             self._restored(tracked)
+        if result.ok or result.moved:
             self.project(tracked)
         if result.gone:
             self._untrack(tracked.id)

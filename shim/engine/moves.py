@@ -35,7 +35,7 @@ from shim import cgroups, child_cpusets
 from shim.cgroups import CgroupError, CgroupLayout, CgroupVersion
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.cri.calls import Status, UnaryCall
+from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.upstream import RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.retrying import MAX_RETRY_DELAY
@@ -88,6 +88,9 @@ class MoveResult:
     ok: bool
     # The runtime no longer knows the container.
     gone: bool = False
+    # Not ok, but the cgroup holds the new cpuset (written straight into it, past its child
+    # cpusets): the runtime refused its record, and the memory nodes or quota with it.
+    moved: bool = False
 
 
 class Mover:
@@ -134,30 +137,28 @@ class Mover:
             return False
         return self._write_cgroup(tracked, cpus)
 
-    def write_tree(self, tracked: Tracked, cpus: CPUSet, mems: CPUSet | None = None) -> None:
-        """Write ``cpus`` (and ``mems``, when given) into a container's cgroup; under cgroup
-        v1, into the cgroups it made below its own first (shim/child_cpusets.py). OSError
-        when refused."""
+    def write_tree(self, tracked: Tracked, name: str, values: CPUSet) -> None:
+        """Write a container's cgroup file ``name`` (``cpuset.cpus``, ``cpuset.mems``); under
+        cgroup v1, the cgroups it made below its own first (shim/child_cpusets.py). OSError
+        when refused, with the cgroups as they were."""
         directory = tracked.cgroup
         assert directory is not None
-        files = [(cgroups.CPUSET_CPUS, cpus)]
-        if mems is not None:
-            files.append((cgroups.CPUSET_MEMS, mems))
-        for name, values in files:
-            if self.layout is not None and self.layout.version is CgroupVersion.V1:
-                memory = tracked.child_memory.get(name, {})
-                written, memory = child_cpusets.write_children(directory, name, values, memory)
-                tracked.child_memory[name] = memory
-                if written:
-                    self.counters["child_cpuset_writes"] += written
+        if self.layout is None or self.layout.version is not CgroupVersion.V1:
             cgroups.write_list(directory, name, values)
+            return
+        memory = tracked.child_memory.get(name, {})
+        written, tracked.child_memory[name] = child_cpusets.move_with_children(
+            directory, name, values, memory
+        )
+        if written:
+            self.counters["child_cpuset_writes"] += written
 
     def _write_cgroup(self, tracked: Tracked, cpus: CPUSet) -> bool:
         assert tracked.cgroup is not None
         try:
             # Inline, not in a worker thread: the write takes tens of microseconds, the hop
             # to a thread and back costs more on a busy node.
-            self.write_tree(tracked, cpus)
+            self.write_tree(tracked, cgroups.CPUSET_CPUS, cpus)
         except OSError as exc:
             # Gone, or a parent that does not allow these CPUs: the runtime decides.
             log.info(
@@ -204,15 +205,18 @@ class Mover:
         if reply.status is Status.NOT_FOUND:
             return MoveResult(ok=False, gone=True)
         if written:
-            # The cpuset is in place, and the watches compare with what was applied.
+            # The cpuset is in place (the watches compare with what was applied); what the
+            # runtime refused is its record, and the memory nodes or quota that go with it.
             tracked.applied = cpus
             tracked.moved_at = asyncio.get_running_loop().time()
             if mems or quota is not None:
-                # The quota (and its record) goes through the runtime only: the move is
-                # tried again for them, as for an adopted container's settings.
+                # Those go through the runtime only: the move is tried again for them, as
+                # for an adopted container's settings.
                 tracked.settings_stale = True
             else:
                 self.record_later(tracked)
+            self._record_refused(tracked, cpus, reply)
+            return MoveResult(ok=False, moved=True)
         self.counters["cpuset_update_errors"] += 1
         log.warning(
             "could not move a container",
@@ -241,14 +245,19 @@ class Mover:
             or not child_cpusets.has_children(directory)
         ):
             return False
-        try:
-            self.write_tree(tracked, cpus, CPUSet.parse(mems) if mems else None)
-        except (OSError, ValueError) as exc:
-            log.info(
-                "direct write of a container with child cpusets failed",
-                extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
-            )
-            return False
+        files = [(cgroups.CPUSET_CPUS, cpus)]
+        if mems:
+            files.append((cgroups.CPUSET_MEMS, CPUSet.parse(mems)))
+        for name, values in files:
+            try:
+                self.write_tree(tracked, name, values)
+            except OSError as exc:
+                log.info(
+                    "direct write of a container with child cpusets failed",
+                    extra={"fields": {"container_id": tracked.id, "file": name, "error": str(exc)}},
+                )
+                # The CPUs may have moved already: the runtime is asked for the rest.
+                return name != cgroups.CPUSET_CPUS
         return True
 
     # --- telling the runtime what was written directly -------------------------------------------
@@ -279,20 +288,11 @@ class Mover:
                         return  # gone: nothing left to record
                     if reply.status is not Status.OK:
                         # The cgroup is right; the runtime's record (and systemd's) is behind.
-                        self.counters["runtime_record_errors"] += 1
                         retrying = not self._flush.is_set()
                         delay = self._retry_delay(refusals)
                         refusals += 1
-                        log.warning(
-                            "the runtime did not record a container's cpuset",
-                            extra={
-                                "fields": {
-                                    "container_id": tracked.id,
-                                    "cpus": str(cpus),
-                                    "error": f"{reply.status.name}: {reply.status_message}",
-                                    "retry_in_s": delay if retrying else None,
-                                }
-                            },
+                        self._record_refused(
+                            tracked, cpus, reply, retry_in_s=delay if retrying else None
                         )
                         if not retrying:
                             return  # shutting down: the next start's resync squares it
@@ -304,6 +304,19 @@ class Mover:
                 behind_since = loop.time()
         finally:
             self._recorders.pop(tracked.id, None)
+
+    def _record_refused(
+        self, tracked: Tracked, cpus: CPUSet, reply: Reply, retry_in_s: float | None = None
+    ) -> None:
+        """Count and log a refused record of a cpuset the cgroup already holds."""
+        self.counters["runtime_record_errors"] += 1
+        fields = {
+            "container_id": tracked.id,
+            "cpus": str(cpus),
+            "error": f"{reply.status.name}: {reply.status_message}",
+            "retry_in_s": retry_in_s,
+        }
+        log.warning("the runtime did not record a container's cpuset", extra={"fields": fields})
 
     async def _until_due(self, tracked: Tracked, behind_since: float, not_before: float) -> None:
         """Until the cpuset has stayed put for the record delay, or the record has been behind

@@ -313,7 +313,7 @@ class Watcher:
             "cpuset changed behind cpushim's back; writing it back", extra={"fields": fields}
         )
         try:
-            self.engine.mover.write_tree(tracked, cpus)
+            self.engine.mover.write_tree(tracked, CPUSET_CPUS, cpus)
             tracked.applied = cpus
         except OSError as exc:
             log.info(
@@ -329,8 +329,11 @@ class Watcher:
         if reversal:
             tracked.reversal_recorded = cpus
         # Through the runtime too, so its own record (and systemd's) says the same.
-        if (await self.engine.mover.update_locked(tracked, cpus, mems, quota)).ok:
+        result = await self.engine.mover.update_locked(tracked, cpus, mems, quota)
+        if result.ok:
             self.engine._restored(tracked)
+        elif result.moved and tracked.settings_stale:
+            self.engine._retry_moves_soon()  # for the memory nodes and quota
         self.engine.project(tracked)
 
     def _reversed_by_runtime(self, tracked: Tracked, found: CPUSet, cpus: CPUSet) -> bool:

@@ -17,9 +17,9 @@ from shim.child_cpusets import (
     Memory,
     child_values,
     has_children,
+    move_with_children,
     plan_writes,
     targets,
-    write_children,
 )
 from shim.cpuset import CPUSet
 
@@ -203,19 +203,20 @@ def test_a_file_that_holds_no_list_is_an_os_error(tmp_path: Path) -> None:
     container = cgroup(tmp_path / "c", "0-3")
     cgroup(container / "inner", "zero")
     with pytest.raises(OSError, match="holds no list"):
-        write_children(container, CPUS, cpus("0"), {})
+        move_with_children(container, CPUS, cpus("0"), {})
 
 
-def test_write_children_moves_them_and_leaves_the_container_to_the_caller(tmp_path: Path) -> None:
+def test_a_move_writes_the_children_then_the_container(tmp_path: Path) -> None:
     container = cgroup(tmp_path / "c", "0-3")
-    assert write_children(container, CPUS, cpus("0-1"), {}) == (0, {})  # none: nothing written
-    cgroup(container / "inner", "0-3")
-    cgroup(container / "inner" / "job", "3")
-    count, memory = write_children(container, CPUS, cpus("0-1"), {})
+    assert move_with_children(container, CPUS, cpus("0-2"), {}) == (0, {})  # alone
+    assert held(container) == "0-2"
+    cgroup(container / "inner", "0-2")
+    cgroup(container / "inner" / "job", "2")
+    count, memory = move_with_children(container, CPUS, cpus("0-1"), {})
     assert count == 2
     assert (held(container / "inner"), held(container / "inner" / "job")) == ("0-1", "0-1")
-    assert held(container) == "0-3"  # the caller's to write
-    assert memory[P("inner/job")] == Child(cpus("3"), cpus("0-1"))
+    assert held(container) == "0-1"
+    assert memory[P("inner/job")] == Child(cpus("2"), cpus("0-1"))
 
 
 def writes_failing_in(monkeypatch: pytest.MonkeyPatch, failing: Path, code: int) -> list[str]:
@@ -234,14 +235,14 @@ def writes_failing_in(monkeypatch: pytest.MonkeyPatch, failing: Path, code: int)
     return tried
 
 
-def test_write_children_skips_a_child_removed_meanwhile(
+def test_a_move_skips_a_child_removed_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     container = cgroup(tmp_path / "c", "0-3")
     gone = cgroup(container / "gone", "0-3")
     cgroup(container / "stays", "0-3")
     writes_failing_in(monkeypatch, gone, errno.ENODEV)
-    assert write_children(container, CPUS, cpus("0"), {})[0] == 1
+    assert move_with_children(container, CPUS, cpus("0"), {})[0] == 1
     assert held(container / "stays") == "0"
 
 
@@ -253,7 +254,21 @@ def test_a_refused_write_undoes_the_ones_before_it(
     cgroup(container / "b", "1")
     tried = writes_failing_in(monkeypatch, refused, errno.EBUSY)
     with pytest.raises(OSError, match="busy"):
-        write_children(container, CPUS, cpus("2-3"), {})
+        move_with_children(container, CPUS, cpus("2-3"), {})
     # The container widened, "b" moved, "a" refused: "b", then the container, put back.
     assert tried == ["c=0-3", "b=2-3", "a=2-3", "b=1", "c=0-1"]
     assert (held(container), held(container / "a"), held(container / "b")) == ("0-1", "0-1", "1")
+
+
+def test_a_refused_write_of_the_container_undoes_its_childrens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child made between the look and the container's write holds more than the new set:
+    the kernel refuses the container's write."""
+    container = cgroup(tmp_path / "c", "0-1")
+    cgroup(container / "a", "0-1")
+    tried = writes_failing_in(monkeypatch, container, errno.EBUSY)
+    with pytest.raises(OSError, match="busy"):
+        move_with_children(container, CPUS, cpus("0"), {})
+    assert tried == ["a=0", "c=0", "a=0-1"]
+    assert (held(container), held(container / "a")) == ("0-1", "0-1")

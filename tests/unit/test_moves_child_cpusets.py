@@ -18,7 +18,8 @@ from grpclib.const import Status as GrpcStatus
 
 from shim import cgroups
 from shim.cpuset import CPUSet
-from shim.engine import EngineOptions
+from shim.engine import EngineOptions, ProjectionSettings
+from shim.projection import read
 from tests.fake_runtime import FakeRuntime, v1_children_outside
 from tests.unit.engine_env import (
     FIRST_SINGLE,
@@ -55,7 +56,10 @@ async def env(tmp_path: Path, v1_rules: None) -> AsyncIterator[Env]:
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
         # Records only when drained, retries at once.
         options = EngineOptions(record_delay=3600.0, record_max_delay=3600.0, retry_delay=0.01)
-        environment = await make_env(fake, tmp_path / "state", options=options)
+        projection = ProjectionSettings(tmp_path / "projection", Path("/run/cpushim"))
+        environment = await make_env(
+            fake, tmp_path / "state", options=options, projection=projection
+        )
         yield environment
         environment.channel.close()
 
@@ -142,8 +146,26 @@ async def test_a_runtime_refusal_after_the_direct_write_is_tried_again(env: Env)
     assert cpus_of(inner) == moved
     await until(lambda: env.cpus(pinned_id) == moved, "the runtime's record moved")
     await until(lambda: not env.engine.containers[pinned_id].settings_stale, "settled")
-    assert env.engine.counters["cpuset_update_errors"] == 1
+    assert env.engine.counters["runtime_record_errors"] == 1
     assert env.engine.counters["drift_repairs"] == 0
+
+
+async def test_a_container_moved_past_its_children_is_projected_while_the_runtime_refuses(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    child(await located(env, pinned_id), "inner", FIRST_SINGLE)
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE, count=1000)
+
+    assert await env.engine.change_policy(static_policy(reserved=f"0,{FIRST_SINGLE}")) == []
+    moved = str(next(iter(env.engine.state.assignments.values())).cpus)
+    assert env.kernel_cpus(pinned_id) == moved  # it runs there
+    assert env.engine.projector is not None
+    assert env.engine.projection is not None
+    await env.engine.projector.settle()
+    assert read(env.engine.projection.directory / pod.uid / "main").cpus == moved
+    assert env.engine.counters["cpuset_update_errors"] == 0
 
 
 async def test_without_children_a_move_writes_the_container_alone(env: Env) -> None:
@@ -192,7 +214,7 @@ async def test_a_shared_container_whose_repair_the_runtime_refused_settles(w: Wa
     (inner / "cpuset.cpus").write_text("0-7\n")
     (cgroup / "cpuset.cpus").write_text("0-7\n")
 
-    await until(lambda: w.env.engine.counters["cpuset_update_errors"] == 1, "refused")
+    await until(lambda: w.env.engine.counters["runtime_record_errors"] == 1, "refused")
     await w.settled()
     assert w.env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
     assert cpus_of(inner) == SHARED_AFTER_FIRST_SINGLE
