@@ -336,6 +336,14 @@ def _text(value: object, what: str) -> str:
     return value
 
 
+def _cpu_list(value: object, what: str) -> CPUSet:
+    """A list in the kernel's format, with ``what`` it is in the error."""
+    try:
+        return CPUSet.parse(_text(value, what))
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from exc
+
+
 def _state_of(body: Mapping[str, Any]) -> CPUState:
     assignments: dict[ContainerKey, Assignment] = {}
     pods = body["assignments"]
@@ -350,10 +358,7 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
                 raise ValueError(f"{pod_uid}/{name}: attempt must be a non-negative integer")
             mems = entry.get("mems")
             if mems is not None:
-                try:
-                    mems = CPUSet.parse(_text(mems, f"{pod_uid}/{name} mems"))
-                except ValueError as exc:
-                    raise ValueError(f"{pod_uid}/{name} mems: {exc}") from exc
+                mems = _cpu_list(mems, f"{pod_uid}/{name} mems")
             assignments[ContainerKey(pod_uid, name)] = Assignment(
                 cpus=CPUSet.parse(_text(entry["cpus"], f"{pod_uid}/{name} cpus")),
                 container_id=_text(entry["container_id"], "container_id"),
@@ -370,12 +375,7 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
         if not isinstance(containers, dict):
             raise TypeError(f"released CPUs of pod {pod_uid} must be an object")
         for name, cpus in containers.items():
-            try:
-                released[ContainerKey(pod_uid, name)] = CPUSet.parse(
-                    _text(cpus, f"{pod_uid}/{name} released")
-                )
-            except ValueError as exc:
-                raise ValueError(f"{pod_uid}/{name} released: {exc}") from exc
+            released[ContainerKey(pod_uid, name)] = _cpu_list(cpus, f"{pod_uid}/{name} released")
     options = body["options"]
     if not isinstance(options, list):
         raise TypeError("options must be a list")

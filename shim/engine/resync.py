@@ -310,7 +310,7 @@ def _reconcile(
             holders[key] = container
     report.released.extend(str(key) for key in gone)
     # Of pods removed while cpushim was down, nothing comes back.
-    state = state.release(gone, policy).keep_released({pod.uid for pod in pods.values()})
+    state = state.release(gone, policy).keep_released(engine._pod_uids())
     for key, container in holders.items():
         if state.assignments[key].container_id != container.id:
             state = state.update(key, container_id=container.id, sandbox_id=container.sandbox_id)
