@@ -872,10 +872,16 @@ class Engine:
             # exclusive CPUs kubelet's quota back, or _restored below would leave it at -1.
             theirs = quota != rq.NO_QUOTA and request.linux.cpu_quota > 0
             rq.pin(request.linux, cpus, mems, quota=None if theirs else quota)
+            # With a move of the container still to be tried again, its children must make
+            # room first, or cgroup v1 refuses the runtime's write and kubelet's call fails.
+            written = self.mover.write_tree_first(tracked, cpus, mems)
             reply = await forward(request.SerializeToString())
             if reply.status is Status.OK:
                 tracked.applied = tracked.recorded = cpus
                 self._restored(tracked)
+                self.project(tracked)
+            elif written:
+                self.mover.refused_after_tree_write(tracked, cpus, mems, quota, reply)
                 self.project(tracked)
         return reply
 

@@ -193,7 +193,7 @@ class Mover:
         self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
     ) -> MoveResult:
         """UpdateContainerResources with the container's write lock already held."""
-        written = self._write_tree_first(tracked, cpus, mems)
+        written = self.write_tree_first(tracked, cpus, mems)
         request = rq.update_request(tracked.id, cpus, mems, quota=quota)
         reply = await self.runtime.unary(
             UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
@@ -205,17 +205,7 @@ class Mover:
         if reply.status is Status.NOT_FOUND:
             return MoveResult(ok=False, gone=True)
         if written:
-            # The cpuset is in place (the watches compare with what was applied); what the
-            # runtime refused is its record, and the memory nodes or quota that go with it.
-            tracked.applied = cpus
-            tracked.moved_at = asyncio.get_running_loop().time()
-            if mems or quota is not None:
-                # Those go through the runtime only: the move is tried again for them, as
-                # for an adopted container's settings.
-                tracked.settings_stale = True
-            else:
-                self.record_later(tracked)
-            self._record_refused(tracked, cpus, reply)
+            self.refused_after_tree_write(tracked, cpus, mems, quota, reply)
             return MoveResult(ok=False, moved=True)
         self.counters["cpuset_update_errors"] += 1
         log.warning(
@@ -231,11 +221,13 @@ class Mover:
         )
         return MoveResult(ok=False)
 
-    def _write_tree_first(self, tracked: Tracked, cpus: CPUSet, mems: str) -> bool:
-        """Before a move through the runtime: under cgroup v1, a running container with child
-        cpusets gets its CPUs (and memory nodes) written here, children first, since ``runc
-        update`` writes the container's own files only and the kernel refuses a shrink below
-        a child. True when written."""
+    def write_tree_first(self, tracked: Tracked, cpus: CPUSet, mems: str) -> bool:
+        """Before an update through the runtime (cpushim's move, or kubelet's call carrying
+        cpushim's cpuset): under cgroup v1, a running container with child cpusets gets its
+        CPUs (and memory nodes) written here, children first, since ``runc update`` writes
+        the container's own files only and the kernel refuses a shrink below a child. True
+        when written; the caller then settles a refusal with
+        :meth:`refused_after_tree_write`."""
         directory = tracked.cgroup
         if (
             directory is None
@@ -259,6 +251,22 @@ class Mover:
                 # The CPUs may have moved already: the runtime is asked for the rest.
                 return name != cgroups.CPUSET_CPUS
         return True
+
+    def refused_after_tree_write(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None, reply: Reply
+    ) -> None:
+        """The runtime refused an update after :meth:`write_tree_first` wrote the cgroups: the
+        cpuset is in place (the watches compare with what was applied); what was refused is
+        the runtime's record, and the memory nodes or quota that go with it."""
+        tracked.applied = cpus
+        tracked.moved_at = asyncio.get_running_loop().time()
+        if mems or quota is not None:
+            # Those go through the runtime only: the move is tried again for them, as for an
+            # adopted container's settings.
+            tracked.settings_stale = True
+        else:
+            self.record_later(tracked)
+        self._record_refused(tracked, cpus, reply)
 
     # --- telling the runtime what was written directly -------------------------------------------
 

@@ -18,6 +18,8 @@ from grpclib.const import Status as GrpcStatus
 
 from shim import cgroups
 from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Status
 from shim.engine import EngineOptions, ProjectionSettings
 from shim.projection import read
 from tests.fake_runtime import FakeRuntime, v1_children_outside
@@ -273,5 +275,61 @@ async def test_under_cgroup_v2_the_children_are_left_to_the_kernel(tmp_path: Pat
             assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
             assert cpus_of(inner) == "0-7"
             assert env.engine.counters["child_cpuset_writes"] == 0
+        finally:
+            env.channel.close()
+
+
+@pytest.mark.parametrize("runtime_refuses", [False, True])
+async def test_kubelets_update_of_a_container_whose_move_is_pending_takes_its_children(
+    tmp_path: Path, v1_rules: None, monkeypatch: pytest.MonkeyPatch, runtime_refuses: bool
+) -> None:
+    """kubelet's UpdateContainerResources carries cpushim's cpuset, which the runtime writes
+    into the container's own cgroup only: with a move still to be tried again, the children
+    would be left outside and v1 would refuse kubelet's call. When the runtime refuses the
+    call for a reason of its own, the container has moved all the same."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        # A failed move waits an hour for its retry: kubelet's update comes first.
+        options = EngineOptions(record_delay=3600.0, record_max_delay=3600.0, retry_delay=3600.0)
+        env = await make_env(fake, tmp_path / "state", options=options)
+        try:
+            shared_id = await env.kubelet.start_new(
+                await env.kubelet.run_pod("ci", "besteffort"), "main"
+            )
+            cgroup = await located(env, shared_id)
+            inner = child(cgroup, "docker", "0-7")
+            v1_write = cgroups.write_list
+
+            def refused_in_the_container(directory: Path, name: str, values: CPUSet) -> None:
+                if directory == cgroup:
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                v1_write(directory, name, values)
+
+            monkeypatch.setattr(cgroups, "write_list", refused_in_the_container)
+            await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 1000)
+            # Written straight: refused; through the runtime: EBUSY, the child is outside.
+            assert env.kernel_cpus(shared_id) == "0-7"
+            monkeypatch.setattr(cgroups, "write_list", v1_write)
+
+            update = pb.UpdateContainerResourcesRequest(
+                container_id=shared_id,
+                linux=pb.LinuxContainerResources(cpu_period=100_000, cpu_shares=2),
+            )
+            if runtime_refuses:
+                env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+                reply = await env.kubelet.call(
+                    "UpdateContainerResources", update.SerializeToString()
+                )
+                assert reply.status is Status.UNAVAILABLE  # kubelet tries again itself
+            else:
+                await env.kubelet.ok("UpdateContainerResources", update.SerializeToString())
+            assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+            assert cpus_of(inner) == SHARED_AFTER_FIRST_SINGLE
+            assert env.engine.counters["child_cpuset_writes"] == 1
+            tracked = env.engine.containers[shared_id]
+            assert str(tracked.applied) == SHARED_AFTER_FIRST_SINGLE
+            assert env.engine._out_of_place() == []
+            assert env.engine.counters["runtime_record_errors"] == int(runtime_refuses)
+            await env.engine.drain(5.0)
+            assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE  # the runtime's record
         finally:
             env.channel.close()
