@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import grp
 import math
 import re
 import tomllib
@@ -106,6 +107,16 @@ def _nonempty(value: object) -> str:
     text = _string(value)
     if not text:
         raise _Invalid("must not be empty")
+    return text
+
+
+def _group(value: object) -> str:
+    text = _nonempty(value)
+    try:
+        grp.getgrnam(text)
+    except KeyError:
+        # Checked here, so that the error names the file and line before anything starts.
+        raise _Invalid(f"no group named {text!r} on this node") from None
     return text
 
 
@@ -261,7 +272,7 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("listen", "listen", "--listen", _endpoint),
     Key("runtimeEndpoint", "runtime_endpoint", "--runtime-endpoint", _endpoint),
     Key("imageEndpoint", "image_endpoint", "--image-endpoint", _image_endpoint),
-    Key("socketGroup", "socket_group", "--socket-group", _nonempty),
+    Key("socketGroup", "socket_group", "--socket-group", _group),
     Key("upstreamWait", "upstream_wait", "--upstream-wait", _seconds, _seconds_text),
     Key("shutdownGrace", "shutdown_grace", "--shutdown-grace", _seconds, _seconds_text),
     Key("cpuManagerPolicy", "policy", "--policy", _choice(*POLICIES)),

@@ -118,6 +118,29 @@ def prepare_socket_path(path: str) -> None:
     raise AlreadyServingError(f"another process already serves {path}; refusing to start")
 
 
+def open_directory_to_group(directory: str, gid: int) -> None:
+    """Let the members of ``gid`` through ``directory`` to the socket in it: connecting
+    needs search permission on the directory as well as write permission on the socket.
+    Only a directory that nobody gave a group of its own (owned by this process's user and
+    group, as systemd's RuntimeDirectory= and :func:`prepare_socket_path` make it) takes
+    the socket's group; any other that keeps the group out is left as it is, with a
+    warning."""
+    info = os.stat(directory)
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & stat.S_IXOTH or (info.st_gid == gid and mode & stat.S_IXGRP):
+        return
+    fields = {"directory": directory, "group": grp.getgrgid(gid).gr_name}
+    if info.st_uid != os.geteuid() or info.st_gid not in (os.getegid(), gid):
+        log.warning(
+            "the socket's directory keeps the socket's group out: its members cannot connect",
+            extra={"fields": {**fields, "mode": f"{mode:04o}"}},
+        )
+        return
+    os.chown(directory, -1, gid)
+    os.chmod(directory, mode | stat.S_IXGRP)
+    log.info("gave the socket's group search access to its directory", extra={"fields": fields})
+
+
 class RelayServer:
     def __init__(
         self,
@@ -166,6 +189,8 @@ class RelayServer:
         if gid != -1:
             os.chown(self.listen_path, -1, gid)
         os.chmod(self.listen_path, self._socket_mode)
+        if gid != -1:
+            open_directory_to_group(os.path.dirname(self.listen_path) or ".", gid)
 
     def _connection_opened(self, conn: ClientConnection) -> None:
         self.connections.add(conn)

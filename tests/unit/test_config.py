@@ -4,6 +4,7 @@ defaults, every refusal with file, line and key, the sample file, and a live rel
 from __future__ import annotations
 
 import argparse
+import grp
 import re
 import subprocess
 import sys
@@ -62,7 +63,7 @@ CASES = (
          ("--runtime-endpoint", "unix:///tmp/ctd.sock"), "unix:///tmp/ctd.sock"),
     Case("imageEndpoint", '"/tmp/images.sock"', ("--image-endpoint", "/tmp/images.sock"),
          "/tmp/images.sock"),
-    Case("socketGroup", '"kubelet"', ("--socket-group", "kubelet"), "kubelet"),
+    Case("socketGroup", '"daemon"', ("--socket-group", "daemon"), "daemon"),
     Case("upstreamWait", "5", ("--upstream-wait", "5"), 5.0),
     Case("shutdownGrace", "2.5", ("--shutdown-grace", "2.5"), 2.5),
     Case("cpuManagerPolicy", '"none"', ("--policy", "none"), "none"),
@@ -271,6 +272,7 @@ def test_a_bad_new_flag_is_refused_by_the_parser(capsys: pytest.CaptureFixture[s
         ["--listen", "tcp://0.0.0.0:1"],
         ["--runtime-endpoint", "containerd.sock"],
         ["--socket-group", ""],
+        ["--socket-group", "no-such-group-here"],
         ["--state-dir", ""],
         ["--reserved-cpus", "3-1"],
         ["--policy-option", "full-pcpus"],
@@ -317,6 +319,8 @@ ERRORS = [
     ('runtimeEndpoint = "containerd.sock"', 1, "runtimeEndpoint", "absolute socket path"),
     ('imageEndpoint = "http://x"', 1, "imageEndpoint", "only unix://"),
     ('socketGroup = ""', 1, "socketGroup", "must not be empty"),
+    ('socketGroup = "no-such-group-here"', 1, "socketGroup",
+     "no group named 'no-such-group-here' on this node"),
     ('stateDir = ""', 1, "stateDir", "must not be empty"),
     ("sysfsRoot = 1", 1, "sysfsRoot", "want a string, got 1"),
     ('projectionMountPath = "run/cpushim"', 1, "projectionMountPath", "want an absolute path"),
@@ -447,7 +451,9 @@ def test_sample_shows_every_key() -> None:
             assert re.search(rf"^(# )?{key.name} = ", text, re.MULTILINE), key.name
 
 
-def test_sample_lines_commented_out_are_good_values() -> None:
+def test_sample_lines_commented_out_are_good_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sample's socket group is one the operator makes first.
+    monkeypatch.setattr(grp, "getgrnam", lambda name: grp.getgrgid(0))
     lines = SAMPLE.read_text().splitlines()
     as_shipped = parse_config("\n".join(lines), SAMPLE)
     commented = [i for i, line in enumerate(lines) if re.match(r"# [\w-]+ = ", line)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import socket
@@ -600,3 +601,37 @@ def test_socket_mode_and_parent_directory(env: RelayEnv) -> None:
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o660
     assert stat.S_IMODE(os.stat(env.relay_socket.parent).st_mode) == 0o750
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory another group needs root")
+@pytest.mark.parametrize(
+    ("mode", "group", "expected"),
+    [
+        # cpushim's own directory (RuntimeDirectory=, or made by cpushim): the group comes in.
+        (0o750, "root", ("daemon", 0o750)),
+        (0o700, "root", ("daemon", 0o710)),
+        (0o740, "daemon", ("daemon", 0o750)),
+        # Passable already (like /run): left alone.
+        (0o755, "root", ("root", 0o755)),
+        (0o751, "root", ("root", 0o751)),
+        (0o710, "daemon", ("daemon", 0o710)),
+        # A group someone gave it: kept, with a warning.
+        (0o750, "bin", ("bin", 0o750)),
+    ],
+)
+def test_the_socket_group_is_let_through_the_sockets_own_directory(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    mode: int,
+    group: str,
+    expected: tuple[str, int],
+) -> None:
+    directory = tmp_path / "run"
+    directory.mkdir()
+    os.chown(directory, -1, grp.getgrnam(group).gr_gid)
+    directory.chmod(mode)
+    server.open_directory_to_group(str(directory), grp.getgrnam("daemon").gr_gid)
+    st = directory.stat()
+    assert (grp.getgrgid(st.st_gid).gr_name, stat.S_IMODE(st.st_mode)) == expected
+    kept_out = "its members cannot connect" in caplog.text
+    assert kept_out == (group == "bin")

@@ -272,7 +272,11 @@ def test_calls_fail_with_a_clear_unavailable_when_runtime_is_gone(
 
 def test_socket_group_is_applied(fake: FakeRuntimeServer) -> None:
     group = grp.getgrnam("daemon")  # present on every Debian system, and not root's group
-    listen = fake.socket_path.parent / "grp.sock"
+    # A directory of the socket's own, as systemd's RuntimeDirectory= makes it: the group
+    # is let through it too, or its members could not connect.
+    directory = fake.socket_path.parent / "run"
+    directory.mkdir(mode=0o750)
+    listen = directory / "grp.sock"
     log = fake.socket_path.parent / "grp.log"
     proc = start_cpushim(listen, fake.endpoint, log, "--socket-group", group.gr_name)
     try:
@@ -280,19 +284,28 @@ def test_socket_group_is_applied(fake: FakeRuntimeServer) -> None:
         st = os.stat(listen)
         assert st.st_gid == group.gr_gid
         assert stat.S_IMODE(st.st_mode) == 0o660
+        st = os.stat(directory)
+        assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (group.gr_gid, 0o750)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
 
 
-def test_unknown_socket_group_is_a_clear_error(fake: FakeRuntimeServer) -> None:
+def test_unknown_socket_group_is_a_clear_error_before_anything_starts(
+    fake: FakeRuntimeServer,
+) -> None:
     listen = fake.socket_path.parent / "nogrp.sock"
     log = fake.socket_path.parent / "nogrp.log"
-    proc = start_cpushim(listen, fake.endpoint, log, "--socket-group", "no-such-group-here")
+    config = fake.socket_path.parent / "nogrp.toml"
+    config.write_text('# a group this node lacks\nsocketGroup = "no-such-group-here"\n')
+    proc = start_cpushim(listen, fake.endpoint, log, "--config", str(config), state="nogrp")
     assert proc.wait(20) == 1
     (error,) = [e for e in log_events(log) if e["level"] == "error"]
-    assert "no-such-group-here" in str(error["error"])
+    assert str(error["error"]) == (
+        f"{config}:2: socketGroup: no group named 'no-such-group-here' on this node"
+    )
     assert not listen.exists()
+    assert not (fake.socket_path.parent / "nogrp").exists()  # no state written, no resync
 
 
 def test_image_calls_go_to_their_own_endpoint(fake: FakeRuntimeServer) -> None:
