@@ -38,6 +38,7 @@ src="$(cd "$(dirname "$0")/.." && pwd)"
 root="${DESTDIR:-/}"
 wheel=""
 python="python3"
+python_given=0
 skip_package=0
 systemctl_mode="auto"
 
@@ -47,8 +48,8 @@ while [ $# -gt 0 ]; do
         --root=*) root="${1#--root=}"; shift ;;
         --wheel) wheel="${2:?--wheel needs a file}"; shift 2 ;;
         --wheel=*) wheel="${1#--wheel=}"; shift ;;
-        --python) python="${2:?--python needs an interpreter}"; shift 2 ;;
-        --python=*) python="${1#--python=}"; shift ;;
+        --python) python="${2:?--python needs an interpreter}"; python_given=1; shift 2 ;;
+        --python=*) python="${1#--python=}"; python_given=1; shift ;;
         --skip-package) skip_package=1; shift ;;
         --no-systemctl) systemctl_mode="no"; shift ;;
         -h|--help) usage 0 ;;
@@ -73,10 +74,19 @@ say() { echo "install.sh: $*" >&2; }
 # -- the package: a virtualenv in /opt/cpushim, /usr/bin/cpushim pointing into it ---------------
 if [ "$skip_package" = 0 ]; then
     venv="$root/opt/cpushim"
+    link="$root/usr/bin/cpushim"
+    # Checked before anything is installed, so that a refusal leaves the node as it was.
+    if [ -e "$link" ] && [ ! -L "$link" ]; then
+        echo "install.sh: $link exists and is not a symlink; not replacing it" >&2
+        exit 1
+    fi
     if [ ! -x "$venv/bin/python" ]; then
         say "creating the virtualenv $venv"
         mkdir -p "$(dirname "$venv")"
         "$python" -m venv "$venv"
+    elif [ "$python_given" = 1 ]; then
+        say "upgrading the virtualenv $venv with the Python it was made with, not $python" \
+            "(remove $venv first to make it again)"
     fi
     package="${wheel:-$src}"
     say "installing $package into $venv"
@@ -85,11 +95,6 @@ if [ "$skip_package" = 0 ]; then
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$package"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
         --force-reinstall "$package"
-    link="$root/usr/bin/cpushim"
-    if [ -e "$link" ] && [ ! -L "$link" ]; then
-        echo "install.sh: $link exists and is not a symlink; not replacing it" >&2
-        exit 1
-    fi
     mkdir -p "$root/usr/bin"
     # Relative, so that it resolves inside the root it was installed to.
     ln -sfn ../../opt/cpushim/bin/cpushim "$link"

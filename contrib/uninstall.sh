@@ -80,6 +80,15 @@ elif [ -e "$root/etc/cpushim/config.toml" ]; then
     say "kept $root/etc/cpushim/config.toml (--purge removes it)"
 fi
 
+# `systemctl edit cpushim` keeps an operator's settings here; they outlive the unit unless
+# purged, like the config.
+overrides="$root/etc/systemd/system/cpushim.service.d"
+if [ "$purge" = 1 ]; then
+    remove "$overrides"
+elif [ -e "$overrides" ]; then
+    say "kept $overrides, the unit's local settings (--purge removes it)"
+fi
+
 if [ "$systemctl_mode" = auto ]; then
     if [ -z "$root" ] && [ -d /run/systemd/system ]; then
         systemctl_mode="yes"

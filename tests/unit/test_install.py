@@ -20,6 +20,7 @@ UNINSTALL = REPO / "contrib" / "uninstall.sh"
 UNIT = "etc/systemd/system/cpushim.service"
 DROP_IN = "etc/systemd/system/kubelet.service.d/10-cpushim.conf"
 CONFIG = "etc/cpushim/config.toml"
+OVERRIDES = "etc/systemd/system/cpushim.service.d"
 
 
 def run(script: Path, *args: str, env: dict[str, str] | None = None) -> str:
@@ -131,13 +132,18 @@ def test_uninstall_twice_leaves_only_the_config(
     (root / "var/lib/cpushim").mkdir(parents=True)
     (root / "var/lib/cpushim/state.json").write_text("{}")
     (root / CONFIG).write_text("logLevel = 'debug'\n")
+    # The operator's own settings for the unit, from `systemctl edit cpushim`.
+    (root / OVERRIDES).mkdir()
+    (root / OVERRIDES / "override.conf").write_text("[Service]\nNice=-5\n")
 
-    run(UNINSTALL, "--root", str(root), env=env)
+    out = run(UNINSTALL, "--root", str(root), env=env)
+    assert f"kept {root / OVERRIDES}" in out
     after = tree(root)
     run(UNINSTALL, "--root", str(root), env=env)
     assert tree(root) == after
     assert files(root) == {
         CONFIG,
+        f"{OVERRIDES}/override.conf",
         "etc/systemd/system/kubelet.service.d/10-kubeadm.conf",
         "var/lib/cpushim/state.json",
     }
@@ -154,6 +160,8 @@ def test_uninstall_purge_removes_config_and_state(tmp_path: Path) -> None:
     run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
     (root / "var/lib/cpushim").mkdir(parents=True)
     (root / "var/lib/cpushim/state.json").write_text("{}")
+    (root / OVERRIDES).mkdir()
+    (root / OVERRIDES / "override.conf").write_text("[Service]\nNice=-5\n")
     run(UNINSTALL, "--root", str(root), "--purge", "--no-systemctl")
     run(UNINSTALL, "--root", str(root), "--purge", "--no-systemctl")
     assert files(root) == set()
@@ -228,7 +236,8 @@ def test_package_from_a_wheel(tmp_path: Path) -> None:
     assert version.stdout.split() == ["cpushim", "0.1.0"]
 
     first = tree(root, contents=False)
-    run(INSTALL, *args, "--no-systemctl")
+    said = run(INSTALL, *args, "--no-systemctl")
+    assert "with the Python it was made with, not" in said  # --python names no new one
     assert {k: v for k, v in tree(root, contents=False).items() if "__pycache__" not in k} == {
         k: v for k, v in first.items() if "__pycache__" not in k
     }
@@ -236,6 +245,27 @@ def test_package_from_a_wheel(tmp_path: Path) -> None:
     run(UNINSTALL, "--root", str(root), "--no-systemctl")
     assert files(root) == {CONFIG}
     assert not (root / "opt/cpushim").exists()
+
+
+def test_an_install_over_a_cpushim_that_is_not_its_symlink_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/cpushim").write_text("#!/bin/sh\n")
+    wheel = tmp_path / "cpushim-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")  # never read: the refusal comes before pip
+    done = subprocess.run(
+        ["bash", str(INSTALL), "--root", str(root), "--wheel", str(wheel)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "exists and is not a symlink" in done.stderr
+    assert files(root) == {"usr/bin/cpushim"}
 
 
 @pytest.mark.parametrize("name", ["etc/default/kubelet", "etc/sysconfig/kubelet"])
