@@ -334,7 +334,8 @@ async def shut_down(
     stop_watching: Callable[[], Awaitable[None]],
 ) -> bool:
     """Let calls in flight finish, then the engine's work, all within one ``grace`` (plus
-    ``LAST_WRITES_S`` at most), so that a unit's stop timeout sized for the grace holds;
+    the server's wait for dropped connections and ``LAST_WRITES_S``, 2 s at most), so that
+    a unit's stop timeout sized for the grace holds;
     True when every call finished. A second signal (``cut_short``) ends the wait for calls
     and leaves the engine its last second."""
     loop = asyncio.get_running_loop()
