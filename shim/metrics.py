@@ -62,6 +62,10 @@ ENGINE_COUNTERS: dict[str, str] = {
         "Drift repairs of a cpuset systemd applied with its bytes reversed (from a runc"
         " older than 1.1.6)"
     ),
+    "cgroups_without_cpuset": (
+        "Running containers whose cgroup (v2) has no cpuset.cpus: the cpuset controller is"
+        " not enabled for it, so their CPUs are not enforced"
+    ),
     "cgroup_writes": "Cpusets written straight into a container's cgroup",
     "cgroups_derived": (
         "Started containers whose cgroup and process were found from containerd's layout"

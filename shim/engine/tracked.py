@@ -62,6 +62,8 @@ class Tracked:
     # (kubelet's static policy's), or moved straight in its cgroup past its child cpusets
     # while the runtime refused the rest. One move through the runtime gives them.
     settings_stale: bool = False
+    # Its cgroup (v2) was seen without cpuset.cpus, and the warning given.
+    no_cpuset_seen: bool = False
     # Under cgroup v1, what cpushim knows of the cgroups the container made below its own,
     # by file (cpuset.cpus, cpuset.mems): moved with it (shim/child_cpusets.py).
     child_memory: dict[str, Memory] = field(default_factory=dict, repr=False)

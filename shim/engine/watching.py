@@ -25,7 +25,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 from shim import cgroups
 from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
@@ -271,17 +271,34 @@ class Watcher:
                 return
             # cgroupfs answers from memory: a worker thread would cost more than the reads.
             layout = self.engine.mover.layout
-            alive, current = _look(
-                directory, layout is not None and layout.version is CgroupVersion.V2
-            )
-            if not alive:
-                gone = True
-            else:
-                gone = False
-                if current is not None and current != tracked.applied:
-                    await self._repair(tracked, current)
+            look = _look(directory, layout is not None and layout.version is CgroupVersion.V2)
+            gone = not look.alive
+            if look.no_cpuset:
+                self._unenforced(tracked)
+            elif look.cpus is not None and look.cpus != tracked.applied:
+                await self._repair(tracked, look.cpus)
         if gone:
             await self.engine.container_exited(container_id)
+
+    def _unenforced(self, tracked: Tracked) -> None:
+        """Warn, once per container, that its cgroup has no cpuset: nothing cpushim or the
+        runtime writes pins it there, and it runs on whatever its parent allows."""
+        if tracked.no_cpuset_seen:
+            return
+        tracked.no_cpuset_seen = True
+        self.counters["cgroups_without_cpuset"] += 1
+        log.warning(
+            "a container's cgroup has no cpuset.cpus: the cpuset controller is not enabled in"
+            " its parent's cgroup.subtree_control, so its CPUs are not enforced",
+            extra={
+                "fields": {
+                    "container_id": tracked.id,
+                    "container": str(tracked.key),
+                    "cgroup": str(tracked.cgroup),
+                    "cpus": str(tracked.applied),
+                }
+            },
+        )
 
     async def _repair(self, tracked: Tracked, found: CPUSet) -> None:
         """Write the cpuset back (held: the container's write lock)."""
@@ -480,30 +497,47 @@ class Watcher:
         await self.check_state()
 
 
-def _look(directory: Path, v2: bool) -> tuple[bool, CPUSet | None]:
-    """Whether the cgroup still holds a process, and its cpuset (None when unreadable). Run
-    on every change the watches see (each move of a shared container, twice a pod under
-    churn): plain reads, no pathlib."""
+class Look(NamedTuple):
+    # The cgroup still holds a process.
+    alive: bool
+    # Its cpuset; None when unreadable.
+    cpus: CPUSet | None = None
+    # A live cgroup v2 without cpuset.cpus: the cpuset controller is not enabled for it.
+    no_cpuset: bool = False
+
+
+GONE: Final = Look(alive=False)
+
+
+def _look(directory: Path, v2: bool) -> Look:
+    """Whether the cgroup still holds a process, and its cpuset. Run on every change the
+    watches see (each move of a shared container, twice a pod under churn): plain reads, no
+    pathlib."""
     base = str(directory)
     if v2:  # cgroup v1 has no cgroup.events
         try:
             populated = cgroups.populated(read_file(f"{base}/{CGROUP_EVENTS}").decode())
         except (FileNotFoundError, NotADirectoryError):
-            return False, None
+            return GONE
         except OSError:
             populated = None
         if populated is False:
-            return False, None
+            return GONE
     try:
         text = read_file(f"{base}/{CPUSET_CPUS}").decode()
     except (FileNotFoundError, NotADirectoryError):
-        return False, None  # the cgroup is gone
+        # Under v1 the file goes with the cgroup. Under v2 a cgroup whose parent does not
+        # enable the cpuset controller (cgroup.subtree_control) has no such file while it
+        # runs: only the directory's going tells an exit there.
+        if v2 and os.path.isdir(base):
+            return Look(alive=True, no_cpuset=True)
+        return GONE
     except OSError:
-        return True, None
+        return Look(alive=True)
     try:
-        return True, CPUSet.parse(text.strip())
+        return Look(alive=True, cpus=CPUSet.parse(text.strip()))
     except ValueError:
-        return True, None
+        return Look(alive=True)
 
 
 def _holds(cgroup: Path, pid: int) -> bool:

@@ -17,7 +17,7 @@ from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions
-from shim.engine.watching import Watcher
+from shim.engine.watching import Look, Watcher, _look
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeRuntime
@@ -300,6 +300,40 @@ async def test_a_v2_cgroup_that_empties_is_an_exit(tmp_path: Path) -> None:
         assert env.engine.counters["exits_seen"] == 1
         await watcher.stop()
         env.channel.close()
+
+
+def test_a_look_tells_an_exit_from_a_v2_cgroup_without_a_cpuset(tmp_path: Path) -> None:
+    cgroup = tmp_path / "cri-containerd-abc.scope"
+    cgroup.mkdir()
+    (cgroup / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    # No cpuset.cpus: the parent's cgroup.subtree_control does not enable the controller.
+    assert _look(cgroup, v2=True) == Look(alive=True, no_cpuset=True)
+    (cgroup / "cpuset.cpus").write_text("1\n")
+    assert _look(cgroup, v2=True) == Look(alive=True, cpus=CPUSet.parse("1"))
+    (cgroup / "cpuset.cpus").unlink()
+    assert _look(cgroup, v2=False) == Look(alive=False)  # under v1 the file goes with it
+    (cgroup / "cgroup.events").write_text("populated 0\nfrozen 0\n")
+    assert _look(cgroup, v2=True) == Look(alive=False)
+    shutil.rmtree(cgroup)
+    assert _look(cgroup, v2=True) == Look(alive=False)
+
+
+async def test_a_running_container_whose_v2_cgroup_has_no_cpuset_keeps_its_cpus(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Taken for an exit, its exclusive CPUs went back to the pool while it ran on."""
+    async with FakeRuntime(cgroup_root=tmp_path / "unified", cgroup_version=2) as fake:
+        async for w in watched_env(tmp_path, fake):
+            w.env.engine.mover.layout = CgroupLayout(CgroupVersion.V2, tmp_path / "unified")
+            pinned_id = await w.started("db", "guaranteed", 1000)
+            cpuset_file(w.env, pinned_id).unlink()
+            await w.watcher.check(pinned_id)
+            await w.watcher.check(pinned_id)
+            assert w.counters["exits_seen"] == 0
+            assert w.env.engine.state.holding(pinned_id) is not None
+            assert w.counters["cgroups_without_cpuset"] == 1  # warned once
+            assert caplog.text.count("cpuset controller is not enabled") == 1
+            assert w.counters["drift_repairs"] == 0
 
 
 # --- the state file --------------------------------------------------------------------------
