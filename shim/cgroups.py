@@ -28,7 +28,7 @@ from typing import Final
 
 from shim.cpuset import CPUSet
 from shim.fileio import read_file
-from shim.mountinfo import parse_mountinfo
+from shim.mountinfo import Mount, parse_mountinfo
 
 CPUSET_CPUS = "cpuset.cpus"
 CPUSET_MEMS = "cpuset.mems"
@@ -54,15 +54,20 @@ class CgroupLayout:
     @classmethod
     def from_mountinfo(cls, text: str) -> CgroupLayout:
         """The cpuset hierarchy from ``/proc/self/mountinfo``: v1's cpuset mount when there is
-        one, else the v2 mount (the top one when v2 is mounted more than once)."""
-        unified: list[Path] = []
+        one, else the v2 mount. Of several mounts of one, those of the whole hierarchy come
+        first (a bind mount of a subtree, wherever it is, would put every container's cgroup
+        in the wrong place), then the top one."""
+        cpuset: list[Mount] = []
+        unified: list[Mount] = []
         for mount in parse_mountinfo(text):
             if mount.fstype == "cgroup" and "cpuset" in mount.super_options:
-                return cls(CgroupVersion.V1, mount.point)
-            if mount.fstype == "cgroup2":
-                unified.append(mount.point)
+                cpuset.append(mount)
+            elif mount.fstype == "cgroup2":
+                unified.append(mount)
+        if cpuset:
+            return cls(CgroupVersion.V1, _whole_first(cpuset).point)
         if unified:
-            return cls(CgroupVersion.V2, min(unified, key=lambda p: len(p.parts)))
+            return cls(CgroupVersion.V2, _whole_first(unified).point)
         raise CgroupError("no cgroup v1 cpuset hierarchy and no cgroup v2 mount in mountinfo")
 
     @classmethod
@@ -72,6 +77,11 @@ class CgroupLayout:
     def container_dir(self, cgroups_path: str) -> Path:
         """The directory of the cgroup named by an OCI ``cgroupsPath``."""
         return self.root / relative_cgroup_path(cgroups_path)
+
+
+def _whole_first(mounts: list[Mount]) -> Mount:
+    """Of the mounts of one hierarchy: one of all of it, the top one; the first of equals."""
+    return min(mounts, key=lambda m: (m.root != "/", len(m.point.parts)))
 
 
 def relative_cgroup_path(cgroups_path: str) -> PurePosixPath:

@@ -14,6 +14,9 @@ class Mount:
     point: Path
     fstype: str
     super_options: tuple[str, ...]
+    # The directory of the file system this mount shows ("/" for the whole of it; a bind
+    # mount of a subdirectory shows that subdirectory).
+    root: str = "/"
 
 
 def parse_mountinfo(text: str) -> list[Mount]:
@@ -28,7 +31,12 @@ def parse_mountinfo(text: str) -> list[Mount]:
             continue
         super_options = fields[separator + 3].split(",") if len(fields) > separator + 3 else []
         mounts.append(
-            Mount(Path(_unescape(fields[4])), fields[separator + 1], tuple(super_options))
+            Mount(
+                Path(_unescape(fields[4])),
+                fields[separator + 1],
+                tuple(super_options),
+                _unescape(fields[3]),
+            )
         )
     return mounts
 

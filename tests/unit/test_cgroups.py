@@ -61,6 +61,28 @@ def test_the_top_unified_mount_wins_when_v2_is_mounted_twice() -> None:
     assert CgroupLayout.from_mountinfo(text).root == Path("/sys/fs/cgroup")
 
 
+@pytest.mark.parametrize(
+    "mount",
+    [
+        # A subtree bound at a shallower point (or a cgroup2 mount made inside a cgroup
+        # namespace, propagated to the host), after the real mount or before it.
+        "60 1 0:30 /kubepods.slice /cg rw shared:40 - cgroup2 cgroup2 rw,nsdelegate\n",
+        "61 25 0:31 /kubepods /cs rw - cgroup cgroup rw,cpuset\n",
+    ],
+)
+@pytest.mark.parametrize("before", [False, True])
+def test_a_mount_of_a_subtree_is_not_taken_for_the_hierarchy(mount: str, before: bool) -> None:
+    whole = UNIFIED if "cgroup2" in mount else COMOUNTED
+    text = mount + whole if before else whole + mount
+    expected = CgroupLayout.from_mountinfo(whole)
+    assert CgroupLayout.from_mountinfo(text) == expected
+
+
+def test_a_mount_of_a_subtree_is_taken_when_it_is_all_there_is() -> None:
+    text = "60 1 0:30 /kubepods.slice /cg rw shared:40 - cgroup2 cgroup2 rw,nsdelegate\n"
+    assert CgroupLayout.from_mountinfo(text) == CgroupLayout(CgroupVersion.V2, Path("/cg"))
+
+
 def test_mount_points_with_escaped_spaces_are_unescaped() -> None:
     text = "34 31 0:31 / /mnt/my\\040cgroups rw - cgroup cgroup rw,cpuset\n"
     assert CgroupLayout.from_mountinfo(text).root == Path("/mnt/my cgroups")
