@@ -137,6 +137,39 @@ def test_the_highest_complete_cache_entry_wins_stray_node_files_do_not_count(
     assert Topology.from_sysfs(root) == expected_topology(spec)
 
 
+def _arm64_board(root: Path, cores: list[tuple[int, int, str]]) -> None:
+    """A device-tree arm64 board: one package, core ids restarting in each cluster;
+    ``cores`` gives each CPU's cluster, core id and the kernel's thread siblings."""
+    cpu_dir = root / "devices" / "system" / "cpu"
+    cpu_dir.mkdir(parents=True)
+    (cpu_dir / "online").write_text(f"0-{len(cores) - 1}\n")
+    for cpu, (cluster, core_id, siblings) in enumerate(cores):
+        topology = cpu_dir / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "cluster_id").write_text(f"{cluster}\n")
+        (topology / "core_id").write_text(f"{core_id}\n")
+        (topology / "thread_siblings_list").write_text(f"{siblings}\n")
+
+
+def test_core_ids_that_restart_in_each_cluster_name_distinct_cores(tmp_path: Path) -> None:
+    # Like an RK3588: four little cores in cluster 0, two pairs of big ones in 1 and 2.
+    ids = [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (2, 0), (2, 1)]
+    _arm64_board(tmp_path, [(cluster, core, str(cpu)) for cpu, (cluster, core) in enumerate(ids)])
+    topology = Topology.from_sysfs(tmp_path)
+    assert topology.cpus_per_core == 1
+    assert len(topology.core_masks) == 8
+    assert topology.siblings(4) == CPUSet([4])
+
+
+def test_core_ids_the_kernel_agrees_with_are_kept(tmp_path: Path) -> None:
+    # Two threads per core, the ids unique in the package: nothing to rename.
+    _arm64_board(tmp_path, [(0, 0, "0,2"), (0, 1, "1,3"), (0, 0, "0,2"), (0, 1, "1,3")])
+    topology = Topology.from_sysfs(tmp_path)
+    assert [info.core_id for info in topology.cpus] == [0, 1, 0, 1]
+    assert topology.siblings(0) == CPUSet.parse("0,2")
+
+
 def test_cpu_in_online_list_without_topology_is_skipped(tmp_path: Path) -> None:
     root = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path)
     cpu3 = root / "devices/system/cpu/cpu3/topology"
