@@ -188,6 +188,9 @@ class Projector:
             writer = self._writers.get(key)
             if writer is not None:
                 await asyncio.shield(writer)
+                if key not in self._wanted:
+                    # The write under way recorded its cpuset as it ended.
+                    self._written.pop(key, None)
         try:
             await self.writer.remove_pod(pod_uid, unless)
         except (OSError, ValueError) as exc:

@@ -4,7 +4,9 @@ swept at start."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +19,10 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
 from shim.engine import EngineOptions, ProjectionSettings
 from shim.engine import requests as rq
+from shim.engine.projecting import Cpuset, Projector
 from shim.engine.watching import Watcher
 from shim.projection import Projection, read
+from shim.projection.writer import ProjectionWriter
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
 from tests.unit.engine_env import (
@@ -30,6 +34,7 @@ from tests.unit.engine_env import (
     make_env,
     until,
 )
+from tests.unit.test_projection import TOPOLOGY
 
 MOUNT = Path("/run/cpushim")
 NEVER = 3600.0
@@ -331,3 +336,31 @@ async def test_a_projection_write_that_failed_is_written_again(
             await watcher.stop()
             await env.engine.drain(5.0)
             env.channel.close()
+
+
+@pytest.mark.anyio
+async def test_a_pod_forgotten_while_its_projection_is_written_is_forgotten_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write under way when the pod is removed recorded its cpuset as it ended, after
+    the pod's entries were dropped: one entry kept for good per pod removed during a move,
+    claiming a directory that is gone."""
+    writer = ProjectionWriter(tmp_path / "projection", inline=False)  # writes in a thread
+    projector = Projector(
+        writer, TOPOLOGY, Path("/run/cpushim"), Counter(), asyncio.get_running_loop().create_task
+    )
+    key = ContainerKey("pod-1", "app")
+    await projector.prepare(key, Cpuset(CPUSet.parse("0-7"), "", exclusive=False))
+    under_way = asyncio.Event()
+    write = writer.write
+
+    async def write_and_tell(*args: Any) -> int:
+        under_way.set()
+        return await write(*args)
+
+    monkeypatch.setattr(writer, "write", write_and_tell)
+    projector.update(key, Cpuset(CPUSet.parse("0-3"), "", exclusive=False))  # a move
+    await under_way.wait()
+    await projector.forget_pod("pod-1")
+    assert not (tmp_path / "projection" / "pod-1").exists()
+    assert projector.written(key) is None
