@@ -37,3 +37,14 @@ def write_and_sync(fd: int, data: bytes) -> None:
     while view:
         view = view[os.write(fd, view) :]
     os.fsync(fd)
+
+
+def identity(path: str | Path) -> tuple[int, int] | None:
+    """Which file or directory ``path`` names now (device, inode); None when it names none.
+    A watch placed on a directory follows that directory, not its name: a different
+    identity under the name means the watch is on something else."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino

@@ -30,10 +30,10 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import fields, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, key_line, reload_options
+from shim.fileio import identity
 from shim.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
@@ -103,14 +103,6 @@ def _is_link(path: str) -> bool:
     except OSError:
         return False
     return stat.S_ISLNK(found.st_mode) or found.st_nlink > 1
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        found = path.stat()
-    except OSError:
-        return None
-    return found.st_dev, found.st_ino
 
 
 class ConfigReloader:
@@ -199,7 +191,7 @@ class ConfigReloader:
             )
             self._watch_parent()
             return
-        self._watched_identity = _identity(self._directory)
+        self._watched_identity = identity(self._directory)
         self._unwatch_parent()
 
     def _watch_parent(self) -> None:
@@ -245,7 +237,7 @@ class ConfigReloader:
                 self._watch()
             else:
                 self._watch_parent()  # counted once, when the directory went
-        elif _identity(self._directory) != self._watched_identity:
+        elif identity(self._directory) != self._watched_identity:
             self._unwatch()
             self._watch()
         written, self._written = self._written, False

@@ -32,7 +32,7 @@ from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
 from shim.cpuset import CPUSet
 from shim.engine.core import Engine
 from shim.engine.tracked import Phase, Tracked
-from shim.fileio import read_file
+from shim.fileio import identity, read_file
 from shim.inotify import (
     FILE_CHANGES,
     IN_CLOSE_WRITE,
@@ -100,6 +100,8 @@ class Watcher:
         # Container id -> a pidfd of its first process, read-watched on the loop.
         self._pidfds: dict[str, int] = {}
         self._state_watch: Subscription | None = None
+        # The state directory the watch was placed on (device, inode).
+        self._state_identity: tuple[int, int] | None = None
         self._timer: asyncio.Task[None] | None = None
         # Called at the start of every full look (the config reloader reads its file again:
         # an edit whose event an overflow dropped is applied then).
@@ -423,6 +425,7 @@ class Watcher:
                 self.jobs.request("state", self.check_state)
 
         try:
+            self._state_identity = identity(directory)
             self._state_watch = self.inotify.subscribe(
                 str(directory), FILE_CHANGES | _GONE_EVENTS, on_event
             )
@@ -492,6 +495,12 @@ class Watcher:
                 self.watch(tracked, look_on_failure=False)
         if self.engine.projector is not None:
             self.engine.projector.retry()
+        directory = self.engine.checkpoint.path.parent
+        if self._state_watch is not None and identity(directory) != self._state_identity:
+            # Removed or replaced while the events that would have told it were lost (an
+            # overflow): the watch is on a directory that is no longer there.
+            self.inotify.unsubscribe(self._state_watch)
+            self._state_watch = None
         if self._state_watch is None:
             self._watch_state_dir()
         await self.check_state()

@@ -4,6 +4,8 @@ writes and deletions) and a fake containerd that writes and removes it as runc w
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
@@ -415,6 +417,27 @@ async def test_an_overflow_leads_to_one_full_look(w: Watched) -> None:
     assert w.counters["inotify_overflows"] == 1
     assert w.counters["full_resyncs"] == 1
     assert shared_id in w.watcher._containers  # watched again
+
+
+async def test_a_state_directory_removed_while_events_were_lost_is_watched_again(
+    w: Watched,
+) -> None:
+    """The queue overflowed with the directory's own events in it (its removal, and the
+    kernel's IN_IGNORED for the watch): the watch was left on the removed directory."""
+    loop = asyncio.get_running_loop()
+    descriptor = w.watcher.inotify._manager.get_fd()
+    loop.remove_reader(descriptor)  # the events queue up unread...
+    shutil.rmtree(w.env.state_dir)
+    while select.select([descriptor], [], [], 0)[0]:
+        os.read(descriptor, 65536)  # ...and are lost, as in an overflow
+    loop.add_reader(descriptor, w.watcher.inotify._read)
+    w.watcher._overflowed()
+    await until(lambda: (w.env.state_dir / "state.json").exists(), "rewritten by the full look")
+    await w.settled()
+
+    (w.env.state_dir / "state.json").unlink()
+    await until(lambda: (w.env.state_dir / "state.json").exists(), "a later removal seen")
+    assert w.counters["full_resyncs"] == 1
 
 
 async def test_a_full_look_moves_a_container_whose_move_the_runtime_refused(w: Watched) -> None:
