@@ -21,7 +21,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -462,7 +462,7 @@ class Engine:
                 # give their CPUs back before it is created, as before an exclusive one. A
                 # sibling whose state cannot be read keeps its CPUs: the create goes on.
                 await self._release([key])
-                await self._release_exited_in_pod(pod.uid, keep=key, unreadable_keep=True)
+                await self._release_exited_in_pod(pod.uid, keep=key)
         pool = self.state.shared
         rq.pin(request.config.linux.resources, pool)
         await self._project_new(request, key, Cpuset(pool, "", exclusive=False))
@@ -520,7 +520,9 @@ class Engine:
         """The exclusive create, under the engine lock."""
         attempt = request.config.metadata.attempt
         self.counters["pinning_requests"] += 1
-        await self._release_exited_in_pod(pod.uid, keep=key)
+        # A sibling whose state the runtime does not give now keeps its CPUs, and the create
+        # goes on with the others: failing it would fail a sidecar's pod for a slow reply.
+        unknown = await self._release_exited_in_pod(pod.uid, keep=key)
         held = self.state.assignments.get(key)
         if held is not None and self._may_keep(key, held.cpus, count, plan, memory_nodes):
             # A restart of the same container (next attempt): its CPUs follow it, when the
@@ -533,7 +535,7 @@ class Engine:
                 # persisted and with the shared containers grown, so that a refusal
                 # below leaves memory, the checkpoint and the cgroups agreeing.
                 await self._release([key])
-            chosen = self._choose(key, count, plan, memory_nodes)
+            chosen = self._choose(key, count, plan, memory_nodes, unknown)
             if isinstance(chosen, Reply):
                 return chosen
             cpus = chosen
@@ -680,7 +682,12 @@ class Engine:
         return self.policy.refusal(others, request, cpus) is None
 
     def _choose(
-        self, key: ContainerKey, count: int, plan: ContainerPlan, memory_nodes: CPUSet | None
+        self,
+        key: ContainerKey,
+        count: int,
+        plan: ContainerPlan,
+        memory_nodes: CPUSet | None,
+        unknown: Sequence[ContainerKey] = (),
     ) -> CPUSet | Reply:
         exclusive = self.state.exclusive()
         held = CPUSet().union(*exclusive.values())
@@ -702,6 +709,12 @@ class Engine:
                 f" CPU{'s' if count != 1 else ''}: {exc} (free: {free or 'none'},"
                 f" shared pool: {self.state.shared})"
             )
+            if unknown:
+                names = ", ".join(k.name for k in unknown)
+                message += (
+                    f"; the runtime did not say whether {names} of the pod exited, so"
+                    " their CPUs stay held"
+                )
             log.warning("allocation refused", extra={"fields": {"error": message}})
             return Reply.error(Status.RESOURCE_EXHAUSTED, message)
 
@@ -1051,19 +1064,18 @@ class Engine:
         )
         await self._apply()
 
-    async def _release_exited_in_pod(
-        self, pod_uid: str, keep: ContainerKey, *, unreadable_keep: bool = False
-    ) -> None:
+    async def _release_exited_in_pod(self, pod_uid: str, keep: ContainerKey) -> list[ContainerKey]:
         """Release the CPUs of this pod's containers that have exited by themselves (init
         containers run to completion without a StopContainer), so they can be reused. A
-        container whose state the runtime does not give raises RuntimeError, or with
-        ``unreadable_keep`` is logged and keeps its CPUs."""
+        container whose state the runtime does not give is logged and keeps its CPUs; those
+        are returned."""
         candidates = [
             (key, a.container_id)
             for key, a in self.state.assignments.items()
             if key.pod_uid == pod_uid and key != keep and a.container_id
         ]
         exited: list[ContainerKey] = []
+        unknown: list[ContainerKey] = []
         for key, container_id in candidates:
             tracked = self.containers.get(container_id)
             if tracked is not None and tracked.phase is Phase.EXITED:
@@ -1072,18 +1084,18 @@ class Engine:
             try:
                 state = await self._container_state(container_id)
             except RuntimeError as exc:
-                if not unreadable_keep:
-                    raise
                 log.warning(
                     "cannot tell whether a container exited; its CPUs stay held",
                     extra={"fields": {"container": str(key), "error": str(exc)}},
                 )
+                unknown.append(key)
                 continue
             if state in (None, pb.CONTAINER_EXITED):
                 if tracked is not None:
                     self._mark_exited(tracked)
                 exited.append(key)
         await self._release(exited)
+        return unknown
 
     async def _container_state(self, container_id: str) -> int | None:
         """The runtime's state of a container; None when it does not know it."""

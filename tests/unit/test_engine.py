@@ -330,14 +330,34 @@ async def test_a_next_attempt_that_shares_gives_its_old_exclusive_cpus_back(env:
     assert_consistent(env)
 
 
-async def test_a_shared_create_goes_on_when_a_siblings_state_cannot_be_read(env: Env) -> None:
+@pytest.mark.parametrize("milli_cpu", [500, 1000], ids=["shared", "exclusive"])
+async def test_a_create_goes_on_when_a_siblings_state_cannot_be_read(
+    env: Env, milli_cpu: int
+) -> None:
+    """Before a create, the pod's pinned containers that exited by themselves give their
+    CPUs back; one the runtime says nothing of keeps them, and the create goes on (an
+    exclusive one failed INTERNAL, or under fail-open went out unpinned)."""
     kubelet = env.kubelet
     pod = await kubelet.run_pod("app", "guaranteed")
     main_id = await kubelet.start_new(pod, "main", 1000)
     env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "busy")
-    reply = await kubelet.create(pod, "sidecar", 500)
+    reply = await kubelet.create(pod, "sidecar", milli_cpu)
     assert reply.status is Status.OK, reply.status_message
     assert env.engine.state.holding(main_id) == ContainerKey(pod.uid, "main")  # kept
+    assert (ContainerKey(pod.uid, "sidecar") in env.engine.state.assignments) == (milli_cpu == 1000)
+    assert_consistent(env)
+
+
+async def test_a_refusal_says_which_siblings_state_could_not_be_read(env: Env) -> None:
+    kubelet = env.kubelet
+    pod = await kubelet.run_pod("app", "guaranteed")
+    await kubelet.start_new(pod, "main", 6000)  # one CPU left that is not reserved
+    env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "busy")
+    reply = await kubelet.create(pod, "sidecar", 2000)
+    assert reply.status is Status.RESOURCE_EXHAUSTED
+    assert reply.status_message.endswith(
+        "; the runtime did not say whether main of the pod exited, so their CPUs stay held"
+    )
     assert_consistent(env)
 
 
