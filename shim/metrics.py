@@ -52,7 +52,8 @@ KUBELET_COUNTERS: dict[str, tuple[str, str]] = {
 # that is missing here is still exported (with a generic help text), and a unit test fails.
 ENGINE_COUNTERS: dict[str, str] = {
     "adoptions_refused": (
-        "Containers found running with exclusive CPUs at resync that could not be adopted"
+        "Running containers asking for exclusive CPUs that could not be given any at resync"
+        " or at a reload of the policy"
     ),
     "bad_annotations": "CreateContainer calls refused for invalid cpushim pod annotations",
     "bad_names": "CreateContainer calls refused because the projection directory was unusable",

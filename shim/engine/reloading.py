@@ -15,7 +15,9 @@ a file that is gone. The same refusal (same bytes, same reason) is counted once.
 applies what can change while running:
 
 - the policy, its options and the reserved CPUs: a new policy is built and the engine re-plans
-  under it (``Engine.change_policy``): containers move, the checkpoint is rewritten;
+  under it (``Engine.change_policy``): containers move, the checkpoint is rewritten; then the
+  containers that share and ask for exclusive CPUs get them where there is room, as start-up
+  adopts them (``resync.adopt_sharing``);
 - the failure policy, the log level and the resync period;
 
 and logs the keys that only a restart applies (sockets, directories, the metrics address...).
@@ -33,6 +35,7 @@ from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, key_line, reload_options
+from shim.engine.resync import adopt_sharing
 from shim.fileio import identity
 from shim.inotify import (
     IN_CLOSE_WRITE,
@@ -47,6 +50,7 @@ from shim.inotify import (
 )
 from shim.log import set_level
 from shim.policy import CPUPolicy
+from shim.state import ContainerKey
 
 if TYPE_CHECKING:
     from shim.engine.watching import Watcher
@@ -277,6 +281,7 @@ class ConfigReloader:
                 return
             if self._stopped:
                 return
+        adopted: list[ContainerKey] = []
         if policy is not None:
             try:
                 lost = await self.engine.change_policy(policy)
@@ -284,6 +289,9 @@ class ConfigReloader:
                 self._read_once = False  # the machine's fault: tried again
                 self._refuse(f"cannot write the checkpoint: {exc}", line=None, key=None)
                 return
+            # As a restart would: the containers that share and ask for exclusive CPUs get
+            # them where the new policy has room.
+            adopted = await adopt_sharing(self.engine, skip=lost)
         else:
             lost = []
         self.engine.options = replace(self.engine.options, failure_policy=new.failure_policy)
@@ -305,6 +313,7 @@ class ConfigReloader:
                     "options": sorted(self.engine.policy.option_names),
                     "shared": str(self.engine.state.shared),
                     "lost_exclusive": [str(k) for k in lost],
+                    "adopted_exclusive": [str(k) for k in adopted],
                     "need_restart": sorted(_KEY_OF_FIELD.get(name, name) for name in restart),
                 }
             },

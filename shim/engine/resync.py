@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -462,6 +462,123 @@ def _adopted_cpus(
             extra={"fields": {"container_id": container.id, "count": count, "error": str(exc)}},
         )
         return None
+
+
+async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> list[ContainerKey]:
+    """After a live re-plan (a config reload): the containers that ask for exclusive CPUs
+    and share (created under ``none``, or displaced by an earlier re-plan with no room)
+    get them as start-up adopts a running container, so that a reload and a restart under
+    the same config end alike. ``skip``: keys the re-plan just failed to place. Returns the
+    keys adopted; a container whose state the runtime does not give now stays as it is,
+    and so does everything when the checkpoint cannot be written."""
+    async with engine.lock:
+        if engine.policy.name == "none":
+            return []
+        waiting = [
+            tracked
+            for tracked in engine.containers.values()
+            if tracked.phase is not Phase.EXITED
+            and tracked.cpus_asked is not None
+            and tracked.sandbox_id in engine.pods
+            and tracked.key not in engine.state.assignments
+            and tracked.key not in skip
+        ]
+        live = [c for c in [await _status(engine, t) for t in waiting] if c is not None]
+        state = engine.state
+        adopted: list[tuple[Tracked, LiveContainer, ContainerPlan, CPUSet | None]] = []
+        # Of two attempts of one container, the running one, else the later one.
+        for container in sorted(
+            live, key=lambda c: (c.state != pb.CONTAINER_RUNNING, -c.attempt, c.id)
+        ):
+            tracked = engine.containers.get(container.id)
+            pod = engine.pods.get(container.sandbox_id)
+            # Removed while the runtime was asked (a removal is not a decision: no lock).
+            if tracked is None or tracked.phase is Phase.EXITED or pod is None:
+                continue
+            plan = _plan(pod, container)
+            if plan.exclusive is None or tracked.key in state.assignments:
+                continue
+            mems = _kubelet_mems(engine, container)
+            cpus = _adopted_cpus(engine, state, container, plan.exclusive, plan, mems)
+            if cpus is None:
+                continue
+            assignment = Assignment(
+                cpus, container.id, container.sandbox_id, container.attempt, pod.label, mems
+            )
+            state = state.assign(tracked.key, assignment, engine.policy)
+            adopted.append((tracked, container, plan, mems))
+        if not adopted:
+            return []
+        try:
+            await engine._commit(state)
+        except OSError as exc:
+            engine.counters["checkpoint_errors"] += 1
+            log.error(
+                "could not write the checkpoint; the sharing containers stay as they are",
+                extra={"fields": {"path": str(engine.checkpoint.path), "error": str(exc)}},
+            )
+            return []
+        for tracked, container, plan, mems in adopted:
+            resources = container.resources
+            tracked.exclusive = True
+            tracked.keep_quota = plan.keep_quota
+            tracked.kubelet_quota = kubelet_cfs_quota(
+                resources.cpu_shares, resources.cpu_quota, resources.cpu_period
+            )
+            tracked.kubelet_mems = mems
+        await engine._apply()
+    keys = [tracked.key for tracked, _, _, _ in adopted]
+    log.info(
+        "adopted sharing containers under the new policy",
+        extra={
+            "fields": {
+                "adopted_exclusive": {
+                    str(key): str(engine.state.assignments[key].cpus)
+                    for key in keys
+                    if key in engine.state.assignments
+                },
+                "shared": str(engine.state.shared),
+            }
+        },
+    )
+    return keys
+
+
+async def _status(engine: Engine, tracked: Tracked) -> LiveContainer | None:
+    """The runtime's word on one container (as listed at start-up); None when it has none."""
+    container_id = tracked.id
+    request = pb.ContainerStatusRequest(container_id=container_id, verbose=True)
+    reply = await engine.runtime.unary(
+        UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
+    )
+    if reply.status is not Status.OK or not reply.messages:
+        if reply.status is not Status.NOT_FOUND:
+            log.warning(
+                "cannot read a container's state; it stays as it is",
+                extra={
+                    "fields": {
+                        "container_id": container_id,
+                        "error": f"{reply.status.name}: {reply.status_message}",
+                    }
+                },
+            )
+        return None
+    try:
+        response = pb.ContainerStatusResponse.FromString(reply.messages[0])
+    except DecodeError:
+        return None
+    status = response.status
+    if status.state == pb.CONTAINER_EXITED:
+        return None
+    return LiveContainer(
+        id=container_id,
+        sandbox_id=tracked.sandbox_id,
+        name=status.metadata.name,
+        attempt=status.metadata.attempt,
+        state=status.state,
+        resources=status.resources.linux,
+        info=response.info.get("info", ""),
+    )
 
 
 def _tracked(

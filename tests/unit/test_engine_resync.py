@@ -4,9 +4,11 @@ nodes, when the checkpoint and the runtime disagree or the checkpoint is rebuilt
 from __future__ import annotations
 
 import pytest
+from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
+from shim.engine.resync import adopt_sharing
 from shim.policy.none import NonePolicy
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeContainer
@@ -17,6 +19,7 @@ from tests.unit.engine_env import (
     assert_consistent,
     env,
     second_of_two_released,
+    static_policy,
 )
 
 pytestmark = pytest.mark.anyio
@@ -267,3 +270,77 @@ async def test_released_cpus_of_pods_removed_while_cpushim_was_down_are_forgotte
     assert dict(env.engine.state.released) == {
         ContainerKey(stays.uid, "main"): CPUSet.parse(FIRST_SINGLE)
     }
+
+
+# --- a live re-plan adopts as start-up does ---------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["none", "reserved"])
+async def test_a_container_a_reload_left_sharing_is_pinned_as_a_restart_would(
+    env: Env, via: str
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 2000)
+    # The reload takes its CPUs (none pins nothing; the reserved set leaves no room).
+    lost = await env.engine.change_policy(
+        NonePolicy(TOPOLOGY) if via == "none" else static_policy("0-6")
+    )
+    assert await adopt_sharing(env.engine, skip=lost) == []
+    assert env.cpus(container_id) == "0-7"
+    # Back: it asks for two CPUs and shares; a restart would adopt it on two.
+    await env.engine.change_policy(static_policy("0"))
+    assert env.cpus(container_id) == "0-7"
+    assert await adopt_sharing(env.engine) == [ContainerKey(pod.uid, "main")]
+    pinned = env.cpus(container_id)
+    assert len(CPUSet.parse(pinned)) == 2
+    assert env.fake.containers[container_id].resources.cpu_quota == -1
+    assert env.saved() == {pod.uid: {"main": pinned}}
+    assert env.engine.counters["adoptions_refused"] == 0
+    assert_consistent(env)
+
+    await env.restart(static_policy("0"))  # an upgrade's restart: nothing moves
+    assert env.cpus(container_id) == pinned
+    assert env.saved() == {pod.uid: {"main": pinned}}
+
+
+async def test_a_container_created_under_none_is_pinned_when_the_policy_turns_static(
+    env: Env,
+) -> None:
+    await env.engine.change_policy(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "m")
+    await env.engine.change_policy(static_policy("0"))
+    assert await adopt_sharing(env.engine) == [ContainerKey(pod.uid, "main")]
+    assert env.cpus(container_id) == FIRST_SINGLE
+    assert CPUSet.parse(FIRST_SINGLE).isdisjoint(CPUSet.parse(env.cpus(shared_id)))
+    assert_consistent(env)
+
+
+async def test_adoption_at_a_reload_leaves_a_container_whose_state_is_unknown_sharing(
+    env: Env,
+) -> None:
+    await env.engine.change_policy(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    await env.engine.change_policy(static_policy("0"))
+    env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "busy")
+    assert await adopt_sharing(env.engine) == []
+    assert env.cpus(container_id) == "0-7"
+    assert env.engine.state.assignments == {}
+    assert await adopt_sharing(env.engine) == [ContainerKey(pod.uid, "main")]  # next reload
+
+
+async def test_adoption_at_a_reload_without_room_is_counted_and_changes_nothing(
+    env: Env,
+) -> None:
+    await env.engine.change_policy(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 2000)
+    await env.engine.change_policy(static_policy("0-6"))  # one CPU left that is not reserved
+    writes = env.engine.checkpoint.writes
+    assert await adopt_sharing(env.engine) == []
+    assert env.engine.counters["adoptions_refused"] == 1
+    assert env.engine.checkpoint.writes == writes
+    assert env.engine.state.assignments == {}
+    assert env.cpus(container_id) == str(env.engine.state.shared) == "0-7"

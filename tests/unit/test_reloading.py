@@ -137,6 +137,30 @@ async def test_a_container_that_loses_its_cpus_to_a_reload_gets_kubelets_setting
     assert not env.engine.containers[pinned_id].exclusive
 
 
+async def test_a_reload_back_to_static_pins_the_containers_that_ask_as_a_restart_would(
+    r: Reloading, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="shim")
+    env = r.env
+    shared_id, pinned_id = await pinned_and_shared(env)
+    r.write('cpuManagerPolicy = "none"\nreservedSystemCPUs = "0"\n')
+    await r.reloaded("config_reloads")
+    # Created under none, it shares like everything else.
+    late_id = await env.kubelet.start_new(
+        await env.kubelet.run_pod("cache", "guaranteed"), "m", 1000
+    )
+    assert env.kernel_cpus(late_id) == str(ALL)
+
+    r.write('reservedSystemCPUs = "0"\n')
+    await r.reloaded("config_reloads", 2)
+    pinned = {cid: CPUSet.parse(env.kernel_cpus(cid) or "") for cid in (pinned_id, late_id)}
+    assert [len(cpus) for cpus in pinned.values()] == [1, 1]
+    assert env.kernel_cpus(shared_id) == str(ALL - pinned[pinned_id] - pinned[late_id])
+    assert env.fake.containers[late_id].resources.cpu_quota == -1
+    (reloaded,) = [r for r in caplog.records if r.getMessage() == "config reloaded"][-1:]
+    assert len(reloaded.fields["adopted_exclusive"]) == 2  # type: ignore[attr-defined]
+
+
 async def test_a_next_attempt_after_a_reload_gets_cpus_the_new_options_allow(
     r: Reloading,
 ) -> None:
