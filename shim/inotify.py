@@ -2,9 +2,9 @@
 
 The kernel keeps one watch per inode and pyinotify ignores a second ``add_watch`` of a watched
 path, while cpushim may watch one directory for several reasons (a pod's cgroup is the parent
-of each of its containers'). This adapter keeps one kernel watch per path with the union of
-the subscribers' masks, hands each event to the subscribers whose mask has it, and drops the
-kernel watch with the last subscriber.
+of each of its containers') and by several names (a symlink). This adapter keeps one kernel
+watch per directory with the union of the subscribers' masks, hands each event to the
+subscribers whose mask has it, and drops the kernel watch with the last subscriber.
 
 pyinotify's ``WatchManager`` owns the inotify descriptor and places and removes the watches;
 the events are read here, straight from the descriptor. pyinotify's own event processing
@@ -77,6 +77,9 @@ class Subscription:
 class _Watched:
     wd: int
     mask: int
+    # The names it is watched by: more than one when two paths lead to one directory (a
+    # symlink), for which the kernel keeps one watch and returns the same descriptor.
+    paths: list[str]
     subscriptions: list[Subscription] = field(default_factory=list)
 
 
@@ -110,12 +113,12 @@ class Inotify:
 
     @property
     def watch_count(self) -> int:
-        """Kernel watches held (one per watched path)."""
-        return len(self._by_path)
+        """Kernel watches held (one per watched inode)."""
+        return len(self._by_wd)
 
     @property
     def subscription_count(self) -> int:
-        return sum(len(w.subscriptions) for w in self._by_path.values())
+        return sum(len(self._by_path[path].subscriptions) for path in self._by_wd.values())
 
     def subscribe(self, path: str, mask: int, callback: Callback) -> Subscription:
         """Call ``callback`` for each event in ``mask`` on ``path``; WatchError when the
@@ -124,8 +127,18 @@ class Inotify:
         watched = self._by_path.get(path)
         if watched is None:
             wd = self._add(path, mask)
-            watched = self._by_path[path] = _Watched(wd, mask)
-            self._by_wd[wd] = path
+            known = self._by_wd.get(wd)
+            if known is None:
+                watched = _Watched(wd, mask, [path])
+                self._by_wd[wd] = path
+            else:
+                # Another name of a watched directory: the kernel handed back its watch, with
+                # this mask in place of the others'.
+                watched = self._by_path[known]
+                watched.paths.append(path)
+                watched.mask |= mask
+                self._manager.update_watch(wd, mask=watched.mask, quiet=True)
+            self._by_path[path] = watched
         elif mask & ~watched.mask:
             watched.mask |= mask
             self._manager.update_watch(watched.wd, mask=watched.mask, quiet=True)
@@ -133,13 +146,19 @@ class Inotify:
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
-        watched = self._by_path.get(subscription.path)
+        path = subscription.path
+        watched = self._by_path.get(path)
         if watched is None or subscription not in watched.subscriptions:
             return
         watched.subscriptions.remove(subscription)
-        if watched.subscriptions:
+        if any(other.path == path for other in watched.subscriptions):
             return
-        del self._by_path[subscription.path]
+        del self._by_path[path]
+        watched.paths.remove(path)
+        if watched.paths:
+            # The directory's other names still need the kernel's watch.
+            self._by_wd[watched.wd] = watched.paths[0]
+            return
         self._by_wd.pop(watched.wd, None)
         if watched.wd in self._manager.watches:
             self._manager.rm_watch(watched.wd, quiet=True)
@@ -170,16 +189,19 @@ class Inotify:
         if path is None:
             return
         watched = self._by_path[path]
-        event = Event(path, name, mask)
+        events = {name_of: Event(name_of, name, mask) for name_of in watched.paths}
         if mask & IN_IGNORED:
-            del self._by_path[path]
+            for name_of in watched.paths:
+                del self._by_path[name_of]
             del self._by_wd[watched.wd]
         for subscription in list(watched.subscriptions):
             if subscription.mask & mask or mask & IN_IGNORED:
                 try:
-                    subscription.callback(event)
+                    subscription.callback(events[subscription.path])
                 except Exception:
-                    log.exception("inotify subscriber failed", extra={"fields": {"path": path}})
+                    log.exception(
+                        "inotify subscriber failed", extra={"fields": {"path": subscription.path}}
+                    )
 
 
 def parse_events(data: bytes) -> list[tuple[int, int, str]]:

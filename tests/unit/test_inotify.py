@@ -96,6 +96,56 @@ async def test_a_removed_directory_drops_its_watch(watcher: Inotify, tmp_path: P
     await until(lambda: any(e.name == "cpuset.cpus" for e in seen), "the new watch works")
 
 
+@pytest.mark.parametrize("dropped", ["link", "real"])
+async def test_two_names_of_one_directory_share_its_watch(
+    watcher: Inotify, tmp_path: Path, dropped: str
+) -> None:
+    """The kernel keeps one watch per inode: a second name's add_watch returns the first's
+    descriptor, and replaces its mask."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    seen: dict[str, list[Event]] = {"real": [], "link": []}
+    subscriptions = {
+        "real": watcher.subscribe(str(real), inotify.IN_CLOSE_WRITE, seen["real"].append),
+        "link": watcher.subscribe(str(link), inotify.IN_DELETE, seen["link"].append),
+    }
+    assert watcher.watch_count == 1
+    (real / "a").write_text("x")
+    (real / "a").unlink()
+    await until(lambda: bool(seen["real"] and seen["link"]), "the write and the removal seen")
+    assert [(e.path, e.name) for e in seen["real"]] == [(str(real), "a")]
+    assert [(e.path, e.name) for e in seen["link"]] == [(str(link), "a")]
+
+    watcher.unsubscribe(subscriptions[dropped])  # the other name still needs the watch
+    kept = "real" if dropped == "link" else "link"
+    assert watcher.watch_count == 1
+    (real / "b").write_text("x")
+    (real / "b").unlink()
+    await until(lambda: len(seen[kept]) == 2, "the kept name's event seen")
+    watcher.unsubscribe(subscriptions[kept])
+    assert watcher.watch_count == 0
+
+
+async def test_a_removed_directory_drops_every_name_of_its_watch(
+    watcher: Inotify, tmp_path: Path
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    seen: list[Event] = []
+    watcher.subscribe(str(real), inotify.IN_CREATE, seen.append)
+    watcher.subscribe(str(tmp_path / "link"), inotify.IN_CREATE, seen.append)
+    real.rmdir()
+    await until(lambda: sum(bool(e.mask & inotify.IN_IGNORED) for e in seen) == 2, "dropped")
+    assert watcher.watch_count == watcher.subscription_count == 0
+    real.mkdir()
+    watcher.subscribe(str(tmp_path / "link"), inotify.IN_CREATE, seen.append)
+    (real / "x").write_text("")
+    await until(lambda: any(e.name == "x" for e in seen), "watched again by its other name")
+
+
 def test_events_are_parsed_with_their_padded_names() -> None:
     def raw(wd: int, mask: int, name: bytes, padded: int) -> bytes:
         return struct.pack("iIII", wd, mask, 7, padded) + name.ljust(padded, b"\0")
