@@ -16,7 +16,7 @@ import pytest
 from tests.e2e.conftest import Shim
 from tests.e2e.pods import assert_kernel, start_pinned, start_shared_and_pinned
 from tests.harness.containerd import PrivateContainerd, wait_for
-from tests.harness.kubelet import KubeletClient
+from tests.harness.kubelet import KubeletClient, cgroup_file
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
@@ -147,6 +147,34 @@ def test_a_config_edit_applies_live_and_a_bad_one_is_refused(
     assert_kernel(kubelet.kernel_cpus(pinned_id), "0")
     assert_kernel(kubelet.kernel_cpus(shared_id), "1")
     assert shim.assignments() == {pinned_pod.uid: {"main": "0"}}
+
+
+def test_a_config_edit_from_none_to_static_pins_a_running_guaranteed_container(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient], tmp_path: Path
+) -> None:
+    """As a restart under the new config would: no drain, no container restarted. (``direct``
+    clears the pods of earlier tests first: they would compete for CPU 1.)"""
+    config = tmp_path / "config.toml"
+    config.write_text('cpuManagerPolicy = "none"\nreservedSystemCPUs = "0"\n')
+    shim.reserved_flags = ()
+    shim.start("--config", str(config))
+    kubelet = via()
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
+    pinned = kubelet.kernel_cpus(pinned_id)
+    assert_kernel(pinned, "0-1")
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") != "-1"
+    assert shim.assignments() == {}
+
+    replace_file(config, 'reservedSystemCPUs = "0"\n')
+    wait_for(
+        lambda: kubelet.kernel_cpus(pinned_id).cgroup_cpuset_cpus == "1",
+        REACTION_TIMEOUT,
+        "the Guaranteed container pinned by the reload",
+    )
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
 
 
 def replace_file(path: Path, text: str) -> None:
