@@ -318,7 +318,7 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
     node_of = _numa_nodes(root / "devices" / "system" / "node")
 
     found: list[tuple[int, int, int, int]] = []
-    siblings_of: dict[int, CPUSet] = {}
+    cluster_of: dict[int, int] = {}
     llc_of: dict[int, CPUSet | None] = {}
     for cpu in online:
         topology_dir = cpu_dir / f"cpu{cpu}" / "topology"
@@ -330,11 +330,11 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
         die_file = topology_dir / "die_id"
         die = _read_int(die_file) if die_file.exists() else 0
         found.append((cpu, socket, die, core_id))
-        siblings_file = topology_dir / "thread_siblings_list"
-        if siblings_file.is_file():
-            siblings_of[cpu] = _read_cpulist(siblings_file)
+        cluster_file = topology_dir / "cluster_id"
+        if cluster_file.is_file():
+            cluster_of[cpu] = _read_int(cluster_file)
         llc_of[cpu] = _last_level_cache(cpu_dir / f"cpu{cpu}" / "cache")
-    found = _cores_as_the_kernel_groups_them(found, siblings_of)
+    found = _cores_named_apart(found, cluster_of)
 
     infos = [
         CPUInfo(cpu=cpu, socket=socket, core_id=core_id, numa_node=node_of.get(cpu, 0), die=die)
@@ -343,31 +343,30 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
     return _with_uncore_ids(infos, llc_of), isolated
 
 
-def _cores_as_the_kernel_groups_them(
-    found: list[tuple[int, int, int, int]], siblings_of: Mapping[int, CPUSet]
+def _cores_named_apart(
+    found: list[tuple[int, int, int, int]], cluster_of: Mapping[int, int]
 ) -> list[tuple[int, int, int, int]]:
     """``(cpu, socket, die, core id)`` with core ids that name one core each.
 
     A core id is unique within a package and die on x86 and on ACPI arm64 servers, but on
     arm64 boards described by a device tree it restarts in every cluster while the package
     is the same for all, so (socket, die, core id) would join cores of different clusters
-    into one with several threads. When ``thread_siblings_list`` (the kernel's own grouping)
-    disagrees with that key, each core is named by its lowest CPU instead.
+    into one with several threads. Only when one such key spans clusters is each core named
+    by the lowest CPU of its (socket, die, cluster, core id) instead; elsewhere the kernel's
+    ids stand, as kubelet reads them (``thread_siblings_list`` is not used for this: on some
+    x86 parts it pairs cores that keep ids of their own, such as AMD's compute units).
     """
-    present = CPUSet(cpu for cpu, _, _, _ in found)
-    if len(siblings_of) != len(found):
-        return found  # the kernel does not say for every CPU: keep its ids
-    keyed: dict[tuple[int, int, int], set[int]] = {}
+    clusters: dict[tuple[int, int, int], set[int]] = {}
     for cpu, socket, die, core_id in found:
-        keyed.setdefault((socket, die, core_id), set()).add(cpu)
-    if all(
-        siblings_of[cpu] & present == CPUSet(keyed[(socket, die, core_id)])
-        for cpu, socket, die, core_id in found
-    ):
+        clusters.setdefault((socket, die, core_id), set()).add(cluster_of.get(cpu, 0))
+    if all(len(seen) == 1 for seen in clusters.values()):
         return found
+    lowest: dict[tuple[int, int, int, int], int] = {}
+    for cpu, socket, die, core_id in sorted(found):
+        lowest.setdefault((socket, die, cluster_of.get(cpu, 0), core_id), cpu)
     return [
-        (cpu, socket, die, min(siblings_of[cpu] & present | CPUSet([cpu])))
-        for cpu, socket, die, _ in found
+        (cpu, socket, die, lowest[(socket, die, cluster_of.get(cpu, 0), core_id)])
+        for cpu, socket, die, core_id in found
     ]
 
 

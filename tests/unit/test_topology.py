@@ -138,8 +138,8 @@ def test_the_highest_complete_cache_entry_wins_stray_node_files_do_not_count(
 
 
 def _arm64_board(root: Path, cores: list[tuple[int, int, str]]) -> None:
-    """A device-tree arm64 board: one package, core ids restarting in each cluster;
-    ``cores`` gives each CPU's cluster, core id and the kernel's thread siblings."""
+    """One package; ``cores`` gives each CPU's cluster id, core id and the kernel's thread
+    siblings (a device-tree arm64 board restarts the core ids in each cluster)."""
     cpu_dir = root / "devices" / "system" / "cpu"
     cpu_dir.mkdir(parents=True)
     (cpu_dir / "online").write_text(f"0-{len(cores) - 1}\n")
@@ -162,12 +162,24 @@ def test_core_ids_that_restart_in_each_cluster_name_distinct_cores(tmp_path: Pat
     assert topology.siblings(4) == CPUSet([4])
 
 
-def test_core_ids_the_kernel_agrees_with_are_kept(tmp_path: Path) -> None:
-    # Two threads per core, the ids unique in the package: nothing to rename.
-    _arm64_board(tmp_path, [(0, 0, "0,2"), (0, 1, "1,3"), (0, 0, "0,2"), (0, 1, "1,3")])
+@pytest.mark.parametrize(
+    "cores",
+    [
+        # AMD family 15h: the two cores of a compute unit are thread siblings to the kernel,
+        # each with a core id of its own (kubelet reads the ids: four cores).
+        [(0, 0, "0-1"), (0, 1, "0-1"), (0, 2, "2-3"), (0, 3, "2-3")],
+        # Intel's E-cores, four to an L2 cluster: unique ids, one cluster per four.
+        [(0, 0, "0"), (0, 1, "1"), (1, 2, "2"), (1, 3, "3")],
+    ],
+    ids=["compute-units", "l2-clusters"],
+)
+def test_core_ids_unique_in_their_package_are_kept(
+    tmp_path: Path, cores: list[tuple[int, int, str]]
+) -> None:
+    _arm64_board(tmp_path, cores)
     topology = Topology.from_sysfs(tmp_path)
-    assert [info.core_id for info in topology.cpus] == [0, 1, 0, 1]
-    assert topology.siblings(0) == CPUSet.parse("0,2")
+    assert [info.core_id for info in topology.cpus] == [0, 1, 2, 3]
+    assert topology.cpus_per_core == 1
 
 
 def test_cpu_in_online_list_without_topology_is_skipped(tmp_path: Path) -> None:
