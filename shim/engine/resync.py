@@ -498,7 +498,12 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             plan = _plan(pod, container)
             if plan.exclusive is None or tracked.key in state.assignments:
                 continue
-            mems = _kubelet_mems(engine, container)
+            # Kubelet's own choice when cpushim kept it (from the create, or the assignment
+            # the container lost); the runtime's record can only tell nodes apart from the
+            # shared pool's.
+            mems = tracked.kubelet_mems
+            if mems is None:
+                mems = _kubelet_mems(engine, container)
             cpus = _adopted_cpus(engine, state, container, plan.exclusive, plan, mems)
             if cpus is None:
                 continue

@@ -13,6 +13,7 @@ import pytest
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
+from shim.engine.resync import adopt_sharing
 from shim.pods import ANNOTATION_ISOLATED, MemoryNodesError, kubelet_memory_nodes
 from shim.policy.none import NonePolicy
 from shim.policy.static import StaticPolicy
@@ -290,3 +291,23 @@ async def test_a_reload_to_none_gives_back_kubelets_nodes(env: Env) -> None:
     assert lost == [ContainerKey(pod.uid, "main")]
     resources = env.fake.containers[container_id].resources
     assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")
+
+
+async def test_a_container_adopted_again_at_a_reload_keeps_kubelets_nodes(env: Env) -> None:
+    """The memory manager put its memory on both nodes (it fits on neither alone): the
+    runtime's record, equal to the shared pool's nodes, cannot tell that from no choice."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "0-1")
+    key = ContainerKey(pod.uid, "main")
+    held = env.cpus(container_id)
+    lost = await env.engine.change_policy(static_policy(reserved=f"0,{held}"))
+    assert lost == []  # another CPU: its nodes stay kubelet's
+    assert env.engine.state.assignments[key].mems == CPUSet.parse("0-1")
+    lost = await env.engine.change_policy(NonePolicy(TOPOLOGY))  # none: it shares
+    assert lost == [key]
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0-1"
+    await env.engine.change_policy(static_policy())
+    assert await adopt_sharing(env.engine) == [key]
+    assert env.engine.state.assignments[key].mems == CPUSet.parse("0-1")
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0-1"
+    assert_consistent(env)
