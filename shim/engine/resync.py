@@ -238,17 +238,25 @@ async def _containers(
                 f" {status_reply.status_message}"
             )
         response = pb.ContainerStatusResponse.FromString(status_reply.messages[0])
-        status = response.status
-        live[item.id] = LiveContainer(
-            id=item.id,
-            sandbox_id=item.pod_sandbox_id,
-            name=item.metadata.name,
-            attempt=item.metadata.attempt,
-            state=status.state,
-            resources=status.resources.linux,
-            info=response.info.get("info", ""),
-        )
+        live[item.id] = _live(item.id, item.pod_sandbox_id, item.metadata, response)
     return live, exited
+
+
+def _live(
+    container_id: str,
+    sandbox_id: str,
+    metadata: pb.ContainerMetadata,
+    response: pb.ContainerStatusResponse,
+) -> LiveContainer:
+    return LiveContainer(
+        id=container_id,
+        sandbox_id=sandbox_id,
+        name=metadata.name,
+        attempt=metadata.attempt,
+        state=response.status.state,
+        resources=response.status.resources.linux,
+        info=response.info.get("info", ""),
+    )
 
 
 def _plan(pod: Pod | None, container: LiveContainer) -> ContainerPlan:
@@ -572,18 +580,9 @@ async def _status(engine: Engine, tracked: Tracked) -> LiveContainer | None:
         response = pb.ContainerStatusResponse.FromString(reply.messages[0])
     except DecodeError:
         return None
-    status = response.status
-    if status.state == pb.CONTAINER_EXITED:
+    if response.status.state == pb.CONTAINER_EXITED:
         return None
-    return LiveContainer(
-        id=container_id,
-        sandbox_id=tracked.sandbox_id,
-        name=status.metadata.name,
-        attempt=status.metadata.attempt,
-        state=status.state,
-        resources=status.resources.linux,
-        info=response.info.get("info", ""),
-    )
+    return _live(container_id, tracked.sandbox_id, response.status.metadata, response)
 
 
 def _tracked(

@@ -16,6 +16,7 @@ from tests.unit.engine_env import (
     FIRST_SINGLE,
     TOPOLOGY,
     Env,
+    Pod,
     assert_consistent,
     env,
     second_of_two_released,
@@ -303,12 +304,17 @@ async def test_a_container_a_reload_left_sharing_is_pinned_as_a_restart_would(
     assert env.saved() == {pod.uid: {"main": pinned}}
 
 
+async def started_under_none(env: Env, milli_cpu: int) -> tuple[Pod, str]:
+    """A Guaranteed container started under the none policy: it shares."""
+    await env.engine.change_policy(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    return pod, await env.kubelet.start_new(pod, "main", milli_cpu)
+
+
 async def test_a_container_created_under_none_is_pinned_when_the_policy_turns_static(
     env: Env,
 ) -> None:
-    await env.engine.change_policy(NonePolicy(TOPOLOGY))
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    pod, container_id = await started_under_none(env, 1000)
     shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "m")
     await env.engine.change_policy(static_policy("0"))
     assert await adopt_sharing(env.engine) == [ContainerKey(pod.uid, "main")]
@@ -320,9 +326,7 @@ async def test_a_container_created_under_none_is_pinned_when_the_policy_turns_st
 async def test_adoption_at_a_reload_leaves_a_container_whose_state_is_unknown_sharing(
     env: Env,
 ) -> None:
-    await env.engine.change_policy(NonePolicy(TOPOLOGY))
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    pod, container_id = await started_under_none(env, 1000)
     await env.engine.change_policy(static_policy("0"))
     env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "busy")
     assert await adopt_sharing(env.engine) == []
@@ -334,9 +338,7 @@ async def test_adoption_at_a_reload_leaves_a_container_whose_state_is_unknown_sh
 async def test_adoption_at_a_reload_without_room_is_counted_and_changes_nothing(
     env: Env,
 ) -> None:
-    await env.engine.change_policy(NonePolicy(TOPOLOGY))
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    container_id = await env.kubelet.start_new(pod, "main", 2000)
+    _, container_id = await started_under_none(env, 2000)
     await env.engine.change_policy(static_policy("0-6"))  # one CPU left that is not reserved
     writes = env.engine.checkpoint.writes
     assert await adopt_sharing(env.engine) == []
