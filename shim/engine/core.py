@@ -135,6 +135,9 @@ class Engine:
         self._move_retry: asyncio.Task[None] | None = None
         # Set by the watcher when it starts (shim/engine/watching.py); None without one.
         self.watcher: Watcher | None = None
+        # Set by the config reloader (shim/engine/reloading.py): gives the containers that
+        # share and ask for exclusive CPUs theirs, as a reload does; None without a reloader.
+        self.adopter: Callable[[], Coroutine[Any, Any, object]] | None = None
         self.mover = Mover(
             runtime,
             cgroups,
@@ -466,6 +469,7 @@ class Engine:
         pool = self.state.shared
         rq.pin(request.config.linux.resources, pool)
         await self._project_new(request, key, Cpuset(pool, "", exclusive=False))
+        policy = self.policy
         reply = await forward(request.SerializeToString())
         response = _response(reply, pb.CreateContainerResponse)
         if response is None:
@@ -485,6 +489,10 @@ class Engine:
             )
             # The pool changed while the runtime created it: correct it before it can start.
             await self._apply()
+        if plan.exclusive is not None and self.policy is not policy and self.adopter is not None:
+            # Sent to share (under none) while a reload changed the policy: that reload's
+            # adoption ran before this container was known.
+            self._spawn(self.adopter())
         return reply
 
     async def _create_exclusive(

@@ -149,16 +149,23 @@ class ConfigReloader:
     def start(self) -> None:
         self._watch()
         self.watcher.full_look_hooks.append(self._check_soon)
+        # A create that went out to share while a reload changed the policy asks for this.
+        self.engine.adopter = self._adopt
         # The options were read before the runtime was waited for and the resync: an edit
         # made meanwhile had no watch to tell of it.
         self._check_soon()
 
     def stop(self) -> None:
         self._stopped = True
+        self.engine.adopter = None
         if self._check_soon in self.watcher.full_look_hooks:
             self.watcher.full_look_hooks.remove(self._check_soon)
         self._unwatch()
         self._unwatch_parent()
+
+    async def _adopt(self) -> None:
+        if not self._stopped:
+            await adopt_sharing(self.engine)  # logs what it adopts
 
     def _watch(self) -> None:
         """Watch the file's directory; while it cannot be watched (gone), its parent."""

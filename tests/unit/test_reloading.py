@@ -24,6 +24,7 @@ from shim.engine.reloading import ConfigReloader, _content
 from shim.engine.watching import Watcher
 from shim.policy import CPUPolicy
 from shim.run import RunOptions, build_policy
+from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import milli_cpu_to_quota
 from tests.harness.sysfs import MachineSpec, write_sysfs
@@ -159,6 +160,31 @@ async def test_a_reload_back_to_static_pins_the_containers_that_ask_as_a_restart
     assert env.fake.containers[late_id].resources.cpu_quota == -1
     (reloaded,) = [r for r in caplog.records if r.getMessage() == "config reloaded"][-1:]
     assert len(reloaded.fields["adopted_exclusive"]) == 2  # type: ignore[attr-defined]
+
+
+async def test_a_create_under_way_when_the_policy_turns_static_is_pinned_after_it(
+    r: Reloading,
+) -> None:
+    """Sent to share under none; the reload's adoption ran while the runtime still had it."""
+    env = r.env
+    r.write('cpuManagerPolicy = "none"\nreservedSystemCPUs = "0"\n')
+    await r.reloaded("config_reloads")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    held = env.fake.gate("CreateContainer")
+    create = asyncio.ensure_future(env.kubelet.create(pod, "main", 1000))
+    await until(lambda: bool(env.fake.calls_of("CreateContainer")), "the create sent")
+    r.write('reservedSystemCPUs = "0"\n')
+    await r.reloaded("config_reloads", 2)
+    assert env.engine.state.assignments == {}
+    env.fake.ungate("CreateContainer")
+    held.set()
+    reply = await create
+    assert reply.status is Status.OK
+    key = ContainerKey(pod.uid, "main")
+    await until(lambda: key in env.engine.state.assignments, "adopted after its create")
+    container_id = env.engine.state.assignments[key].container_id
+    await until(lambda: env.cpus(container_id) == FIRST_SINGLE, "moved onto its CPU")
+    assert env.fake.containers[container_id].resources.cpu_quota == -1
 
 
 async def test_a_next_attempt_after_a_reload_gets_cpus_the_new_options_allow(
