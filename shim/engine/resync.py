@@ -539,8 +539,17 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
                 resources.cpu_shares, resources.cpu_quota, resources.cpu_period
             )
             tracked.kubelet_mems = mems
+        # Exited or removed while the checkpoint was written (neither waits for the lock):
+        # nothing would give the CPUs back after this.
+        ended = [
+            tracked.key
+            for tracked, _, _, _ in adopted
+            if tracked.phase is Phase.EXITED or tracked.id not in engine.containers
+        ]
+        if ended:
+            await engine._release(ended)
         await engine._apply()
-    keys = [tracked.key for tracked, _, _, _ in adopted]
+    keys = [tracked.key for tracked, _, _, _ in adopted if tracked.key not in ended]
     log.info(
         "adopted sharing containers under the new policy",
         extra={

@@ -10,7 +10,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.engine.resync import adopt_sharing
 from shim.policy.none import NonePolicy
-from shim.state import ContainerKey
+from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeContainer
 from tests.unit.engine_env import (
     FIRST_SINGLE,
@@ -346,3 +346,23 @@ async def test_adoption_at_a_reload_without_room_is_counted_and_changes_nothing(
     assert env.engine.checkpoint.writes == writes
     assert env.engine.state.assignments == {}
     assert env.cpus(container_id) == str(env.engine.state.shared) == "0-7"
+
+
+async def test_a_container_that_exits_while_its_adoption_is_written_gives_the_cpus_back(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its next attempt's create marks it exited without waiting for the lock, and its own
+    exit then releases nothing: the adoption must."""
+    _, container_id = await started_under_none(env, 1000)
+    await env.engine.change_policy(static_policy("0"))
+    save = env.engine.checkpoint.save
+
+    async def exit_meanwhile(state: CPUState) -> None:
+        env.engine._mark_exited(env.engine.containers[container_id])
+        await save(state)
+
+    monkeypatch.setattr(env.engine.checkpoint, "save", exit_meanwhile)
+    assert await adopt_sharing(env.engine) == []
+    assert env.engine.state.assignments == {}
+    assert env.engine.state.shared == CPUSet.parse("0-7")
+    assert_consistent(env)
