@@ -9,7 +9,7 @@ arithmetic, and so a checkpoint whose parts disagree is caught.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Final
@@ -344,38 +344,38 @@ def _cpu_list(value: object, what: str) -> CPUSet:
         raise ValueError(f"{what}: {exc}") from exc
 
 
+def _by_container(value: object, what: str, of_pod: str) -> Iterator[tuple[ContainerKey, Any]]:
+    """Each entry of a checkpoint object keyed by pod UID, then container name."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} must be an object")
+    for pod_uid, containers in value.items():
+        if not isinstance(containers, dict):
+            raise TypeError(f"{of_pod} of pod {pod_uid} must be an object")
+        for name, entry in containers.items():
+            yield ContainerKey(pod_uid, name), entry
+
+
 def _state_of(body: Mapping[str, Any]) -> CPUState:
     assignments: dict[ContainerKey, Assignment] = {}
-    pods = body["assignments"]
-    if not isinstance(pods, dict):
-        raise TypeError("assignments must be an object")
-    for pod_uid, containers in pods.items():
-        if not isinstance(containers, dict):
-            raise TypeError(f"assignments of pod {pod_uid} must be an object")
-        for name, entry in containers.items():
-            attempt = entry["attempt"]
-            if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
-                raise ValueError(f"{pod_uid}/{name}: attempt must be a non-negative integer")
-            mems = entry.get("mems")
-            if mems is not None:
-                mems = _cpu_list(mems, f"{pod_uid}/{name} mems")
-            assignments[ContainerKey(pod_uid, name)] = Assignment(
-                cpus=CPUSet.parse(_text(entry["cpus"], f"{pod_uid}/{name} cpus")),
-                container_id=_text(entry["container_id"], "container_id"),
-                sandbox_id=_text(entry["sandbox_id"], "sandbox_id"),
-                attempt=attempt,
-                pod=_text(entry.get("pod", ""), "pod"),
-                mems=mems,
-            )
-    released: dict[ContainerKey, CPUSet] = {}
-    released_pods = body.get("released", {})
-    if not isinstance(released_pods, dict):
-        raise TypeError("released must be an object")
-    for pod_uid, containers in released_pods.items():
-        if not isinstance(containers, dict):
-            raise TypeError(f"released CPUs of pod {pod_uid} must be an object")
-        for name, cpus in containers.items():
-            released[ContainerKey(pod_uid, name)] = _cpu_list(cpus, f"{pod_uid}/{name} released")
+    for key, entry in _by_container(body["assignments"], "assignments", "assignments"):
+        attempt = entry["attempt"]
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+            raise ValueError(f"{key}: attempt must be a non-negative integer")
+        mems = entry.get("mems")
+        if mems is not None:
+            mems = _cpu_list(mems, f"{key} mems")
+        assignments[key] = Assignment(
+            cpus=CPUSet.parse(_text(entry["cpus"], f"{key} cpus")),
+            container_id=_text(entry["container_id"], "container_id"),
+            sandbox_id=_text(entry["sandbox_id"], "sandbox_id"),
+            attempt=attempt,
+            pod=_text(entry.get("pod", ""), "pod"),
+            mems=mems,
+        )
+    released = {
+        key: _cpu_list(cpus, f"{key} released")
+        for key, cpus in _by_container(body.get("released", {}), "released", "released CPUs")
+    }
     options = body["options"]
     if not isinstance(options, list):
         raise TypeError("options must be a list")

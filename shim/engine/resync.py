@@ -555,9 +555,7 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
         extra={
             "fields": {
                 "adopted_exclusive": {
-                    str(key): str(engine.state.assignments[key].cpus)
-                    for key in keys
-                    if key in engine.state.assignments
+                    str(key): str(engine.state.assignments[key].cpus) for key in keys
                 },
                 "shared": str(engine.state.shared),
             }
