@@ -103,6 +103,10 @@ ENGINE_COUNTERS: dict[str, str] = {
     ),
     "full_resyncs": "Full comparisons of every container's cpuset and the state file",
     "inotify_overflows": "inotify queue overflows (each one triggers a full resync)",
+    "untracked_containers_found": (
+        "Live containers the runtime had and cpushim did not track (a fail-open create, a"
+        " create whose answer was lost, another CRI client's), found by a sweep and taken in"
+    ),
     "unread_requests": (
         "Followed calls answered OK whose request could not be read (the watchers catch up)"
     ),

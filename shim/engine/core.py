@@ -138,6 +138,14 @@ class Engine:
         # Set by the config reloader (shim/engine/reloading.py): gives the containers that
         # share and ask for exclusive CPUs theirs, as a reload does; None without a reloader.
         self.adopter: Callable[[], Coroutine[Any, Any, object]] | None = None
+        # Set by the watcher: asks for a sweep of the runtime's containers soon
+        # (shim/engine/sweeping.py), after a create whose container cpushim did not record.
+        self.sweeper: Callable[[], None] | None = None
+        # CreateContainer calls on their way: the runtime may have made their containers
+        # before cpushim records them (the sweep waits for none to be on their way).
+        self.creates_in_flight = 0
+        self._creates_settled = asyncio.Event()
+        self._creates_settled.set()
         self.mover = Mover(
             runtime,
             cgroups,
@@ -291,10 +299,34 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def creates_settled(self, within: float) -> bool:
+        """Wait up to ``within`` seconds for no create to be on its way; False if one still is."""
+        try:
+            await asyncio.wait_for(self._creates_settled.wait(), within)
+        except TimeoutError:
+            return False
+        return True
+
+    def _sweep_soon(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper()
+
     async def _dispatch(self, call: UnaryCall, forward: Forward) -> Reply:
         handler = self._handlers.get(call.path)
         if handler is None:
             return await forward()
+        if call.path != rq.CREATE_CONTAINER:
+            return await self._handle(handler, call, forward)
+        self.creates_in_flight += 1
+        self._creates_settled.clear()
+        try:
+            return await self._handle(handler, call, forward)
+        finally:
+            self.creates_in_flight -= 1
+            if not self.creates_in_flight:
+                self._creates_settled.set()
+
+    async def _handle(self, handler: Handler, call: UnaryCall, forward: Forward) -> Reply:
         try:
             return await handler(call, forward)
         except Exception as exc:
@@ -313,7 +345,11 @@ class Engine:
                     "decision failed; forwarding the call unchanged (fail-open)",
                     extra={"fields": {"path": call.path}},
                 )
-                return await forward()
+                reply = await forward()
+                if call.path == rq.CREATE_CONTAINER and reply.status is Status.OK:
+                    # Made on whatever CPUs kubelet's request left it: the sweep takes it in.
+                    self._sweep_soon()
+                return reply
             log.exception(
                 "decision failed; refusing the call (fail-closed)",
                 extra={"fields": {"path": call.path}},
@@ -601,6 +637,8 @@ class Engine:
                 # container takes them over, its sandbox's stop releases them, a restart
                 # finds the container by pod and name.
                 self.counters["unknown_create_outcomes"] += 1
+                # The sweep finds the container if the runtime made it, and gives it the id.
+                self._sweep_soon()
                 log.warning(
                     "create outcome unknown; its CPUs stay held",
                     extra={

@@ -94,7 +94,9 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
             raise StartupError(f"cannot write {engine.checkpoint.path}: {exc}") from exc
         engine.state = state
         remembered = loaded.assignments if loaded is not None else {}
-        engine.containers = {c.id: _tracked(engine, c, pods, remembered) for c in live.values()}
+        engine.containers = {
+            c.id: tracked_from_runtime(engine, c, pods, remembered) for c in live.values()
+        }
         await engine._apply()
         for tracked in engine.containers.values():
             if tracked.cgroup is not None and tracked.applied != tracked.recorded:
@@ -189,13 +191,11 @@ async def _sandboxes(engine: Engine) -> tuple[dict[str, Pod], set[str]]:
                 f" {status_reply.status_message}"
             )
         status = pb.PodSandboxStatusResponse.FromString(status_reply.messages[0])
-        pods[item.id] = Pod.from_config(item.id, _sandbox_config(item, status))
+        pods[item.id] = Pod.from_config(item.id, sandbox_config(item, status))
     return pods, stopped
 
 
-def _sandbox_config(
-    item: pb.PodSandbox, status: pb.PodSandboxStatusResponse
-) -> pb.PodSandboxConfig:
+def sandbox_config(item: pb.PodSandbox, status: pb.PodSandboxStatusResponse) -> pb.PodSandboxConfig:
     """The sandbox's config as kubelet sent it. The cgroup parent (the QoS class) is only in the
     runtime's verbose info (containerd: ``info`` JSON, ``config.linux.cgroup_parent``); without
     it the pod cannot be classified and its containers share."""
@@ -238,11 +238,11 @@ async def _containers(
                 f" {status_reply.status_message}"
             )
         response = pb.ContainerStatusResponse.FromString(status_reply.messages[0])
-        live[item.id] = _live(item.id, item.pod_sandbox_id, item.metadata, response)
+        live[item.id] = live_container(item.id, item.pod_sandbox_id, item.metadata, response)
     return live, exited
 
 
-def _live(
+def live_container(
     container_id: str,
     sandbox_id: str,
     metadata: pb.ContainerMetadata,
@@ -589,10 +589,10 @@ async def _status(engine: Engine, tracked: Tracked) -> LiveContainer | None:
         return None
     if response.status.state == pb.CONTAINER_EXITED:
         return None
-    return _live(container_id, tracked.sandbox_id, response.status.metadata, response)
+    return live_container(container_id, tracked.sandbox_id, response.status.metadata, response)
 
 
-def _tracked(
+def tracked_from_runtime(
     engine: Engine,
     container: LiveContainer,
     pods: dict[str, Pod],

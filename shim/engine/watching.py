@@ -15,7 +15,8 @@ look now and then in case an event was lost.
 - ``state.json`` replaced, edited or deleted by anyone but cpushim is rewritten from memory,
   which is the truth while cpushim runs.
 - Overflow of the kernel's event queue, a watch the kernel refused, and a slow timer each lead
-  to one full look: every container's cgroup against the state, and the state file.
+  to one full look: the runtime's containers cpushim does not track (shim/engine/sweeping.py),
+  every container's cgroup against the state, and the state file.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from shim import cgroups
 from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
 from shim.cpuset import CPUSet
 from shim.engine.core import Engine
+from shim.engine.sweeping import sweep
 from shim.engine.tracked import Phase, Tracked
 from shim.fileio import identity, read_file
 from shim.inotify import (
@@ -124,6 +126,7 @@ class Watcher:
         """Watch the state file and every running container the engine knows where to find."""
         self.inotify.start()
         self.engine.watcher = self
+        self.engine.sweeper = self.sweep_soon
         self._watch_state_dir()
         for tracked in list(self.engine.containers.values()):
             if tracked.phase is Phase.RUNNING and tracked.cgroup is not None:
@@ -138,6 +141,7 @@ class Watcher:
             await asyncio.gather(self._timer, return_exceptions=True)
             self._timer = None
         self.engine.watcher = None
+        self.engine.sweeper = None
         for container_id in list(self._pidfds):
             self._close_pidfd(container_id)
         self._containers.clear()
@@ -166,6 +170,14 @@ class Watcher:
         self.counters["inotify_overflows"] += 1
         log.warning("inotify queue overflowed; looking at everything once")
         self.jobs.request("full-resync", self.look_everywhere)
+
+    def sweep_soon(self) -> None:
+        """Look for the runtime's containers cpushim does not track (a fail-open create)."""
+        if not self._stopped:
+            self.jobs.request("sweep", self._sweep)
+
+    async def _sweep(self) -> None:
+        await sweep(self.engine)
 
     # --- containers -------------------------------------------------------------------------
 
@@ -482,8 +494,11 @@ class Watcher:
         self.counters["full_resyncs"] += 1
         for hook in self.full_look_hooks:
             hook()
+        await self._sweep()
         await self.engine.reapply()
         for tracked in list(self.engine.containers.values()):
+            if tracked.phase is Phase.CREATED:
+                await self._look_at_created(tracked)
             if tracked.phase is not Phase.RUNNING:
                 continue
             if tracked.cgroup is None and (await self.engine.mover.find(tracked)).ended:
@@ -504,6 +519,25 @@ class Watcher:
         if self._state_watch is None:
             self._watch_state_dir()
         await self.check_state()
+
+    async def _look_at_created(self, tracked: Tracked) -> None:
+        """A container cpushim saw made and never saw started: one another CRI client started
+        (taken in by a sweep, or at start-up, while created) runs with nothing watching it,
+        and its exit would never give its CPUs back."""
+        found = await self.engine.mover.find(tracked)
+        if (
+            tracked.phase is not Phase.CREATED
+            or self.engine.containers.get(tracked.id) is not tracked
+        ):
+            return  # started, stopped or removed through cpushim meanwhile
+        if found.ended:
+            await self.engine.container_exited(tracked.id)
+        elif found.cgroup is not None:
+            tracked.phase = Phase.RUNNING
+            log.info(
+                "a container was started without cpushim; watching it",
+                extra={"fields": {"container_id": tracked.id, "container": str(tracked.key)}},
+            )
 
 
 class Look(NamedTuple):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Shim
-from tests.e2e.pods import assert_kernel, start_pinned, start_shared_and_pinned
+from tests.e2e.pods import assert_kernel, start_pinned, start_pod, start_shared_and_pinned
 from tests.harness.containerd import PrivateContainerd, wait_for
 from tests.harness.kubelet import KubeletClient, cgroup_file
 
@@ -175,6 +175,40 @@ def test_a_config_edit_from_none_to_static_pins_a_running_guaranteed_container(
     assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
     assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+
+
+def test_containers_another_client_makes_on_containerd_are_taken_in(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """crictl or another CRI client on containerd's own socket, not cpushim's: its containers
+    would run on the exclusive CPU until cpushim restarted. The full look (every second
+    here) takes them in as start-up does: a shared one moves off the pinned CPU, and a
+    Guaranteed one gets the CPU once it is free."""
+    shim.start("--resync-period", "1")
+    kubelet = via()
+    _, pinned_id = start_pinned(kubelet)
+    _, outsider_id = start_pod(direct, "outside", "besteffort")
+    wait_for(
+        lambda: direct.kernel_cpus(outsider_id).cgroup_cpuset_cpus == "0",
+        REACTION_TIMEOUT,
+        "the other client's container moved off the pinned CPU",
+        on_timeout=lambda: shim.process.log() if shim.process else "",
+    )
+    assert_kernel(direct.kernel_cpus(outsider_id), "0")
+    assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
+    # Tracked from now on: the pinned container's stop grows it before the reply.
+    kubelet.stop_container(pinned_id, timeout=5)
+    assert_kernel(direct.kernel_cpus(outsider_id), "0-1")
+    guaranteed_pod, guaranteed_id = start_pinned(direct)
+    wait_for(
+        lambda: direct.kernel_cpus(guaranteed_id).cgroup_cpuset_cpus == "1",
+        REACTION_TIMEOUT,
+        "the other client's Guaranteed container pinned",
+        on_timeout=lambda: shim.process.log() if shim.process else "",
+    )
+    assert_kernel(direct.kernel_cpus(guaranteed_id), "1")
+    assert_kernel(direct.kernel_cpus(outsider_id), "0")
+    assert shim.assignments() == {guaranteed_pod.uid: {"main": "1"}}
 
 
 def replace_file(path: Path, text: str) -> None:

@@ -1,0 +1,208 @@
+"""While cpushim runs: containers the runtime has that cpushim does not track.
+
+Start-up adopts every running container it finds; after that, cpushim learns containers from
+the creates it relays. A few never pass through it as a create it records: one a fail-open
+create forwarded unchanged (the decision had failed), one whose create's answer was lost (its
+CPUs stay held without a container id), one another CRI client made on the runtime's own
+socket. Each would run on any CPU, exclusive ones included, until cpushim restarted. The sweep
+lists the runtime's containers and takes the unknown ones in as start-up does: shared
+containers move to the shared pool, a create whose answer was lost gets its id, and those that
+ask for exclusive CPUs get them where there is room (:func:`resync.adopt_sharing`).
+
+It runs at every full look of the watcher and soon after a fail-open create or a lost answer.
+A create on its way (the runtime may have made the container, cpushim not recorded it yet)
+would look unknown: the sweep takes the lock only when no create is on its way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError
+
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Status, UnaryCall
+from shim.engine import requests as rq
+from shim.engine.core import Engine
+from shim.engine.resync import (
+    CALL_TIMEOUT,
+    LiveContainer,
+    adopt_sharing,
+    live_container,
+    sandbox_config,
+    tracked_from_runtime,
+)
+from shim.engine.tracked import Phase
+from shim.pods import Pod
+from shim.state import ContainerKey, CPUState
+
+log = logging.getLogger(__name__)
+
+# How long a sweep waits for the creates on their way to be recorded before it gives up
+# until the next full look.
+SETTLE_TIMEOUT = 10.0
+
+
+@dataclass
+class SweepReport:
+    # Container ids taken in: moved to the shared pool, or given their held CPUs.
+    tracked: list[str] = field(default_factory=list)
+    # Keys given exclusive CPUs by the adoption that follows.
+    adopted_exclusive: list[ContainerKey] = field(default_factory=list)
+
+
+async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepReport:
+    """Take in the runtime's live containers that cpushim does not track. A runtime that
+    cannot be listed now leaves everything as it is (the next full look tries again)."""
+    report = SweepReport()
+    unknown = await _untracked(engine)
+    if not unknown:
+        return report
+    if not await engine.creates_settled(settle):
+        log.info(
+            "creates kept coming; the runtime's untracked containers wait for the next full look",
+            extra={"fields": {"containers": sorted(unknown)}},
+        )
+        return report
+    async with engine.lock:
+        if engine.creates_in_flight:
+            # One came in between: whatever it made looks unknown until it is recorded.
+            return report
+        found: list[LiveContainer] = []
+        pods: dict[str, Pod] = {}
+        for container_id in sorted(unknown):
+            if container_id in engine.containers:
+                continue  # recorded since it was listed
+            container = await _live_container(engine, container_id, unknown[container_id])
+            if container is None:
+                continue
+            pod = engine.pods.get(container.sandbox_id) or pods.get(container.sandbox_id)
+            if pod is None:
+                pod = await _pod(engine, container.sandbox_id)
+                if pod is None:
+                    continue
+                pods[container.sandbox_id] = pod
+            found.append(container)
+        if not found:
+            return report
+        engine.pods.update({sid: pod for sid, pod in pods.items() if sid not in engine.pods})
+        state = engine.state
+        for container in _running_first(found):
+            state = _take_held(engine, state, container)
+        await engine._record(state)
+        for container in _running_first(found):
+            tracked = tracked_from_runtime(engine, container, engine.pods, {})
+            engine.containers[container.id] = tracked
+            report.tracked.append(container.id)
+        engine.counters["untracked_containers_found"] += len(report.tracked)
+        await engine._apply()
+        for container_id in report.tracked:
+            tracked = engine.containers[container_id]
+            if tracked.cgroup is not None and tracked.applied != tracked.recorded:
+                engine.mover.record_later(tracked)
+            engine.project(tracked)
+            if tracked.phase is Phase.RUNNING and engine.watcher is not None:
+                engine.watcher.watch(tracked)
+    log.warning(
+        "took in containers the runtime made without cpushim",
+        extra={
+            "fields": {
+                "containers": {
+                    cid: str(engine.containers[cid].key)
+                    for cid in report.tracked
+                    if cid in engine.containers
+                },
+                "shared": str(engine.state.shared),
+            }
+        },
+    )
+    if any(engine.containers[c].cpus_asked for c in report.tracked if c in engine.containers):
+        report.adopted_exclusive = await adopt_sharing(engine)
+    return report
+
+
+async def _untracked(engine: Engine) -> dict[str, pb.Container]:
+    """The runtime's containers that are not exited and that cpushim does not track."""
+    reply = await engine.runtime.unary(UnaryCall(rq.LIST_CONTAINERS, (), b"", CALL_TIMEOUT))
+    if reply.status is not Status.OK or not reply.messages:
+        log.warning(
+            "cannot list the runtime's containers; untracked ones are looked for later",
+            extra={"fields": {"error": f"{reply.status.name}: {reply.status_message}"}},
+        )
+        return {}
+    try:
+        listed = pb.ListContainersResponse.FromString(reply.messages[0]).containers
+    except DecodeError:
+        return {}
+    return {
+        item.id: item
+        for item in listed
+        if item.state != pb.CONTAINER_EXITED and item.id not in engine.containers
+    }
+
+
+async def _live_container(
+    engine: Engine, container_id: str, item: pb.Container
+) -> LiveContainer | None:
+    """The runtime's word on a listed container now; None when it is gone or exited."""
+    request = pb.ContainerStatusRequest(container_id=container_id, verbose=True)
+    reply = await engine.runtime.unary(
+        UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
+    )
+    if reply.status is not Status.OK or not reply.messages:
+        return None
+    try:
+        response = pb.ContainerStatusResponse.FromString(reply.messages[0])
+    except DecodeError:
+        return None
+    if response.status.state == pb.CONTAINER_EXITED:
+        return None
+    return live_container(container_id, item.pod_sandbox_id, item.metadata, response)
+
+
+async def _pod(engine: Engine, sandbox_id: str) -> Pod | None:
+    """A sandbox cpushim never saw made: its pod as the runtime reports it; None when the
+    sandbox is gone or not ready (the runtime starts no container in a stopped one)."""
+    request = pb.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True)
+    reply = await engine.runtime.unary(
+        UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
+    )
+    if reply.status is not Status.OK or not reply.messages:
+        return None
+    try:
+        status = pb.PodSandboxStatusResponse.FromString(reply.messages[0])
+    except DecodeError:
+        return None
+    if status.status.state != pb.SANDBOX_READY:
+        return None
+    item = pb.PodSandbox(
+        id=sandbox_id,
+        metadata=status.status.metadata,
+        annotations=status.status.annotations,
+        state=status.status.state,
+    )
+    return Pod.from_config(sandbox_id, sandbox_config(item, status))
+
+
+def _running_first(containers: Iterable[LiveContainer]) -> list[LiveContainer]:
+    """Of two attempts of one container, the running one, else the later one, first."""
+    return sorted(containers, key=lambda c: (c.state != pb.CONTAINER_RUNNING, -c.attempt, c.id))
+
+
+def _take_held(engine: Engine, state: CPUState, container: LiveContainer) -> CPUState:
+    """A container whose create's answer was lost: its CPUs are held under its pod and name
+    without an id; they are its from now on (as start-up finds it)."""
+    pod = engine.pods.get(container.sandbox_id)
+    if pod is None:
+        return state
+    key = ContainerKey(pod.uid, container.name)
+    held = state.assignments.get(key)
+    if held is None or held.container_id or held.sandbox_id != container.sandbox_id:
+        return state
+    log.info(
+        "a create whose answer was lost made its container; it keeps its CPUs",
+        extra={"fields": {"container": str(key), "container_id": container.id}},
+    )
+    return state.update(key, container_id=container.id)

@@ -1,0 +1,301 @@
+"""The sweep: the runtime's containers that cpushim does not track, taken in while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from grpclib.const import Status as GrpcStatus
+
+from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Reply, Status, UnaryCall
+from shim.cri.upstream import ChannelForward, ReplySeen, RuntimeChannel
+from shim.engine import EngineOptions
+from shim.engine import requests as rq
+from shim.engine.sweeping import sweep
+from shim.engine.watching import Watcher
+from shim.state import ContainerKey
+from tests.fake_runtime import FakeRuntime
+from tests.harness.kubelet import pod_cgroup_parent
+from tests.unit.engine_env import (
+    FIRST_SINGLE,
+    SHARED_AFTER_FIRST_SINGLE,
+    Env,
+    Pod,
+    assert_consistent,
+    env,
+    make_env,
+    until,
+)
+from tests.unit.test_engine_failures import ReplyLost
+
+pytestmark = pytest.mark.anyio
+
+__all__ = ["env"]  # the fixture
+
+
+@pytest.fixture
+async def watched(tmp_path: Path) -> AsyncIterator[tuple[Env, Watcher]]:
+    """A fail-open engine with its watcher (no periodic look: each test asks for its sweep)."""
+    async with FakeRuntime() as fake:
+        environment = await make_env(fake, tmp_path / "state", failure_policy="fail-open")
+        watcher = Watcher(environment.engine, resync_period=0)
+        watcher.start()
+        try:
+            yield environment, watcher
+        finally:
+            await watcher.stop()
+            await environment.engine.drain(5.0)
+            environment.channel.close()
+
+
+def break_next_save(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next checkpoint write fails as a full disk does; the ones after work."""
+    real = env.engine.checkpoint.save
+    broken = [True]
+
+    async def save(state: object) -> None:
+        if broken:
+            broken.clear()
+            raise OSError(28, "No space left on device")
+        await real(state)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(env.engine.checkpoint, "save", save)
+
+
+def made_outside(env: Env, pod: Pod, name: str, milli_cpu: int = 0) -> str:
+    """A container another CRI client made on the runtime's own socket, running."""
+    config = env.kubelet.create_request(pod, name, milli_cpu).config
+    return env.fake.add_container(pod.sandbox_id, config)
+
+
+async def test_a_fail_open_create_is_taken_in_and_pinned(
+    watched: tuple[Env, Watcher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decision failed, the create went out unchanged: the container ran on every CPU
+    until cpushim restarted. The sweep that follows gives it its exclusive CPU."""
+    env, _ = watched
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    break_next_save(env, monkeypatch)
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    assert env.engine.counters["fail_open_forwards"] == 1
+    [sent] = env.fake.calls_of("CreateContainer")
+    assert isinstance(sent, pb.CreateContainerRequest)
+    assert sent.config.linux.resources.cpuset_cpus == ""  # kubelet's request, unchanged
+    key = ContainerKey(pod.uid, "main")
+    await until(lambda: env.cpus(container_id) == FIRST_SINGLE, "the container pinned")
+    assert env.engine.state.assignments[key].container_id == container_id
+    assert env.engine.counters["untracked_containers_found"] == 1
+    await env.engine.checkpoint_written()
+    assert env.saved()[pod.uid] == {"main": FIRST_SINGLE}
+    # It is tracked like any other: its stop gives the CPU back.
+    await env.kubelet.stop(container_id)
+    assert key not in env.engine.state.assignments
+    assert_consistent(env)
+
+
+async def test_a_fail_open_shared_create_moves_off_exclusive_cpus(
+    watched: tuple[Env, Watcher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env, _ = watched
+    pinned = await env.kubelet.start_new(
+        await env.kubelet.run_pod("db", "guaranteed"), "main", 1000
+    )
+    pod = await env.kubelet.run_pod("web", "burstable")
+    monkeypatch.setattr(env.engine, "_project_new", _broken)
+    container_id = await env.kubelet.start_new(pod, "main", 500)
+    assert env.engine.counters["fail_open_forwards"] == 1
+    assert env.cpus(container_id) == ""  # kubelet's request unchanged: every CPU
+    await until(lambda: container_id in env.engine.containers, "the container taken in")
+    await until(lambda: env.cpus(container_id) == SHARED_AFTER_FIRST_SINGLE, "moved")
+    assert env.cpus(pinned) == FIRST_SINGLE
+    assert env.engine.containers[container_id].key == ContainerKey(pod.uid, "main")
+    assert_consistent(env)
+
+
+async def _broken(*args: object) -> None:
+    raise RuntimeError("a bug")
+
+
+async def test_a_container_another_client_made_shares(env: Env) -> None:
+    await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 1000)
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    outsider = made_outside(env, pod, "debug")
+    report = await sweep(env.engine)
+    assert report.tracked == [outsider]
+    assert env.cpus(outsider) == SHARED_AFTER_FIRST_SINGLE
+    # A second sweep finds nothing new and calls nothing but the listing.
+    updates = len(env.fake.calls_of("UpdateContainerResources"))
+    assert (await sweep(env.engine)).tracked == []
+    assert len(env.fake.calls_of("UpdateContainerResources")) == updates
+    assert_consistent(env)
+
+
+async def test_a_pod_cpushim_never_saw_is_learnt_from_the_runtime(env: Env) -> None:
+    """A sandbox and its container made on the runtime's socket: classified from the
+    sandbox's cgroup parent, as start-up classifies them."""
+    uid = str(uuid.uuid4())
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name="direct", uid=uid, namespace="default"),
+        linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent("guaranteed", uid)),
+    )
+    sandbox_id = env.fake.add_sandbox(config)
+    pod = Pod(sandbox_id, config, "guaranteed")
+    outsider = made_outside(env, pod, "main", 2000)
+    report = await sweep(env.engine)
+    assert report.tracked == [outsider]
+    assert report.adopted_exclusive == [ContainerKey(uid, "main")]
+    assert len(CPUSet.parse(env.cpus(outsider))) == 2
+    assert env.engine.pods[sandbox_id].uid == uid
+    assert_consistent(env)
+
+
+async def test_exited_containers_and_stopped_sandboxes_are_left_alone(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    config = env.kubelet.create_request(pod, "done", 1000).config
+    env.fake.add_container(pod.sandbox_id, config, state=pb.CONTAINER_EXITED)
+    stopped_config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name="gone", uid=str(uuid.uuid4()), namespace="default")
+    )
+    stopped = env.fake.add_sandbox(stopped_config, state=pb.SANDBOX_NOTREADY)
+    env.fake.add_container(stopped, config, state=pb.CONTAINER_CREATED)
+    assert (await sweep(env.engine)).tracked == []
+    assert env.engine.state.assignments == {}
+    assert env.fake.calls_of("UpdateContainerResources") == []
+
+
+class ReplyHeld:
+    """A forward whose reply reaches cpushim only once ``release`` is set: the runtime has
+    made the container and cpushim has not recorded it yet."""
+
+    def __init__(self, runtime: RuntimeChannel, call: UnaryCall) -> None:
+        self._inner = ChannelForward(runtime, call)
+        self.release = asyncio.Event()
+        self.sent = False
+        self.reply: Reply | None = None
+
+    async def __call__(
+        self, request: bytes | None = None, *, seen: ReplySeen | None = None
+    ) -> Reply:
+        self.sent = True
+        reply = await self._inner(request)
+        await self.release.wait()
+        self.reply = reply
+        if seen is not None:
+            seen(reply)
+        return reply
+
+
+async def test_a_create_on_its_way_is_not_taken_for_an_unknown_container(env: Env) -> None:
+    """The runtime has made the container and cpushim has not recorded it yet: the sweep
+    waits for the create instead of taking the container in as unknown."""
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    request = env.kubelet.create_request(pod, "main").SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    forward = ReplyHeld(env.channel, call)
+    create = asyncio.create_task(env.engine.handle(call, forward))
+    await until(lambda: bool(env.fake.containers), "the runtime made the container")
+    [created] = env.fake.containers
+    outsider = made_outside(env, pod, "other")
+    assert env.engine.creates_in_flight == 1
+    assert (await sweep(env.engine, settle=0.05)).tracked == []
+    assert outsider not in env.engine.containers
+    listed = len(env.fake.calls_of("ListContainers"))
+    running = asyncio.create_task(sweep(env.engine))
+    # It has listed both containers and waits for the create.
+    await until(lambda: len(env.fake.calls_of("ListContainers")) > listed, "the sweep listed")
+    assert not running.done()
+    forward.release.set()
+    reply = await create
+    assert reply.status is Status.OK
+    assert (await running).tracked == [outsider]
+    assert env.engine.containers[created].key == ContainerKey(pod.uid, "main")
+    assert env.engine.creates_in_flight == 0
+    assert_consistent(env)
+
+
+async def test_a_create_whose_answer_was_lost_gets_its_container(env: Env) -> None:
+    """Its CPUs were held without a container id: the sweep names the container, so its
+    stop (not only its pod's) gives them back."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000).SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    reply = await env.engine.handle(call, ReplyLost(env.channel, call))
+    assert reply.status is Status.UNAVAILABLE
+    [orphan] = env.fake.containers
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].container_id == ""
+    report = await sweep(env.engine)
+    assert report.tracked == [orphan]
+    assert env.engine.state.assignments[key].container_id == orphan
+    assert env.cpus(orphan) == FIRST_SINGLE
+    await env.engine.checkpoint_written()
+    assert env.saved()[pod.uid] == {"main": FIRST_SINGLE}
+    await env.kubelet.stop(orphan)
+    assert env.engine.state.assignments == {}
+    assert_consistent(env)
+
+
+async def test_a_runtime_that_cannot_list_leaves_everything(env: Env) -> None:
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    outsider = made_outside(env, pod, "debug")
+    env.fake.fail_next("ListContainers", GrpcStatus.UNAVAILABLE)
+    assert (await sweep(env.engine)).tracked == []
+    assert outsider not in env.engine.containers
+    assert (await sweep(env.engine)).tracked == [outsider]
+
+
+async def test_the_full_look_sweeps(tmp_path: Path) -> None:
+    async with FakeRuntime() as fake:
+        environment = await make_env(
+            fake, tmp_path / "state", options=EngineOptions(record_delay=3600)
+        )
+        watcher = Watcher(environment.engine, resync_period=0)
+        watcher.start()
+        try:
+            pod = await environment.kubelet.run_pod("tools", "besteffort")
+            outsider = made_outside(environment, pod, "debug")
+            await watcher.look_everywhere()
+            assert outsider in environment.engine.containers
+        finally:
+            await watcher.stop()
+            await environment.engine.drain(5.0)
+            environment.channel.close()
+
+
+async def test_a_container_taken_in_created_and_started_by_another_client_is_watched(
+    tmp_path: Path,
+) -> None:
+    """Taken in while created, then started on the runtime's socket: cpushim never sees its
+    StartContainer. The full look finds it running and watches it, so its exit gives its
+    exclusive CPU back."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        environment = await make_env(
+            fake, tmp_path / "state", options=EngineOptions(record_delay=3600)
+        )
+        watcher = Watcher(environment.engine, resync_period=0)
+        watcher.start()
+        try:
+            pod = await environment.kubelet.run_pod("db", "guaranteed")
+            config = environment.kubelet.create_request(pod, "main", 1000).config
+            outsider = fake.add_container(pod.sandbox_id, config, state=pb.CONTAINER_CREATED)
+            report = await sweep(environment.engine)
+            assert report.adopted_exclusive == [ContainerKey(pod.uid, "main")]
+            tracked = environment.engine.containers[outsider]
+            start = pb.StartContainerRequest(container_id=outsider).SerializeToString()
+            await environment.channel.unary(UnaryCall(rq.START_CONTAINER, (), start, 10.0))
+            await watcher.look_everywhere()
+            assert tracked.phase.value == "running"
+            assert tracked.cgroup is not None
+            assert environment.kernel_cpus(outsider) == FIRST_SINGLE
+            fake.exit_container(outsider)
+            await watcher.look_everywhere()
+            assert environment.engine.state.assignments == {}
+        finally:
+            await watcher.stop()
+            await environment.engine.drain(5.0)
+            environment.channel.close()
