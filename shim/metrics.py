@@ -52,8 +52,8 @@ KUBELET_COUNTERS: dict[str, tuple[str, str]] = {
 # that is missing here is still exported (with a generic help text), and a unit test fails.
 ENGINE_COUNTERS: dict[str, str] = {
     "adoptions_refused": (
-        "Running containers asking for exclusive CPUs that could not be given any at resync"
-        " or at a reload of the policy"
+        "Running containers asking for exclusive CPUs that could not be given any at resync,"
+        " at a reload of the policy or at a sweep (each container once while it shares)"
     ),
     "bad_annotations": "CreateContainer calls refused for invalid cpushim pod annotations",
     "bad_names": "CreateContainer calls refused because the projection directory was unusable",
@@ -97,9 +97,9 @@ ENGINE_COUNTERS: dict[str, str] = {
         " were returned)"
     ),
     "unknown_create_outcomes": (
-        "Exclusive CreateContainer calls that went to the runtime and got no answer back (a"
-        " lost connection, a reset stream); their CPUs stay held for the container's next"
-        " attempt, or until its pod stops"
+        "CreateContainer calls that went to the runtime and got no answer back (a lost"
+        " connection, a reset stream); an exclusive one's CPUs stay held for the container's"
+        " next attempt, or until its pod stops, and a sweep looks for the container"
     ),
     "full_resyncs": "Full comparisons of every container's cpuset and the state file",
     "inotify_overflows": "inotify queue overflows (each one triggers a full resync)",

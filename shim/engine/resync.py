@@ -97,6 +97,9 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
         engine.containers = {
             c.id: tracked_from_runtime(engine, c, pods, remembered) for c in live.values()
         }
+        for tracked in engine.containers.values():
+            # Told and counted here: the sweeps that try again do not tell it again.
+            tracked.adoption_refused = str(tracked.key) in report.refused
         await engine._apply()
         for tracked in engine.containers.values():
             if tracked.cgroup is not None and tracked.applied != tracked.recorded:
@@ -447,15 +450,22 @@ def _adopted_cpus(
     count: int,
     plan: ContainerPlan,
     memory_nodes: CPUSet | None,
+    *,
+    quiet: bool = False,
 ) -> CPUSet | None:
     """The container's current cpuset when it is a valid free choice, else a new allocation
     (from ``memory_nodes`` as far as it can); None (the container shares) when the policy
-    cannot satisfy it."""
+    cannot satisfy it, logged and counted unless ``quiet``."""
     current, request, refusal = _current_refusal(
         engine, state, container, count, plan, memory_nodes
     )
     if refusal is None:
         return current
+    if quiet:
+        try:
+            return engine.policy.allocate(state.exclusive(), request)
+        except AllocationError:
+            return None
     if current:
         log.info(
             "a running container's cpuset is not kept",
@@ -480,17 +490,9 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
     keys adopted; a container whose state the runtime does not give now stays as it is,
     and so does everything when the checkpoint cannot be written."""
     async with engine.lock:
-        if engine.policy.name == "none":
+        waiting = waiting_for_exclusive(engine, skip)
+        if not waiting:
             return []
-        waiting = [
-            tracked
-            for tracked in engine.containers.values()
-            if tracked.phase is not Phase.EXITED
-            and tracked.cpus_asked is not None
-            and tracked.sandbox_id in engine.pods
-            and tracked.key not in engine.state.assignments
-            and tracked.key not in skip
-        ]
         live = [c for c in [await _status(engine, t) for t in waiting] if c is not None]
         state = engine.state
         adopted: list[tuple[Tracked, LiveContainer, ContainerPlan, CPUSet | None]] = []
@@ -512,8 +514,12 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             mems = tracked.kubelet_mems
             if mems is None:
                 mems = _kubelet_mems(engine, container)
-            cpus = _adopted_cpus(engine, state, container, plan.exclusive, plan, mems)
+            # A refusal is told once per container: this runs at every full look.
+            cpus = _adopted_cpus(
+                engine, state, container, plan.exclusive, plan, mems, quiet=tracked.adoption_refused
+            )
             if cpus is None:
+                tracked.adoption_refused = True
                 continue
             assignment = Assignment(
                 cpus, container.id, container.sandbox_id, container.attempt, pod.label, mems
@@ -551,7 +557,7 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
         await engine._apply()
     keys = [tracked.key for tracked, _, _, _ in adopted if tracked.key not in ended]
     log.info(
-        "adopted sharing containers under the new policy",
+        "gave containers that shared the exclusive CPUs they ask for",
         extra={
             "fields": {
                 "adopted_exclusive": {
@@ -562,6 +568,22 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
         },
     )
     return keys
+
+
+def waiting_for_exclusive(engine: Engine, skip: Collection[ContainerKey] = ()) -> list[Tracked]:
+    """The live containers that ask for exclusive CPUs and share, under a policy that hands
+    them out: those :func:`adopt_sharing` looks at."""
+    if engine.policy.name == "none":
+        return []
+    return [
+        tracked
+        for tracked in engine.containers.values()
+        if tracked.phase is not Phase.EXITED
+        and tracked.cpus_asked is not None
+        and tracked.sandbox_id in engine.pods
+        and tracked.key not in engine.state.assignments
+        and tracked.key not in skip
+    ]
 
 
 async def _status(engine: Engine, tracked: Tracked) -> LiveContainer | None:

@@ -16,6 +16,7 @@ would look unknown: the sweep takes the lock only when no create is on its way.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from shim.engine.resync import (
     live_container,
     sandbox_config,
     tracked_from_runtime,
+    waiting_for_exclusive,
 )
 from shim.engine.tracked import Phase
 from shim.pods import Pod
@@ -54,40 +56,32 @@ class SweepReport:
 
 
 async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepReport:
-    """Take in the runtime's live containers that cpushim does not track. A runtime that
-    cannot be listed now leaves everything as it is (the next full look tries again)."""
+    """Take in the runtime's live containers that cpushim does not track, then give the
+    containers that share and ask for exclusive CPUs theirs where there is room (one taken
+    in now, or one whose adoption found no room or could not be written before). A runtime
+    that cannot be listed now leaves everything as it is (the next full look tries again)."""
     report = SweepReport()
     unknown = await _untracked(engine)
-    if not unknown:
-        return report
-    if not await engine.creates_settled(settle):
+    if unknown:
+        report.tracked = await _take_in(engine, unknown, settle)
+    if waiting_for_exclusive(engine):
+        report.adopted_exclusive = await adopt_sharing(engine)
+    return report
+
+
+async def _take_in(engine: Engine, unknown: dict[str, pb.Container], settle: float) -> list[str]:
+    """The containers of ``unknown`` taken in (tracked, moved, watched), by id."""
+    taken: list[str] = []
+    if not await _lock_between_creates(engine, settle):
         log.info(
             "creates kept coming; the runtime's untracked containers wait for the next full look",
             extra={"fields": {"containers": sorted(unknown)}},
         )
-        return report
-    async with engine.lock:
-        if engine.creates_in_flight:
-            # One came in between: whatever it made looks unknown until it is recorded.
-            return report
-        found: list[LiveContainer] = []
-        pods: dict[str, Pod] = {}
-        for container_id in sorted(unknown):
-            if container_id in engine.containers:
-                continue  # recorded since it was listed
-            container = await _live_container(engine, container_id, unknown[container_id])
-            if container is None:
-                continue
-            pod = engine.pods.get(container.sandbox_id) or pods.get(container.sandbox_id)
-            if pod is None:
-                pod = await _pod(engine, container.sandbox_id)
-                if pod is None:
-                    continue
-                pods[container.sandbox_id] = pod
-            found.append(container)
+        return taken
+    try:
+        found = await _found(engine, unknown)
         if not found:
-            return report
-        engine.pods.update({sid: pod for sid, pod in pods.items() if sid not in engine.pods})
+            return taken
         state = engine.state
         for container in _running_first(found):
             state = _take_held(engine, state, container)
@@ -95,32 +89,95 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
         for container in _running_first(found):
             tracked = tracked_from_runtime(engine, container, engine.pods, {})
             engine.containers[container.id] = tracked
-            report.tracked.append(container.id)
-        engine.counters["untracked_containers_found"] += len(report.tracked)
+            taken.append(container.id)
+        engine.counters["untracked_containers_found"] += len(taken)
         await engine._apply()
-        for container_id in report.tracked:
-            tracked = engine.containers[container_id]
-            if tracked.cgroup is not None and tracked.applied != tracked.recorded:
-                engine.mover.record_later(tracked)
-            engine.project(tracked)
-            if tracked.phase is Phase.RUNNING and engine.watcher is not None:
-                engine.watcher.watch(tracked)
+        for container_id in taken:
+            moved = engine.containers.get(container_id)
+            if moved is None:
+                continue  # removed while it was moved: the runtime no longer knows it
+            if moved.cgroup is not None and moved.applied != moved.recorded:
+                engine.mover.record_later(moved)
+            engine.project(moved)
+            if moved.phase is Phase.RUNNING and engine.watcher is not None:
+                engine.watcher.watch(moved)
+    finally:
+        engine.lock.release()
+    if engine.watcher is not None:
+        # A StartContainer answered while the lock was held found it untracked: looked up.
+        for container_id in taken:
+            created = engine.containers.get(container_id)
+            if created is not None and created.phase is Phase.CREATED:
+                await engine.watcher.look_at_created(created)
     log.warning(
         "took in containers the runtime made without cpushim",
         extra={
             "fields": {
                 "containers": {
                     cid: str(engine.containers[cid].key)
-                    for cid in report.tracked
+                    for cid in taken
                     if cid in engine.containers
                 },
                 "shared": str(engine.state.shared),
             }
         },
     )
-    if any(engine.containers[c].cpus_asked for c in report.tracked if c in engine.containers):
-        report.adopted_exclusive = await adopt_sharing(engine)
-    return report
+    return taken
+
+
+async def _lock_between_creates(engine: Engine, settle: float) -> bool:
+    """Take the engine lock at a moment when no create is on its way, waiting up to
+    ``settle`` seconds for one; False (the lock not taken) when creates kept coming."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settle
+    while await engine.creates_settled(deadline - loop.time()):
+        await engine.lock.acquire()
+        if not engine.creates_in_flight:
+            return True
+        # One came in between: whatever it made looks unknown until it is recorded.
+        engine.lock.release()
+    return False
+
+
+async def _found(engine: Engine, unknown: dict[str, pb.Container]) -> list[LiveContainer]:
+    """Of ``unknown``, those still untracked and live now, with their pods learnt: a
+    container left created in a sandbox that is not ready never runs (as at start-up)."""
+    found: list[LiveContainer] = []
+    pods: dict[str, Pod] = {}
+    not_ready: set[str] | None = None
+    for container_id in sorted(unknown):
+        if container_id in engine.containers:
+            continue  # recorded since it was listed
+        container = await _live_container(engine, container_id, unknown[container_id])
+        if container is None:
+            continue
+        if container.state == pb.CONTAINER_CREATED:
+            if not_ready is None:
+                not_ready = await _sandboxes_not_ready(engine)
+            if not_ready is None or container.sandbox_id in not_ready:
+                continue
+        pod = engine.pods.get(container.sandbox_id) or pods.get(container.sandbox_id)
+        if pod is None:
+            pod = await _pod(engine, container.sandbox_id)
+            if pod is None:
+                continue
+            pods[container.sandbox_id] = pod
+        found.append(container)
+    engine.pods.update({sid: pod for sid, pod in pods.items() if sid not in engine.pods})
+    return found
+
+
+async def _sandboxes_not_ready(engine: Engine) -> set[str] | None:
+    """The ids of the runtime's sandboxes that are not ready; None when it cannot list them
+    (a created container is then left for a later sweep)."""
+    reply = await engine.runtime.unary(UnaryCall(rq.LIST_POD_SANDBOX, (), b"", CALL_TIMEOUT))
+    if reply.status is not Status.OK or not reply.messages:
+        return None
+    try:
+        items = pb.ListPodSandboxResponse.FromString(reply.messages[0]).items
+    except DecodeError:
+        return None
+    return {item.id for item in items if item.state != pb.SANDBOX_READY}
 
 
 async def _untracked(engine: Engine) -> dict[str, pb.Container]:

@@ -62,6 +62,9 @@ class Tracked:
     # (kubelet's static policy's), or moved straight in its cgroup past its child cpusets
     # while the runtime refused the rest. One move through the runtime gives them.
     settings_stale: bool = False
+    # It asks for exclusive CPUs, shares, and an adoption found none for it (logged and
+    # counted once: adoption is tried again at every full look).
+    adoption_refused: bool = False
     # Its cgroup (v2) was seen without cpuset.cpus, and the warning given.
     no_cpuset_seen: bool = False
     # Under cgroup v1, what cpushim knows of the cgroups the container made below its own,

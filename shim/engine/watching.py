@@ -498,7 +498,7 @@ class Watcher:
         await self.engine.reapply()
         for tracked in list(self.engine.containers.values()):
             if tracked.phase is Phase.CREATED:
-                await self._look_at_created(tracked)
+                await self.look_at_created(tracked)
             if tracked.phase is not Phase.RUNNING:
                 continue
             if tracked.cgroup is None and (await self.engine.mover.find(tracked)).ended:
@@ -520,7 +520,7 @@ class Watcher:
             self._watch_state_dir()
         await self.check_state()
 
-    async def _look_at_created(self, tracked: Tracked) -> None:
+    async def look_at_created(self, tracked: Tracked) -> None:
         """A container cpushim saw made and never saw started: one another CRI client started
         (taken in by a sweep, or at start-up, while created) runs with nothing watching it,
         and its exit would never give its CPUs back."""

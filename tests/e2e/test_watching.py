@@ -6,9 +6,11 @@ Same machine and setup as test_inline_allocation: two CPUs, CPU 0 reserved, so a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -263,3 +265,57 @@ def test_after_a_containerd_restart_pins_releases_and_repairs_go_on(
         "the new pinned container's cpuset written back",
         on_timeout=lambda: shim.process.log() if shim.process else "",
     )
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory: Path) -> Iterator[Path]:
+    """``directory`` on a tmpfs of its own, 1 MiB: a disk that fills up in a moment."""
+    directory.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)], check=True)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """A file that takes every free byte of ``directory``'s filesystem."""
+    filler = directory / "filler"
+    with filler.open("wb", buffering=0) as out, contextlib.suppress(OSError):
+        while True:
+            out.write(b"\0" * 4096)
+    return filler
+
+
+def test_a_fail_open_create_on_a_full_disk_is_pinned_once_the_disk_has_room(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """The state directory's disk is full: the decision cannot be written, so under
+    fail-open the create goes to containerd unchanged and the container runs on both CPUs.
+    Once a checkpoint can be written again, a full look (every second here) gives it its
+    exclusive CPU, as a restart would."""
+    with small_tmpfs(shim.state_dir):
+        shim.start("--failure-policy", "fail-open", "--resync-period", "1")
+        kubelet = via()
+        # The checkpoint is written over a spare file whose blocks it already has: without
+        # one, a write needs new blocks.
+        (shim.state_dir / ".state.json.spare").unlink()
+        filler = fill(shim.state_dir)
+        pod, container_id = start_pinned(kubelet)
+        assert shim.process is not None
+        assert "forwarding the call unchanged (fail-open)" in shim.process.log()
+        assert kubelet.kernel_cpus(container_id).cgroup_cpuset_cpus == "0-1"
+        filler.unlink()
+        wait_for(
+            lambda: kubelet.kernel_cpus(container_id).cgroup_cpuset_cpus == "1",
+            REACTION_TIMEOUT,
+            "the fail-open container pinned",
+            on_timeout=lambda: shim.process.log() if shim.process else "",
+        )
+        pinned = kubelet.kernel_cpus(container_id)
+        assert_kernel(pinned, "1")
+        assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
+        assert shim.assignments() == {pod.uid: {"main": "1"}}
+        kubelet.stop_container(container_id, timeout=5)
+        assert shim.assignments() == {}
+        shim.stop()

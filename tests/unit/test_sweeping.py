@@ -299,3 +299,130 @@ async def test_a_container_taken_in_created_and_started_by_another_client_is_wat
             await watcher.stop()
             await environment.engine.drain(5.0)
             environment.channel.close()
+
+
+async def test_an_adoption_the_disk_refused_is_made_at_a_later_sweep(
+    watched: tuple[Env, Watcher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk is full for the create's decision and for the adoption that follows the
+    fail-open create: the container shares until a sweep after the disk is back."""
+    env, watcher = watched
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    real = env.engine.checkpoint.save
+    full = [True]
+
+    async def save(state: object) -> None:
+        if full:
+            raise OSError(28, "No space left on device")
+        await real(state)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(env.engine.checkpoint, "save", save)
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    await until(lambda: container_id in env.engine.containers, "the container taken in")
+    await watcher.look_everywhere()  # a sweep that finds the disk still full
+    assert env.engine.state.assignments == {}
+    assert env.cpus(container_id) == "0-7"
+    full.clear()
+    report = await sweep(env.engine)
+    assert report.tracked == []
+    assert report.adopted_exclusive == [ContainerKey(pod.uid, "main")]
+    assert env.cpus(container_id) == FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_a_container_with_no_room_is_refused_once_and_adopted_when_room_comes(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = await env.kubelet.run_pod("first", "guaranteed")
+    holder = await env.kubelet.start_new(first, "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 2000)  # one CPU is left
+    assert (await sweep(env.engine)).tracked == [outsider]
+    assert env.engine.counters["adoptions_refused"] == 1
+    caplog.clear()
+    for _ in range(3):
+        assert (await sweep(env.engine)).adopted_exclusive == []
+    assert env.engine.counters["adoptions_refused"] == 1
+    assert "cannot get its exclusive CPUs" not in caplog.text
+    assert env.cpus(outsider) == str(env.engine.state.shared)
+    await env.kubelet.stop(holder)
+    assert (await sweep(env.engine)).adopted_exclusive == [ContainerKey(pod.uid, "main")]
+    assert len(CPUSet.parse(env.cpus(outsider))) == 2
+    assert_consistent(env)
+
+
+async def stop_sandbox(env: Env, sandbox_id: str) -> None:
+    await env.kubelet.ok(
+        "StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id).SerializeToString()
+    )
+
+
+async def test_created_container_of_stopped_sandbox_is_not_adopted_after_restart(env: Env) -> None:
+    """Start-up counts a container left created in a stopped sandbox as exited (the runtime
+    never starts it), and so does the sweep: it gets no CPUs, though its pod is known."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    reply = await env.kubelet.create(pod, "main", 1000)
+    assert reply.status is Status.OK
+    await stop_sandbox(env, pod.sandbox_id)  # kubelet never started it: it stays CREATED
+    assert env.engine.state.assignments == {}
+    await env.restart()
+    assert env.engine.state.assignments == {}
+    assert env.engine.containers == {}
+    report = await sweep(env.engine)
+    assert report.tracked == []
+    assert env.engine.state.assignments == {}
+
+
+async def test_lost_create_in_a_sandbox_stopped_since_gets_no_cpus(env: Env) -> None:
+    """A create whose answer was lost, then its pod stopped (the held CPU goes back): the
+    container the runtime made never runs, and the sweep gives it nothing."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000).SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    assert (await env.engine.handle(call, ReplyLost(env.channel, call))).status is not Status.OK
+    await stop_sandbox(env, pod.sandbox_id)
+    assert env.engine.state.assignments == {}
+    await sweep(env.engine)
+    assert env.engine.state.assignments == {}
+
+
+async def test_sweep_survives_a_container_removed_while_it_is_moved(env: Env) -> None:
+    """The container goes away between the sweep's ContainerStatus and its move (a
+    RemoveContainer needs no lock to reach the runtime): the move forgets it, and the sweep
+    (and the full look it is part of) goes on."""
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    outsider = made_outside(env, pod, "debug")
+    gate = env.fake.gate("UpdateContainerResources")
+    running = asyncio.create_task(sweep(env.engine))
+    await until(lambda: bool(env.fake.calls_of("UpdateContainerResources")), "the move")
+    del env.fake.containers[outsider]  # removed on the runtime meanwhile
+    gate.set()
+    report = await running
+    assert outsider not in env.engine.containers
+    assert report.tracked in ([], [outsider])
+
+
+async def test_a_lost_shared_create_is_swept_right_after(watched: tuple[Env, Watcher]) -> None:
+    """Its container, made on the shared pool of then, is taken in at once (not at the next
+    full look), so later pinnings move it."""
+    env, _ = watched
+    pod = await env.kubelet.run_pod("web", "burstable")
+    request = env.kubelet.create_request(pod, "main", 500).SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    reply = await env.engine.handle(call, ReplyLost(env.channel, call))
+    assert reply.status is Status.UNAVAILABLE
+    [orphan] = env.fake.containers
+    await until(lambda: orphan in env.engine.containers, "the lost shared create swept", 2.0)
+
+
+async def test_a_refusal_at_start_up_is_not_counted_again_by_the_sweeps(env: Env) -> None:
+    holder = await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 2000)  # one CPU is left
+    await env.restart()
+    assert env.engine.counters["adoptions_refused"] == 1
+    assert (await sweep(env.engine)).adopted_exclusive == []
+    assert env.engine.counters["adoptions_refused"] == 1
+    await env.kubelet.stop(holder)
+    assert (await sweep(env.engine)).adopted_exclusive == [ContainerKey(pod.uid, "main")]
+    assert len(CPUSet.parse(env.cpus(outsider))) == 2
