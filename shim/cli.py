@@ -1,4 +1,5 @@
-"""The ``cpushim`` command."""
+"""cpushim: a CPU manager for Kubernetes nodes, on the CRI path between kubelet and
+containerd."""
 
 from __future__ import annotations
 

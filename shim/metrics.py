@@ -56,7 +56,10 @@ ENGINE_COUNTERS: dict[str, str] = {
         " at a reload of the policy or at a sweep (each container once while it shares)"
     ),
     "bad_annotations": "CreateContainer calls refused for invalid cpushim pod annotations",
-    "bad_names": "CreateContainer calls refused because the projection directory was unusable",
+    "bad_names": (
+        "CreateContainer calls refused because the pod UID or container name cannot name a"
+        " projection directory"
+    ),
     "bad_memory_nodes": "CreateContainer calls refused for a cpuset_mems that is not a list"
     " of NUMA nodes",
     "byte_reversed_cpusets": (

@@ -43,7 +43,8 @@ CALL_TIMEOUT = 10.0
 
 RECOVERY_HINT = (
     "To rebuild the state from what the runtime reports, start once with"
-    " --recover-from-runtime (the old file is kept beside it)."
+    " --recover-from-runtime (or recoverFromRuntime = true in the config file, set back"
+    " after); the old file is kept beside it."
 )
 
 
