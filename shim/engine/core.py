@@ -144,6 +144,9 @@ class Engine:
         # CreateContainer calls on their way: the runtime may have made their containers
         # before cpushim records them (the sweep waits for none to be on their way).
         self.creates_in_flight = 0
+        # Containers a sweep found that never run (left created in a stopped sandbox): not
+        # looked at again while the runtime lists them.
+        self.never_running: set[str] = set()
         self._creates_settled = asyncio.Event()
         self._creates_settled.set()
         self.mover = Mover(
@@ -1003,6 +1006,8 @@ class Engine:
         async with self.lock:
             planned, displaced = replan(self.state, policy)
             lost: list[ContainerKey] = []
+            # Told and counted here: the adoptions that try again do not tell it again.
+            refused: set[ContainerKey] = set()
             for key in displaced:
                 old = self.state.assignments[key]
                 if policy.name == "none":
@@ -1017,6 +1022,7 @@ class Engine:
                     cpus = policy.allocate(planned.exclusive(), self._request_again(old))
                 except AllocationError as exc:
                     lost.append(key)
+                    refused.add(key)
                     self.counters["pinning_errors"] += 1
                     log.error(
                         "a running container cannot keep exclusive CPUs under the new policy;"
@@ -1027,6 +1033,9 @@ class Engine:
                 planned = planned.assign(key, replace(old, cpus=cpus), policy)
             await self._commit(planned.under(policy))
             self.policy = policy
+            for tracked in self.containers.values():
+                if tracked.key in refused:
+                    tracked.adoption_refused = True
             if self.projector is not None:
                 self.projector.topology = policy.topology
             await self._apply()

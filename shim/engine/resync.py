@@ -540,6 +540,7 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             return []
         for tracked, container, plan, mems in adopted:
             resources = container.resources
+            tracked.adoption_refused = False
             tracked.exclusive = True
             tracked.keep_quota = plan.keep_quota
             tracked.kubelet_quota = kubelet_cfs_quota(
@@ -556,7 +557,12 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
         if ended:
             await engine._release(ended)
         await engine._apply()
-    keys = [tracked.key for tracked, _, _, _ in adopted if tracked.key not in ended]
+    # A container removed while it was moved (the runtime said NOT_FOUND) gave its CPUs back.
+    keys = [
+        tracked.key
+        for tracked, _, _, _ in adopted
+        if tracked.key not in ended and tracked.key in engine.state.assignments
+    ]
     log.info(
         "gave containers that shared the exclusive CPUs they ask for",
         extra={

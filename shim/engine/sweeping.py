@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
 from shim.engine import requests as rq
@@ -36,7 +37,7 @@ from shim.engine.resync import (
     tracked_from_runtime,
     waiting_for_exclusive,
 )
-from shim.engine.tracked import Phase
+from shim.engine.tracked import Phase, Tracked
 from shim.pods import Pod
 from shim.state import ContainerKey, CPUState
 
@@ -64,9 +65,22 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
     unknown = await _untracked(engine)
     if unknown:
         report.tracked = await _take_in(engine, unknown, settle)
-    if waiting_for_exclusive(engine):
+    if _worth_adopting(engine, waiting_for_exclusive(engine)):
         report.adopted_exclusive = await adopt_sharing(engine)
     return report
+
+
+def _worth_adopting(engine: Engine, waiting: list[Tracked]) -> bool:
+    """Whether an adoption (a runtime call per waiting container, under the lock) may give
+    or tell anything: a container not yet refused is waiting (its refusal is told once), or
+    enough CPUs are free for the smallest request."""
+    if any(not t.adoption_refused for t in waiting):
+        return True
+    asked = [t.cpus_asked for t in waiting if t.cpus_asked is not None]
+    if not asked:
+        return False
+    held = CPUSet().union(*engine.state.exclusive().values())
+    return len(engine.policy.exclusive_candidates - held) >= min(asked)
 
 
 async def _take_in(engine: Engine, unknown: dict[str, pb.Container], settle: float) -> list[str]:
@@ -103,12 +117,12 @@ async def _take_in(engine: Engine, unknown: dict[str, pb.Container], settle: flo
                 engine.watcher.watch(moved)
     finally:
         engine.lock.release()
-    if engine.watcher is not None:
-        # A StartContainer answered while the lock was held found it untracked: looked up.
-        for container_id in taken:
-            created = engine.containers.get(container_id)
-            if created is not None and created.phase is Phase.CREATED:
-                await engine.watcher.look_at_created(created)
+    # A StartContainer answered while the lock was held found it untracked: looked up.
+    for container_id in taken:
+        created = engine.containers.get(container_id)
+        watcher = engine.watcher  # None once cpushim stops
+        if created is not None and created.phase is Phase.CREATED and watcher is not None:
+            await watcher.look_at_created(created)
     log.warning(
         "took in containers the runtime made without cpushim",
         extra={
@@ -154,7 +168,10 @@ async def _found(engine: Engine, unknown: dict[str, pb.Container]) -> list[LiveC
         if container.state == pb.CONTAINER_CREATED:
             if not_ready is None:
                 not_ready = await _sandboxes_not_ready(engine)
-            if not_ready is None or container.sandbox_id in not_ready:
+            if not_ready is None:
+                continue
+            if container.sandbox_id in not_ready:
+                engine.never_running.add(container_id)
                 continue
         pod = engine.pods.get(container.sandbox_id) or pods.get(container.sandbox_id)
         if pod is None:
@@ -193,10 +210,13 @@ async def _untracked(engine: Engine) -> dict[str, pb.Container]:
         listed = pb.ListContainersResponse.FromString(reply.messages[0]).containers
     except DecodeError:
         return {}
+    engine.never_running.intersection_update(item.id for item in listed)
     return {
         item.id: item
         for item in listed
-        if item.state != pb.CONTAINER_EXITED and item.id not in engine.containers
+        if item.state != pb.CONTAINER_EXITED
+        and item.id not in engine.containers
+        and item.id not in engine.never_running
     }
 
 

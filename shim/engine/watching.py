@@ -535,9 +535,10 @@ class Watcher:
         elif found.cgroup is not None:
             tracked.phase = Phase.RUNNING
             log.info(
-                "a container was started without cpushim; watching it",
+                "a container cpushim saw created is running; watching it",
                 extra={"fields": {"container_id": tracked.id, "container": str(tracked.key)}},
             )
+            self.watch(tracked)
 
 
 class Look(NamedTuple):

@@ -29,6 +29,7 @@ from tests.unit.engine_env import (
     assert_consistent,
     env,
     make_env,
+    static_policy,
     until,
 )
 from tests.unit.test_engine_failures import ReplyLost
@@ -67,10 +68,12 @@ def break_next_save(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(env.engine.checkpoint, "save", save)
 
 
-def made_outside(env: Env, pod: Pod, name: str, milli_cpu: int = 0) -> str:
-    """A container another CRI client made on the runtime's own socket, running."""
+def made_outside(
+    env: Env, pod: Pod, name: str, milli_cpu: int = 0, state: int = pb.CONTAINER_RUNNING
+) -> str:
+    """A container another CRI client made on the runtime's own socket (running)."""
     config = env.kubelet.create_request(pod, name, milli_cpu).config
-    return env.fake.add_container(pod.sandbox_id, config)
+    return env.fake.add_container(pod.sandbox_id, config, state=state)
 
 
 async def test_a_fail_open_create_is_taken_in_and_pinned(
@@ -340,9 +343,12 @@ async def test_a_container_with_no_room_is_refused_once_and_adopted_when_room_co
     assert (await sweep(env.engine)).tracked == [outsider]
     assert env.engine.counters["adoptions_refused"] == 1
     caplog.clear()
+    statuses = len(env.fake.calls_of("ContainerStatus"))
     for _ in range(3):
         assert (await sweep(env.engine)).adopted_exclusive == []
     assert env.engine.counters["adoptions_refused"] == 1
+    # No room: not even tried (a runtime call per waiting container, under the lock).
+    assert len(env.fake.calls_of("ContainerStatus")) == statuses
     assert "cannot get its exclusive CPUs" not in caplog.text
     assert env.cpus(outsider) == str(env.engine.state.shared)
     await env.kubelet.stop(holder)
@@ -426,3 +432,123 @@ async def test_a_refusal_at_start_up_is_not_counted_again_by_the_sweeps(env: Env
     await env.kubelet.stop(holder)
     assert (await sweep(env.engine)).adopted_exclusive == [ContainerKey(pod.uid, "main")]
     assert len(CPUSet.parse(env.cpus(outsider))) == 2
+
+
+@pytest.fixture
+async def with_cgroups(tmp_path: Path) -> AsyncIterator[tuple[Env, Watcher]]:
+    """An engine writing a fake cgroup tree, with its watcher (no periodic look)."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        environment = await make_env(
+            fake, tmp_path / "state", options=EngineOptions(record_delay=3600)
+        )
+        watcher = Watcher(environment.engine, resync_period=0)
+        watcher.start()
+        try:
+            yield environment, watcher
+        finally:
+            await watcher.stop()
+            await environment.engine.drain(5.0)
+            environment.channel.close()
+
+
+async def test_adoption_survives_a_container_removed_while_it_is_pinned(env: Env) -> None:
+    """A sweep's adoption pins a sharing container that is removed on the runtime while the
+    move is on its way (a RemoveContainer reaches containerd without the lock): its CPUs go
+    back and the sweep goes on."""
+    first = await env.kubelet.run_pod("first", "guaranteed")
+    holder = await env.kubelet.start_new(first, "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 2000)  # one CPU is left: it shares
+    assert (await sweep(env.engine)).tracked == [outsider]
+    await env.kubelet.stop(holder)  # room now
+    moves = len(env.fake.calls_of("UpdateContainerResources"))
+    gate = env.fake.gate("UpdateContainerResources")
+    running = asyncio.create_task(sweep(env.engine))
+    await until(
+        lambda: len(env.fake.calls_of("UpdateContainerResources")) > moves, "the pinning move"
+    )
+    del env.fake.containers[outsider]  # removed on the runtime meanwhile
+    gate.set()
+    report = await running
+    assert report.adopted_exclusive == []
+    assert env.engine.state.assignments == {}
+
+
+async def test_a_container_started_while_the_sweep_took_it_in_is_watched(
+    with_cgroups: tuple[Env, Watcher],
+) -> None:
+    """The sweep right after a fail-open create (not a full look) takes in a container while
+    it is created, and it is started meanwhile (a StartContainer answered while the sweep
+    held the lock finds it untracked): it is looked up after, and watched, so its exit gives
+    its exclusive CPU back at once."""
+    env, watcher = with_cgroups
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 1000, state=pb.CONTAINER_CREATED)
+    gate = env.fake.gate("UpdateContainerResources")
+    running = asyncio.create_task(sweep(env.engine))
+    await until(lambda: bool(env.fake.calls_of("UpdateContainerResources")), "the take-in move")
+    start = pb.StartContainerRequest(container_id=outsider).SerializeToString()
+    await env.channel.unary(UnaryCall(rq.START_CONTAINER, (), start, 10.0))
+    env.fake.ungate("UpdateContainerResources")
+    gate.set()
+    report = await running
+    assert report.adopted_exclusive == [ContainerKey(pod.uid, "main")]
+    assert env.engine.containers[outsider].phase.value == "running"
+    assert watcher.watched_containers == 1
+    env.fake.exit_container(outsider)
+    await until(lambda: env.engine.state.assignments == {}, "its exit gives the CPU back", 2.0)
+
+
+async def test_a_watcher_stopping_during_the_sweep_does_not_break_it(
+    with_cgroups: tuple[Env, Watcher],
+) -> None:
+    """cpushim stops (the watcher with it) while the sweep looks up the containers it took
+    in: the sweep ends without an error."""
+    env, watcher = with_cgroups
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    made_outside(env, pod, "a", state=pb.CONTAINER_CREATED)
+    made_outside(env, pod, "b", state=pb.CONTAINER_CREATED)
+    running = asyncio.create_task(sweep(env.engine))
+    await until(lambda: len(env.fake.calls_of("UpdateContainerResources")) == 2, "both taken in")
+    gate = env.fake.gate("ContainerStatus")
+    statuses = len(env.fake.calls_of("ContainerStatus"))
+    await until(
+        lambda: len(env.fake.calls_of("ContainerStatus")) > statuses, "the first look_at_created"
+    )
+    await watcher.stop()
+    env.fake.ungate("ContainerStatus")
+    gate.set()
+    report = await running
+    assert len(report.tracked) == 2
+
+
+async def test_a_container_a_reload_displaced_is_not_reported_again_by_the_next_sweep(
+    env: Env,
+) -> None:
+    """A reload that leaves a running container no room counts it in pinning_errors; the
+    sweeps after do not count (or log) the same container again."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pod, "main", 3000)
+    lost = await env.engine.change_policy(static_policy("0-5"))  # 6,7 left: no room for 3
+    assert lost == [ContainerKey(pod.uid, "main")]
+    assert env.engine.counters["pinning_errors"] == 1
+    await sweep(env.engine)
+    assert env.engine.counters["adoptions_refused"] == 0
+
+
+async def test_a_never_running_container_costs_nothing_at_each_sweep(env: Env) -> None:
+    """A container left created in a stopped sandbox (start-up counts it exited) is looked
+    at by one sweep, not by every full look until the sandbox is removed."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.create(pod, "main", 1000)
+    await env.kubelet.ok(
+        "StopPodSandbox",
+        pb.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString(),
+    )
+    await env.restart()
+    await sweep(env.engine)
+    statuses = len(env.fake.calls_of("ContainerStatus"))
+    listings = len(env.fake.calls_of("ListPodSandbox"))
+    await sweep(env.engine)
+    assert len(env.fake.calls_of("ContainerStatus")) == statuses
+    assert len(env.fake.calls_of("ListPodSandbox")) == listings
