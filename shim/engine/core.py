@@ -341,6 +341,9 @@ class Engine:
                 log.exception(
                     "work after forwarding a call failed", extra={"fields": {"path": call.path}}
                 )
+                if call.path == rq.CREATE_CONTAINER:
+                    # Its container may be made and not recorded: the sweep takes it in.
+                    self._sweep_soon()
                 if forward.reply is not None:
                     return forward.reply
                 return Reply.error(Status.INTERNAL, f"cpushim: {call.path} failed: {exc}")

@@ -3,15 +3,17 @@
 Start-up adopts every running container it finds; after that, cpushim learns containers from
 the creates it relays. A few never pass through it as a create it records: one a fail-open
 create forwarded unchanged (the decision had failed), one whose create's answer was lost (its
-CPUs stay held without a container id), one another CRI client made on the runtime's own
-socket. Each would run on any CPU, exclusive ones included, until cpushim restarted. The sweep
-lists the runtime's containers and takes the unknown ones in as start-up does: shared
-containers move to the shared pool, a create whose answer was lost gets its id, and those that
-ask for exclusive CPUs get them where there is room (:func:`resync.adopt_sharing`).
+CPUs stay held without a container id), one whose recording failed after the runtime made it,
+one another CRI client made on the runtime's own socket. Each would run on any CPU, exclusive
+ones included, until cpushim restarted. The sweep lists the runtime's containers and takes
+the unknown ones in as start-up does: shared containers move to the shared pool, a create
+whose answer was lost gets its id, and those that ask for exclusive CPUs get them where there
+is room (:func:`resync.adopt_sharing`).
 
-It runs at every full look of the watcher and soon after a fail-open create or a lost answer.
-A create on its way (the runtime may have made the container, cpushim not recorded it yet)
-would look unknown: the sweep takes the lock only when no create is on its way.
+It runs at every full look of the watcher and soon after a fail-open create, a lost answer or
+a failed recording. A create on its way (the runtime may have made the container, cpushim not
+recorded it yet) would look unknown: the sweep takes the lock only when no create is on its
+way.
 """
 
 from __future__ import annotations
@@ -76,7 +78,13 @@ def _worth_adopting(engine: Engine, waiting: list[Tracked]) -> bool:
     enough CPUs are free for the smallest request."""
     if any(not t.adoption_refused for t in waiting):
         return True
-    asked = [t.cpus_asked for t in waiting if t.cpus_asked is not None]
+    # A resize in place kubelet made since (noted, not applied) is what an adoption plans for.
+    asked = [
+        t.cpus_asked if t.resize_noted is None else t.resize_noted
+        for t in waiting
+        if t.cpus_asked is not None
+    ]
+    asked = [count for count in asked if count]
     if not asked:
         return False
     held = CPUSet().union(*engine.state.exclusive().values())
@@ -96,6 +104,9 @@ async def _take_in(engine: Engine, unknown: dict[str, pb.Container], settle: flo
         found = await _found(engine, unknown)
         if not found:
             return taken
+        # An earlier attempt that exited behind a failed decision still holds the key: its
+        # CPUs go back, so the one taken in can have them (as its create would have).
+        await engine._release(_held_by_exited(engine, found))
         state = engine.state
         for container in _running_first(found):
             state = _take_held(engine, state, container)
@@ -261,6 +272,21 @@ async def _pod(engine: Engine, sandbox_id: str) -> Pod | None:
         state=status.status.state,
     )
     return Pod.from_config(sandbox_id, sandbox_config(item, status))
+
+
+def _held_by_exited(engine: Engine, found: Iterable[LiveContainer]) -> list[ContainerKey]:
+    """The keys of ``found`` whose CPUs a container cpushim saw exit holds."""
+    keys: list[ContainerKey] = []
+    for container in found:
+        pod = engine.pods.get(container.sandbox_id)
+        if pod is None:
+            continue
+        key = ContainerKey(pod.uid, container.name)
+        held = engine.state.assignments.get(key)
+        holder = engine.containers.get(held.container_id) if held is not None else None
+        if holder is not None and holder.phase is Phase.EXITED and key not in keys:
+            keys.append(key)
+    return keys
 
 
 def _running_first(containers: Iterable[LiveContainer]) -> list[LiveContainer]:

@@ -20,7 +20,7 @@ from shim.engine.sweeping import sweep
 from shim.engine.watching import Watcher
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
-from tests.harness.kubelet import pod_cgroup_parent
+from tests.harness.kubelet import milli_cpu_to_quota, milli_cpu_to_shares, pod_cgroup_parent
 from tests.unit.engine_env import (
     FIRST_SINGLE,
     SHARED_AFTER_FIRST_SINGLE,
@@ -552,3 +552,78 @@ async def test_a_never_running_container_costs_nothing_at_each_sweep(env: Env) -
     await sweep(env.engine)
     assert len(env.fake.calls_of("ContainerStatus")) == statuses
     assert len(env.fake.calls_of("ListPodSandbox")) == listings
+
+
+async def test_fail_open_next_attempt_is_adopted_though_a_dead_attempt_held_the_key(
+    watched: tuple[Env, Watcher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt 0 is pinned and its StartContainer fails (containerd marks it exited; cpushim
+    follows only an OK start, so it keeps its CPU). Attempt 1's create fails open on a full
+    disk, which left attempt 0's assignment in place. The sweep that takes attempt 1 in
+    gives attempt 0's CPU back first, so attempt 1 is pinned once the disk has room."""
+    env, watcher = watched
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    reply = await env.kubelet.create(pod, "main", 1000)
+    assert reply.status is Status.OK
+    first = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    env.fake.fail_next("StartContainer", GrpcStatus.UNKNOWN, "exec: no such file")
+    start = pb.StartContainerRequest(container_id=first).SerializeToString()
+    assert (await env.kubelet.call("StartContainer", start)).status is not Status.OK
+    env.fake._exited(env.fake.containers[first], 128)  # containerd: StartError, exited
+    await env.engine.checkpoint_written()
+    break_next_save(env, monkeypatch)
+    second = await env.kubelet.start_new(pod, "main", 1000, attempt=1)
+    assert env.engine.counters["fail_open_forwards"] == 1
+    await until(lambda: second in env.engine.containers, "attempt 1 taken in")
+    await watcher.look_everywhere()  # the disk is back: a full look, its sweep, adoption
+    key = ContainerKey(pod.uid, "main")
+    assert key in env.engine.state.assignments
+    assert env.engine.state.assignments[key].container_id == second
+    assert env.cpus(second) == FIRST_SINGLE
+
+
+async def test_create_whose_recording_failed_after_the_forward_is_swept_soon(
+    watched: tuple[Env, Watcher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Work after the forward fails (a bug in recording the reply): the runtime's OK reply
+    stands and the container exists untracked, on CPUs held without its id. A sweep right
+    after takes it in, as after a fail-open create or a lost answer."""
+    env, _ = watched
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    monkeypatch.setattr(env.engine, "_record_created", broken)
+    reply = await env.kubelet.create(pod, "main", 1000)
+    assert reply.status is Status.OK
+    assert env.engine.counters["internal_errors"] == 1
+    [made] = env.fake.containers
+    monkeypatch.undo()
+    await until(lambda: made in env.engine.containers, "taken in by a sweep", 2.0)
+
+
+async def test_a_refused_container_resized_down_is_adopted_when_its_new_count_fits(
+    env: Env,
+) -> None:
+    """Refused 2 CPUs, then resized in place to 1 while one is free: the sweep pins it on 1,
+    as a restart would (the adoption plans from what kubelet asks now)."""
+    holder_pod = await env.kubelet.run_pod("first", "guaranteed")
+    await env.kubelet.start_new(holder_pod, "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 2000)  # one CPU is left: refused
+    assert (await sweep(env.engine)).tracked == [outsider]
+    assert env.engine.counters["adoptions_refused"] == 1
+    update = pb.UpdateContainerResourcesRequest(
+        container_id=outsider,
+        linux=pb.LinuxContainerResources(
+            cpu_period=100_000,
+            cpu_quota=milli_cpu_to_quota(1000),
+            cpu_shares=milli_cpu_to_shares(1000),
+            memory_limit_in_bytes=1024**3,
+        ),
+    )
+    await env.kubelet.ok("UpdateContainerResources", update.SerializeToString())
+    report = await sweep(env.engine)
+    assert report.adopted_exclusive == [ContainerKey(pod.uid, "main")]
+    assert len(CPUSet.parse(env.cpus(outsider))) == 1
