@@ -595,7 +595,12 @@ def waiting_for_exclusive(engine: Engine, skip: Collection[ContainerKey] = ()) -
 
 async def _status(engine: Engine, tracked: Tracked) -> LiveContainer | None:
     """The runtime's word on one container (as listed at start-up); None when it has none."""
-    container_id = tracked.id
+    return await live_status(engine, tracked.id, tracked.sandbox_id)
+
+
+async def live_status(engine: Engine, container_id: str, sandbox_id: str) -> LiveContainer | None:
+    """The runtime's word on one container now; None when it is gone or exited, or its state
+    cannot be read (warned)."""
     request = pb.ContainerStatusRequest(container_id=container_id, verbose=True)
     reply = await engine.runtime.unary(
         UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
@@ -618,7 +623,7 @@ async def _status(engine: Engine, tracked: Tracked) -> LiveContainer | None:
         return None
     if response.status.state == pb.CONTAINER_EXITED:
         return None
-    return live_container(container_id, tracked.sandbox_id, response.status.metadata, response)
+    return live_container(container_id, sandbox_id, response.status.metadata, response)
 
 
 def tracked_from_runtime(

@@ -34,7 +34,7 @@ from shim.engine.resync import (
     CALL_TIMEOUT,
     LiveContainer,
     adopt_sharing,
-    live_container,
+    live_status,
     sandbox_config,
     tracked_from_runtime,
     waiting_for_exclusive,
@@ -173,7 +173,7 @@ async def _found(engine: Engine, unknown: dict[str, pb.Container]) -> list[LiveC
     for container_id in sorted(unknown):
         if container_id in engine.containers:
             continue  # recorded since it was listed
-        container = await _live_container(engine, container_id, unknown[container_id])
+        container = await live_status(engine, container_id, unknown[container_id].pod_sandbox_id)
         if container is None:
             continue
         if container.state == pb.CONTAINER_CREATED:
@@ -229,25 +229,6 @@ async def _untracked(engine: Engine) -> dict[str, pb.Container]:
         and item.id not in engine.containers
         and item.id not in engine.never_running
     }
-
-
-async def _live_container(
-    engine: Engine, container_id: str, item: pb.Container
-) -> LiveContainer | None:
-    """The runtime's word on a listed container now; None when it is gone or exited."""
-    request = pb.ContainerStatusRequest(container_id=container_id, verbose=True)
-    reply = await engine.runtime.unary(
-        UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
-    )
-    if reply.status is not Status.OK or not reply.messages:
-        return None
-    try:
-        response = pb.ContainerStatusResponse.FromString(reply.messages[0])
-    except DecodeError:
-        return None
-    if response.status.state == pb.CONTAINER_EXITED:
-        return None
-    return live_container(container_id, item.pod_sandbox_id, item.metadata, response)
 
 
 async def _pod(engine: Engine, sandbox_id: str) -> Pod | None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from grpclib.const import Status as GrpcStatus
@@ -39,19 +41,28 @@ pytestmark = pytest.mark.anyio
 __all__ = ["env"]  # the fixture
 
 
+@contextlib.asynccontextmanager
+async def with_watcher(
+    tmp_path: Path, fake: FakeRuntime, **settings: Any
+) -> AsyncIterator[tuple[Env, Watcher]]:
+    """An engine on ``fake`` (``settings`` as make_env takes them) with its watcher, and no
+    periodic look: each test asks for its sweeps."""
+    environment = await make_env(fake, tmp_path / "state", **settings)
+    watcher = Watcher(environment.engine, resync_period=0)
+    watcher.start()
+    try:
+        yield environment, watcher
+    finally:
+        await watcher.stop()
+        await environment.engine.drain(5.0)
+        environment.channel.close()
+
+
 @pytest.fixture
 async def watched(tmp_path: Path) -> AsyncIterator[tuple[Env, Watcher]]:
-    """A fail-open engine with its watcher (no periodic look: each test asks for its sweep)."""
-    async with FakeRuntime() as fake:
-        environment = await make_env(fake, tmp_path / "state", failure_policy="fail-open")
-        watcher = Watcher(environment.engine, resync_period=0)
-        watcher.start()
-        try:
-            yield environment, watcher
-        finally:
-            await watcher.stop()
-            await environment.engine.drain(5.0)
-            environment.channel.close()
+    """A fail-open engine with its watcher."""
+    async with FakeRuntime() as fake, with_watcher(tmp_path, fake, failure_policy="fail-open") as w:
+        yield w
 
 
 def break_next_save(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,56 +263,35 @@ async def test_a_runtime_that_cannot_list_leaves_everything(env: Env) -> None:
     assert (await sweep(env.engine)).tracked == [outsider]
 
 
-async def test_the_full_look_sweeps(tmp_path: Path) -> None:
-    async with FakeRuntime() as fake:
-        environment = await make_env(
-            fake, tmp_path / "state", options=EngineOptions(record_delay=3600)
-        )
-        watcher = Watcher(environment.engine, resync_period=0)
-        watcher.start()
-        try:
-            pod = await environment.kubelet.run_pod("tools", "besteffort")
-            outsider = made_outside(environment, pod, "debug")
-            await watcher.look_everywhere()
-            assert outsider in environment.engine.containers
-        finally:
-            await watcher.stop()
-            await environment.engine.drain(5.0)
-            environment.channel.close()
+async def test_the_full_look_sweeps(with_cgroups: tuple[Env, Watcher]) -> None:
+    env, watcher = with_cgroups
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    outsider = made_outside(env, pod, "debug")
+    await watcher.look_everywhere()
+    assert outsider in env.engine.containers
 
 
 async def test_a_container_taken_in_created_and_started_by_another_client_is_watched(
-    tmp_path: Path,
+    with_cgroups: tuple[Env, Watcher],
 ) -> None:
     """Taken in while created, then started on the runtime's socket: cpushim never sees its
     StartContainer. The full look finds it running and watches it, so its exit gives its
     exclusive CPU back."""
-    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        environment = await make_env(
-            fake, tmp_path / "state", options=EngineOptions(record_delay=3600)
-        )
-        watcher = Watcher(environment.engine, resync_period=0)
-        watcher.start()
-        try:
-            pod = await environment.kubelet.run_pod("db", "guaranteed")
-            config = environment.kubelet.create_request(pod, "main", 1000).config
-            outsider = fake.add_container(pod.sandbox_id, config, state=pb.CONTAINER_CREATED)
-            report = await sweep(environment.engine)
-            assert report.adopted_exclusive == [ContainerKey(pod.uid, "main")]
-            tracked = environment.engine.containers[outsider]
-            start = pb.StartContainerRequest(container_id=outsider).SerializeToString()
-            await environment.channel.unary(UnaryCall(rq.START_CONTAINER, (), start, 10.0))
-            await watcher.look_everywhere()
-            assert tracked.phase.value == "running"
-            assert tracked.cgroup is not None
-            assert environment.kernel_cpus(outsider) == FIRST_SINGLE
-            fake.exit_container(outsider)
-            await watcher.look_everywhere()
-            assert environment.engine.state.assignments == {}
-        finally:
-            await watcher.stop()
-            await environment.engine.drain(5.0)
-            environment.channel.close()
+    env, watcher = with_cgroups
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 1000, state=pb.CONTAINER_CREATED)
+    report = await sweep(env.engine)
+    assert report.adopted_exclusive == [ContainerKey(pod.uid, "main")]
+    tracked = env.engine.containers[outsider]
+    start = pb.StartContainerRequest(container_id=outsider).SerializeToString()
+    await env.channel.unary(UnaryCall(rq.START_CONTAINER, (), start, 10.0))
+    await watcher.look_everywhere()
+    assert tracked.phase.value == "running"
+    assert tracked.cgroup is not None
+    assert env.kernel_cpus(outsider) == FIRST_SINGLE
+    env.fake.exit_container(outsider)
+    await watcher.look_everywhere()
+    assert env.engine.state.assignments == {}
 
 
 async def test_an_adoption_the_disk_refused_is_made_at_a_later_sweep(
@@ -436,19 +426,12 @@ async def test_a_refusal_at_start_up_is_not_counted_again_by_the_sweeps(env: Env
 
 @pytest.fixture
 async def with_cgroups(tmp_path: Path) -> AsyncIterator[tuple[Env, Watcher]]:
-    """An engine writing a fake cgroup tree, with its watcher (no periodic look)."""
-    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        environment = await make_env(
-            fake, tmp_path / "state", options=EngineOptions(record_delay=3600)
-        )
-        watcher = Watcher(environment.engine, resync_period=0)
-        watcher.start()
-        try:
-            yield environment, watcher
-        finally:
-            await watcher.stop()
-            await environment.engine.drain(5.0)
-            environment.channel.close()
+    """An engine writing a fake cgroup tree, with its watcher."""
+    async with (
+        FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake,
+        with_watcher(tmp_path, fake, options=EngineOptions(record_delay=3600)) as w,
+    ):
+        yield w
 
 
 async def test_adoption_survives_a_container_removed_while_it_is_pinned(env: Env) -> None:
