@@ -147,6 +147,9 @@ class Engine:
         # Containers a sweep found that never run (left created in a stopped sandbox): not
         # looked at again while the runtime lists them.
         self.never_running: set[str] = set()
+        # Sandboxes whose pod a sweep learnt from the runtime (made by another client, whose
+        # RemovePodSandbox never passes here): forgotten once the runtime no longer lists them.
+        self.learnt_sandboxes: set[str] = set()
         self._creates_settled = asyncio.Event()
         self._creates_settled.set()
         self.mover = Mover(
@@ -420,6 +423,17 @@ class Engine:
             return Pending.LATER
         self._untrack_sandbox(sandbox_id)
         return self._forget_sandbox(sandbox_id)
+
+    async def forget_sandbox_removed_behind(self, sandbox_id: str) -> None:
+        """A sandbox a sweep learnt is gone from the runtime: forgotten as its RemovePodSandbox
+        would have it (its containers untracked, any CPUs they hold back, its projections)."""
+        async with self.lock:
+            self._untrack_sandbox(sandbox_id)
+            await self._release(self._held_in_sandbox(sandbox_id))
+            afterwards = self._forget_sandbox(sandbox_id)
+        self.learnt_sandboxes.discard(sandbox_id)
+        if afterwards is not None:
+            afterwards()
 
     def _untrack_sandbox(self, sandbox_id: str) -> None:
         for container_id in [t.id for t in self.containers.values() if t.sandbox_id == sandbox_id]:

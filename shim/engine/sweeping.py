@@ -64,6 +64,8 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
     in now, or one whose adoption found no room or could not be written before). A runtime
     that cannot be listed now leaves everything as it is (the next full look tries again)."""
     report = SweepReport()
+    if engine.learnt_sandboxes:
+        await _forget_removed(engine)
     unknown = await _untracked(engine)
     if unknown:
         report.tracked = await _take_in(engine, unknown, settle)
@@ -191,13 +193,28 @@ async def _found(engine: Engine, unknown: dict[str, pb.Container]) -> list[LiveC
                 continue
             pods[container.sandbox_id] = pod
         found.append(container)
-    engine.pods.update({sid: pod for sid, pod in pods.items() if sid not in engine.pods})
+    for sandbox_id, pod in pods.items():
+        if sandbox_id not in engine.pods:
+            engine.pods[sandbox_id] = pod
+            engine.learnt_sandboxes.add(sandbox_id)
     return found
 
 
-async def _sandboxes_not_ready(engine: Engine) -> set[str] | None:
-    """The ids of the runtime's sandboxes that are not ready; None when it cannot list them
-    (a created container is then left for a later sweep)."""
+async def _forget_removed(engine: Engine) -> None:
+    """Forget the sandboxes a sweep learnt that the runtime no longer lists."""
+    listed = await _sandbox_states(engine)
+    if listed is None:
+        return
+    for sandbox_id in sorted(engine.learnt_sandboxes - set(listed)):
+        log.info(
+            "a sandbox made without cpushim is gone; forgotten",
+            extra={"fields": {"sandbox_id": sandbox_id}},
+        )
+        await engine.forget_sandbox_removed_behind(sandbox_id)
+
+
+async def _sandbox_states(engine: Engine) -> dict[str, int] | None:
+    """The runtime's sandboxes and their states; None when it cannot list them."""
     reply = await engine.runtime.unary(UnaryCall(rq.LIST_POD_SANDBOX, (), b"", CALL_TIMEOUT))
     if reply.status is not Status.OK or not reply.messages:
         return None
@@ -205,7 +222,16 @@ async def _sandboxes_not_ready(engine: Engine) -> set[str] | None:
         items = pb.ListPodSandboxResponse.FromString(reply.messages[0]).items
     except DecodeError:
         return None
-    return {item.id for item in items if item.state != pb.SANDBOX_READY}
+    return {item.id: item.state for item in items}
+
+
+async def _sandboxes_not_ready(engine: Engine) -> set[str] | None:
+    """The ids of the runtime's sandboxes that are not ready; None when it cannot list them
+    (a created container is then left for a later sweep)."""
+    states = await _sandbox_states(engine)
+    if states is None:
+        return None
+    return {sandbox_id for sandbox_id, state in states.items() if state != pb.SANDBOX_READY}
 
 
 async def _untracked(engine: Engine) -> dict[str, pb.Container]:

@@ -610,3 +610,43 @@ async def test_a_refused_container_resized_down_is_adopted_when_its_new_count_fi
     report = await sweep(env.engine)
     assert report.adopted_exclusive == [ContainerKey(pod.uid, "main")]
     assert len(CPUSet.parse(env.cpus(outsider))) == 1
+
+
+async def test_a_pod_learnt_by_a_sweep_is_forgotten_once_its_sandbox_is_gone(env: Env) -> None:
+    """Another client's pod: its RemovePodSandbox never passes through cpushim. Once the
+    runtime no longer lists the sandbox, the next sweep forgets the pod and its containers,
+    and the CPUs its container held go back (its exit was never seen)."""
+    uid = str(uuid.uuid4())
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name="direct", uid=uid, namespace="default"),
+        linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent("guaranteed", uid)),
+    )
+    sandbox_id = env.fake.add_sandbox(config)
+    outsider = made_outside(env, Pod(sandbox_id, config, "guaranteed"), "main", 1000)
+    assert (await sweep(env.engine)).adopted_exclusive == [ContainerKey(uid, "main")]
+    assert sandbox_id in env.engine.pods
+    # The other client tears its pod down on the runtime's socket.
+    for method, request in (
+        ("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id)),
+        ("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id)),
+    ):
+        path = rq.RUNTIME + method
+        reply = await env.channel.unary(UnaryCall(path, (), request.SerializeToString(), 10.0))
+        assert reply.status is Status.OK
+    assert outsider not in env.fake.containers
+    await sweep(env.engine)
+    assert sandbox_id not in env.engine.pods
+    assert outsider not in env.engine.containers
+    assert env.engine.state.assignments == {}
+    assert env.engine.learnt_sandboxes == set()
+    assert_consistent(env)
+
+
+async def test_kubelets_pods_are_never_forgotten_by_a_sweep(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    env.fake.fail_next("ListPodSandbox", GrpcStatus.UNAVAILABLE)
+    await sweep(env.engine)
+    assert env.engine.learnt_sandboxes == set()
+    assert pod.sandbox_id in env.engine.pods
+    assert env.engine.state.holding(container_id) == ContainerKey(pod.uid, "main")
