@@ -147,8 +147,9 @@ class Engine:
         # Containers a sweep found that never run (left created in a stopped sandbox): not
         # looked at again while the runtime lists them.
         self.never_running: set[str] = set()
-        # Sandboxes whose pod a sweep learnt from the runtime (made by another client, whose
-        # RemovePodSandbox never passes here): forgotten once the runtime no longer lists them.
+        # Sandboxes whose pod start-up or a sweep learnt from the runtime (one another client
+        # made never has its RemovePodSandbox pass here): forgotten, by a sweep, once the
+        # runtime no longer lists them.
         self.learnt_sandboxes: set[str] = set()
         self._creates_settled = asyncio.Event()
         self._creates_settled.set()

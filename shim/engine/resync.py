@@ -88,6 +88,9 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
     report = ResyncReport()
     async with engine.lock:
         engine.pods = pods
+        # Learnt from the runtime: one another client made never has its RemovePodSandbox
+        # pass here, so a sweep forgets it once the runtime no longer lists it.
+        engine.learnt_sandboxes = set(pods)
         state = _reconcile(engine, loaded, pods, live, report)
         try:
             await engine.checkpoint.save(state)

@@ -201,11 +201,13 @@ async def _found(engine: Engine, unknown: dict[str, pb.Container]) -> list[LiveC
 
 
 async def _forget_removed(engine: Engine) -> None:
-    """Forget the sandboxes a sweep learnt that the runtime no longer lists."""
+    """Forget the sandboxes learnt from the runtime that it no longer lists. Only those
+    learnt before the listing: one another sweep learns meanwhile may be newer than it."""
+    learnt = set(engine.learnt_sandboxes)
     listed = await _sandbox_states(engine)
     if listed is None:
         return
-    for sandbox_id in sorted(engine.learnt_sandboxes - set(listed)):
+    for sandbox_id in sorted(learnt - set(listed)):
         log.info(
             "a sandbox made without cpushim is gone; forgotten",
             extra={"fields": {"sandbox_id": sandbox_id}},

@@ -534,7 +534,8 @@ async def test_a_never_running_container_costs_nothing_at_each_sweep(env: Env) -
     listings = len(env.fake.calls_of("ListPodSandbox"))
     await sweep(env.engine)
     assert len(env.fake.calls_of("ContainerStatus")) == statuses
-    assert len(env.fake.calls_of("ListPodSandbox")) == listings
+    # The one listing of the sandboxes start-up learnt (to forget those gone), no more.
+    assert len(env.fake.calls_of("ListPodSandbox")) == listings + 1
 
 
 async def test_fail_open_next_attempt_is_adopted_though_a_dead_attempt_held_the_key(
@@ -650,3 +651,95 @@ async def test_kubelets_pods_are_never_forgotten_by_a_sweep(env: Env) -> None:
     assert env.engine.learnt_sandboxes == set()
     assert pod.sandbox_id in env.engine.pods
     assert env.engine.state.holding(container_id) == ContainerKey(pod.uid, "main")
+
+
+def outside_pod(env: Env, name: str) -> Pod:
+    """A Guaranteed pod another CRI client made on the runtime's own socket."""
+    uid = str(uuid.uuid4())
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name=name, uid=uid, namespace="default"),
+        linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent("guaranteed", uid)),
+    )
+    return Pod(env.fake.add_sandbox(config), config, "guaranteed")
+
+
+async def remove_outside(env: Env, sandbox_id: str) -> None:
+    for method, request in (
+        ("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id)),
+        ("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id)),
+    ):
+        reply = await env.channel.unary(
+            UnaryCall(rq.RUNTIME + method, (), request.SerializeToString(), 10.0)
+        )
+        assert reply.status is Status.OK
+
+
+async def test_a_stale_sandbox_list_of_a_concurrent_sweep_forgets_a_live_pod(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sweeps run at once (the watcher's "sweep" job after a fail-open create, and a
+    full look's). Sweep A's ListPodSandbox answer was made before pod "second"'s sandbox
+    existed, and sweep B learns that pod meanwhile: A forgets only what was learnt before
+    its listing, so the live pod keeps its container and its exclusive CPU."""
+    first = outside_pod(env, "first")
+    made_outside(env, first, "main", 1000)
+    await sweep(env.engine)
+    assert env.engine.learnt_sandboxes == {first.sandbox_id}  # A lists sandboxes at all
+
+    real = env.engine.runtime.unary
+    listed, go_on = asyncio.Event(), asyncio.Event()
+    at_take_in, take_in = asyncio.Event(), asyncio.Event()
+    sweep_a: asyncio.Task[object] | None = None
+
+    async def unary(call: UnaryCall, *args: Any, **kwargs: Any) -> Reply:
+        mine = asyncio.current_task() is sweep_a
+        if mine and call.path == rq.LIST_CONTAINERS:
+            at_take_in.set()  # A has forgotten; hold it before it looks for containers
+            await take_in.wait()
+        reply = await real(call, *args, **kwargs)
+        if mine and call.path == rq.LIST_POD_SANDBOX and not listed.is_set():
+            listed.set()  # the answer is made; it reaches sweep A late
+            await go_on.wait()
+        return reply
+
+    monkeypatch.setattr(env.engine.runtime, "unary", unary)
+    sweep_a = asyncio.create_task(sweep(env.engine))
+    await listed.wait()
+
+    second = outside_pod(env, "second")
+    live = made_outside(env, second, "main", 1000)
+    key = ContainerKey(second.uid, "main")
+    assert (await sweep(env.engine)).adopted_exclusive == [key]  # sweep B
+    pinned = env.engine.state.assignments[key].cpus
+    assert env.cpus(live) == str(pinned)
+
+    go_on.set()
+    await at_take_in.wait()
+    # Sweep A has run its forgetting; kubelet makes an exclusive container now.
+    forgotten = live not in env.engine.containers or second.sandbox_id not in env.engine.pods
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    kubelets = await env.kubelet.start_new(pod, "main", 1000)
+    given = env.cpus(kubelets)
+    take_in.set()
+    await sweep_a
+    assert live in env.fake.containers  # it ran all along
+    assert not forgotten
+    assert given != str(pinned)
+    assert env.engine.state.assignments[key].cpus == pinned
+    assert_consistent(env)
+
+
+async def test_a_pod_another_client_made_before_a_restart_is_forgotten_once_gone(
+    env: Env,
+) -> None:
+    """Start-up learns another client's pod from the runtime too: once that client removes
+    it on the runtime's socket, a sweep forgets it."""
+    pod = outside_pod(env, "before-restart")
+    outsider = made_outside(env, pod, "main", 1000)
+    await env.restart()
+    assert pod.sandbox_id in env.engine.pods
+    await remove_outside(env, pod.sandbox_id)
+    await env.engine.container_exited(outsider)  # its exit seen (pidfd / full look)
+    await sweep(env.engine)
+    assert pod.sandbox_id not in env.engine.pods
+    assert outsider not in env.engine.containers
