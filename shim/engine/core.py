@@ -754,6 +754,11 @@ class Engine:
         request = exclusive_request(count, plan.isolated, memory_nodes)
         return self.policy.refusal(others, request, cpus) is None
 
+    def free_exclusive(self) -> CPUSet:
+        """The CPUs the policy could hand out exclusively that nobody holds now."""
+        held = CPUSet().union(*self.state.exclusive().values())
+        return self.policy.exclusive_candidates - held
+
     def _choose(
         self,
         key: ContainerKey,
@@ -763,8 +768,7 @@ class Engine:
         unknown: Sequence[ContainerKey] = (),
     ) -> CPUSet | Reply:
         exclusive = self.state.exclusive()
-        held = CPUSet().union(*exclusive.values())
-        free = self.policy.exclusive_candidates - held
+        free = self.free_exclusive()
         request = exclusive_request(count, plan.isolated, memory_nodes)
         released = self.state.released.get(key)
         # Old CPUs come back only as a set the policy would hand out now: a reload or a

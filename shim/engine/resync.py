@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -266,6 +266,12 @@ def live_container(
     )
 
 
+def running_first(containers: Iterable[LiveContainer]) -> list[LiveContainer]:
+    """Of two attempts of one container (one left created beside its next), the running one,
+    else the later one, first: the one that gets the CPUs."""
+    return sorted(containers, key=lambda c: (c.state != pb.CONTAINER_RUNNING, -c.attempt, c.id))
+
+
 def _plan(pod: Pod | None, container: LiveContainer) -> ContainerPlan:
     if pod is None:
         return ContainerPlan(exclusive=None)
@@ -347,9 +353,7 @@ def _reconcile(
             candidates.append((container, len(old.cpus), plan, old.mems))
     # Of two containers of one pod and name (one left created beside its next attempt), the
     # running one, else the later attempt, is the one that gets the CPUs.
-    for container in sorted(
-        live.values(), key=lambda c: (c.state != pb.CONTAINER_RUNNING, -c.attempt, c.id)
-    ):
+    for container in running_first(live.values()):
         if container.id in holding_ids or container.id in replanned_ids:
             continue
         plan = _plan(pods.get(container.sandbox_id), container)
@@ -497,13 +501,11 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
         waiting = waiting_for_exclusive(engine, skip)
         if not waiting:
             return []
-        live = [c for c in [await _status(engine, t) for t in waiting] if c is not None]
+        statuses = [await live_status(engine, t.id, t.sandbox_id) for t in waiting]
+        live = [c for c in statuses if c is not None]
         state = engine.state
         adopted: list[tuple[Tracked, LiveContainer, ContainerPlan, CPUSet | None]] = []
-        # Of two attempts of one container, the running one, else the later one.
-        for container in sorted(
-            live, key=lambda c: (c.state != pb.CONTAINER_RUNNING, -c.attempt, c.id)
-        ):
+        for container in running_first(live):
             tracked = engine.containers.get(container.id)
             pod = engine.pods.get(container.sandbox_id)
             # Removed while the runtime was asked (a removal is not a decision: no lock).
@@ -594,11 +596,6 @@ def waiting_for_exclusive(engine: Engine, skip: Collection[ContainerKey] = ()) -
         and tracked.key not in engine.state.assignments
         and tracked.key not in skip
     ]
-
-
-async def _status(engine: Engine, tracked: Tracked) -> LiveContainer | None:
-    """The runtime's word on one container (as listed at start-up); None when it has none."""
-    return await live_status(engine, tracked.id, tracked.sandbox_id)
 
 
 async def live_status(engine: Engine, container_id: str, sandbox_id: str) -> LiveContainer | None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
-from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
 from shim.engine import requests as rq
@@ -35,6 +34,7 @@ from shim.engine.resync import (
     LiveContainer,
     adopt_sharing,
     live_status,
+    running_first,
     sandbox_config,
     tracked_from_runtime,
     waiting_for_exclusive,
@@ -89,8 +89,7 @@ def _worth_adopting(engine: Engine, waiting: list[Tracked]) -> bool:
     asked = [count for count in asked if count]
     if not asked:
         return False
-    held = CPUSet().union(*engine.state.exclusive().values())
-    return len(engine.policy.exclusive_candidates - held) >= min(asked)
+    return len(engine.free_exclusive()) >= min(asked)
 
 
 async def _take_in(engine: Engine, unknown: dict[str, pb.Container], settle: float) -> list[str]:
@@ -109,11 +108,12 @@ async def _take_in(engine: Engine, unknown: dict[str, pb.Container], settle: flo
         # An earlier attempt that exited behind a failed decision still holds the key: its
         # CPUs go back, so the one taken in can have them (as its create would have).
         await engine._release(_held_by_exited(engine, found))
+        found = running_first(found)
         state = engine.state
-        for container in _running_first(found):
+        for container in found:
             state = _take_held(engine, state, container)
         await engine._record(state)
-        for container in _running_first(found):
+        for container in found:
             tracked = tracked_from_runtime(engine, container, engine.pods, {})
             engine.containers[container.id] = tracked
             taken.append(container.id)
@@ -283,14 +283,19 @@ async def _pod(engine: Engine, sandbox_id: str) -> Pod | None:
     return Pod.from_config(sandbox_id, sandbox_config(item, status))
 
 
+def _key_of(engine: Engine, container: LiveContainer) -> ContainerKey | None:
+    """The container's key, by its pod's UID and its name; None when its pod is unknown."""
+    pod = engine.pods.get(container.sandbox_id)
+    return None if pod is None else ContainerKey(pod.uid, container.name)
+
+
 def _held_by_exited(engine: Engine, found: Iterable[LiveContainer]) -> list[ContainerKey]:
     """The keys of ``found`` whose CPUs a container cpushim saw exit holds."""
     keys: list[ContainerKey] = []
     for container in found:
-        pod = engine.pods.get(container.sandbox_id)
-        if pod is None:
+        key = _key_of(engine, container)
+        if key is None:
             continue
-        key = ContainerKey(pod.uid, container.name)
         held = engine.state.assignments.get(key)
         holder = engine.containers.get(held.container_id) if held is not None else None
         if holder is not None and holder.phase is Phase.EXITED and key not in keys:
@@ -298,18 +303,12 @@ def _held_by_exited(engine: Engine, found: Iterable[LiveContainer]) -> list[Cont
     return keys
 
 
-def _running_first(containers: Iterable[LiveContainer]) -> list[LiveContainer]:
-    """Of two attempts of one container, the running one, else the later one, first."""
-    return sorted(containers, key=lambda c: (c.state != pb.CONTAINER_RUNNING, -c.attempt, c.id))
-
-
 def _take_held(engine: Engine, state: CPUState, container: LiveContainer) -> CPUState:
     """A container whose create's answer was lost: its CPUs are held under its pod and name
     without an id; they are its from now on (as start-up finds it)."""
-    pod = engine.pods.get(container.sandbox_id)
-    if pod is None:
+    key = _key_of(engine, container)
+    if key is None:
         return state
-    key = ContainerKey(pod.uid, container.name)
     held = state.assignments.get(key)
     if held is None or held.container_id or held.sandbox_id != container.sandbox_id:
         return state

@@ -79,6 +79,17 @@ def break_next_save(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(env.engine.checkpoint, "save", save)
 
 
+async def create_with_reply_lost(env: Env, pod: Pod, milli_cpu: int) -> str:
+    """kubelet's create of container "main", made by the runtime, whose reply never reaches
+    cpushim (kubelet went away): the id of the container made."""
+    request = env.kubelet.create_request(pod, "main", milli_cpu).SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    reply = await env.engine.handle(call, ReplyLost(env.channel, call))
+    assert reply.status is Status.UNAVAILABLE
+    [made] = env.fake.containers
+    return made
+
+
 def made_outside(
     env: Env, pod: Pod, name: str, milli_cpu: int = 0, state: int = pb.CONTAINER_RUNNING
 ) -> str:
@@ -236,11 +247,7 @@ async def test_a_create_whose_answer_was_lost_gets_its_container(env: Env) -> No
     """Its CPUs were held without a container id: the sweep names the container, so its
     stop (not only its pod's) gives them back."""
     pod = await env.kubelet.run_pod("db", "guaranteed")
-    request = env.kubelet.create_request(pod, "main", 1000).SerializeToString()
-    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
-    reply = await env.engine.handle(call, ReplyLost(env.channel, call))
-    assert reply.status is Status.UNAVAILABLE
-    [orphan] = env.fake.containers
+    orphan = await create_with_reply_lost(env, pod, 1000)
     key = ContainerKey(pod.uid, "main")
     assert env.engine.state.assignments[key].container_id == ""
     report = await sweep(env.engine)
@@ -373,9 +380,7 @@ async def test_lost_create_in_a_sandbox_stopped_since_gets_no_cpus(env: Env) -> 
     """A create whose answer was lost, then its pod stopped (the held CPU goes back): the
     container the runtime made never runs, and the sweep gives it nothing."""
     pod = await env.kubelet.run_pod("db", "guaranteed")
-    request = env.kubelet.create_request(pod, "main", 1000).SerializeToString()
-    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
-    assert (await env.engine.handle(call, ReplyLost(env.channel, call))).status is not Status.OK
+    await create_with_reply_lost(env, pod, 1000)
     await stop_sandbox(env, pod.sandbox_id)
     assert env.engine.state.assignments == {}
     await sweep(env.engine)
@@ -403,11 +408,7 @@ async def test_a_lost_shared_create_is_swept_right_after(watched: tuple[Env, Wat
     full look), so later pinnings move it."""
     env, _ = watched
     pod = await env.kubelet.run_pod("web", "burstable")
-    request = env.kubelet.create_request(pod, "main", 500).SerializeToString()
-    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
-    reply = await env.engine.handle(call, ReplyLost(env.channel, call))
-    assert reply.status is Status.UNAVAILABLE
-    [orphan] = env.fake.containers
+    orphan = await create_with_reply_lost(env, pod, 500)
     await until(lambda: orphan in env.engine.containers, "the lost shared create swept", 2.0)
 
 
