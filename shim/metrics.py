@@ -110,6 +110,10 @@ ENGINE_COUNTERS: dict[str, str] = {
         "Live containers the runtime had and cpushim did not track (a fail-open create, a"
         " create whose answer was lost, another CRI client's), found by a sweep and taken in"
     ),
+    "removed_containers_found": (
+        "Tracked containers the runtime no longer had (removed by another CRI client, their"
+        " pod staying), found by a sweep and forgotten, their CPUs back in the shared pool"
+    ),
     "unread_requests": (
         "Followed calls answered OK whose request could not be read (the watchers catch up)"
     ),

@@ -438,7 +438,7 @@ class Engine:
 
     def _untrack_sandbox(self, sandbox_id: str) -> None:
         for container_id in [t.id for t in self.containers.values() if t.sandbox_id == sandbox_id]:
-            self._untrack(container_id)
+            self.untrack(container_id)
 
     def _forget_sandbox(self, sandbox_id: str) -> Afterwards:
         """Forget a removed sandbox; when it was its pod's last, its projection directories
@@ -885,7 +885,9 @@ class Engine:
         known.update(t.sandbox_id for t in self.containers.values())
         return _unique_prefix_match(named, known)
 
-    def _untrack(self, container_id: str) -> None:
+    def untrack(self, container_id: str) -> None:
+        """Stop tracking and watching a container the runtime no longer has (its CPUs are
+        the caller's to release)."""
         self.containers.pop(container_id, None)
         if self.watcher is not None:
             self.watcher.unwatch(container_id)
@@ -931,7 +933,7 @@ class Engine:
             pb.RemoveContainerRequest.FromString(request).container_id
         )
         async with self.lock:
-            self._untrack(container_id)
+            self.untrack(container_id)
             key = self.state.holding(container_id)
             if key is not None:
                 await self._release([key])
@@ -942,7 +944,7 @@ class Engine:
         )
         if self.state.holding(container_id) is not None:
             return Pending.LATER
-        self._untrack(container_id)
+        self.untrack(container_id)
         return None
 
     async def _update_container_resources(self, call: UnaryCall, forward: Forward) -> Reply:
@@ -1298,7 +1300,7 @@ class Engine:
         if result.ok or result.moved:
             self.project(tracked)
         if result.gone:
-            self._untrack(tracked.id)
+            self.untrack(tracked.id)
             return True
         if not result.ok:
             # tracked.applied is unchanged. Without a retry the container would stay where

@@ -10,6 +10,10 @@ the unknown ones in as start-up does: shared containers move to the shared pool,
 whose answer was lost gets its id, and those that ask for exclusive CPUs get them where there
 is room (:func:`resync.adopt_sharing`).
 
+A container removed on the runtime by another client while its pod stays never passes
+through cpushim either: the sweep finds it missing from the list and forgets it, its CPUs
+going back.
+
 It runs at every full look of the watcher and soon after a fail-open create, a lost answer or
 a failed recording. A create on its way (the runtime may have made the container, cpushim not
 recorded it yet) would look unknown: the sweep takes the lock only when no create is on its
@@ -59,16 +63,24 @@ class SweepReport:
 
 
 async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepReport:
-    """Take in the runtime's live containers that cpushim does not track, then give the
-    containers that share and ask for exclusive CPUs theirs where there is room (one taken
-    in now, or one whose adoption found no room or could not be written before). A runtime
-    that cannot be listed now leaves everything as it is (the next full look tries again)."""
+    """Forget the tracked containers the runtime no longer has, take in its live containers
+    that cpushim does not track, then give the containers that share and ask for exclusive
+    CPUs theirs where there is room (one taken in now, or one whose adoption found no room
+    or could not be written before). A runtime that cannot be listed now leaves everything
+    as it is (the next full look tries again)."""
     report = SweepReport()
     if engine.learnt_sandboxes:
         await _forget_removed(engine)
-    unknown = await _untracked(engine)
-    if unknown:
-        report.tracked = await _take_in(engine, unknown, settle)
+    listing = await _listing(engine)
+    if listing is not None:
+        if listing.gone:
+            await _forget_gone(engine, listing.gone)
+        if listing.unknown:
+            # The runtime is asked about them before the lock: a slow answer holds no
+            # decision back.
+            found, pods = await _found(engine, listing.unknown)
+            if found:
+                report.tracked = await _take_in(engine, found, pods, settle)
     if _worth_adopting(engine, waiting_for_exclusive(engine)):
         report.adopted_exclusive = await adopt_sharing(engine)
     return report
@@ -92,19 +104,24 @@ def _worth_adopting(engine: Engine, waiting: list[Tracked]) -> bool:
     return len(engine.free_exclusive()) >= min(asked)
 
 
-async def _take_in(engine: Engine, unknown: dict[str, pb.Container], settle: float) -> list[str]:
-    """The containers of ``unknown`` taken in (tracked, moved, watched), by id."""
+async def _take_in(
+    engine: Engine, found: list[LiveContainer], pods: dict[str, Pod], settle: float
+) -> list[str]:
+    """The containers of ``found`` (their pods in ``pods`` when cpushim did not know them)
+    taken in (tracked, moved, watched), by id."""
     taken: list[str] = []
     if not await _lock_between_creates(engine, settle):
         log.info(
             "creates kept coming; the runtime's untracked containers wait for the next full look",
-            extra={"fields": {"containers": sorted(unknown)}},
+            extra={"fields": {"containers": sorted(c.id for c in found)}},
         )
         return taken
     try:
-        found = await _found(engine, unknown)
+        # Recorded since they were listed: a create that was on its way.
+        found = [container for container in found if container.id not in engine.containers]
         if not found:
             return taken
+        _learn_pods(engine, pods, found)
         # An earlier attempt that exited behind a failed decision still holds the key: its
         # CPUs go back, so the one taken in can have them (as its create would have).
         await engine._release(_held_by_exited(engine, found))
@@ -166,15 +183,15 @@ async def _lock_between_creates(engine: Engine, settle: float) -> bool:
     return False
 
 
-async def _found(engine: Engine, unknown: dict[str, pb.Container]) -> list[LiveContainer]:
-    """Of ``unknown``, those still untracked and live now, with their pods learnt: a
+async def _found(
+    engine: Engine, unknown: dict[str, pb.Container]
+) -> tuple[list[LiveContainer], dict[str, Pod]]:
+    """Of ``unknown``, those live now, with the pods of sandboxes cpushim does not know: a
     container left created in a sandbox that is not ready never runs (as at start-up)."""
     found: list[LiveContainer] = []
     pods: dict[str, Pod] = {}
     not_ready: set[str] | None = None
     for container_id in sorted(unknown):
-        if container_id in engine.containers:
-            continue  # recorded since it was listed
         container = await live_status(engine, container_id, unknown[container_id].pod_sandbox_id)
         if container is None:
             continue
@@ -186,18 +203,57 @@ async def _found(engine: Engine, unknown: dict[str, pb.Container]) -> list[LiveC
             if container.sandbox_id in not_ready:
                 engine.never_running.add(container_id)
                 continue
-        pod = engine.pods.get(container.sandbox_id) or pods.get(container.sandbox_id)
-        if pod is None:
+        if container.sandbox_id not in engine.pods and container.sandbox_id not in pods:
             pod = await _pod(engine, container.sandbox_id)
             if pod is None:
                 continue
             pods[container.sandbox_id] = pod
         found.append(container)
-    for sandbox_id, pod in pods.items():
-        if sandbox_id not in engine.pods:
-            engine.pods[sandbox_id] = pod
-            engine.learnt_sandboxes.add(sandbox_id)
-    return found
+    return found, pods
+
+
+def _learn_pods(engine: Engine, pods: dict[str, Pod], found: list[LiveContainer]) -> None:
+    """The pods of ``found`` that cpushim learnt from the runtime (kubelet's own, run
+    through cpushim meanwhile, stand)."""
+    for container in found:
+        pod = pods.get(container.sandbox_id)
+        if pod is not None and container.sandbox_id not in engine.pods:
+            engine.pods[container.sandbox_id] = pod
+            engine.learnt_sandboxes.add(container.sandbox_id)
+
+
+@dataclass
+class _Listing:
+    # The runtime's live containers cpushim does not track, by id.
+    unknown: dict[str, pb.Container]
+    # Containers cpushim tracked before the listing that the runtime no longer has.
+    gone: list[str]
+
+
+async def _forget_gone(engine: Engine, gone: list[str]) -> None:
+    """Containers removed on the runtime without cpushim (another client's RemoveContainer,
+    its pod staying): forgotten as kubelet's RemoveContainer would have them, any CPUs
+    they hold back to the shared pool."""
+    async with engine.lock:
+        forgotten = [container_id for container_id in gone if container_id in engine.containers]
+        if not forgotten:
+            return
+        log.info(
+            "containers removed without cpushim are forgotten",
+            extra={
+                "fields": {
+                    "containers": {cid: str(engine.containers[cid].key) for cid in forgotten}
+                }
+            },
+        )
+        held: list[ContainerKey] = []
+        for container_id in forgotten:
+            engine.untrack(container_id)
+            key = engine.state.holding(container_id)
+            if key is not None and key not in held:
+                held.append(key)
+        engine.counters["removed_containers_found"] += len(forgotten)
+        await engine._release(held)
 
 
 async def _forget_removed(engine: Engine) -> None:
@@ -236,27 +292,32 @@ async def _sandboxes_not_ready(engine: Engine) -> set[str] | None:
     return {sandbox_id for sandbox_id, state in states.items() if state != pb.SANDBOX_READY}
 
 
-async def _untracked(engine: Engine) -> dict[str, pb.Container]:
-    """The runtime's containers that are not exited and that cpushim does not track."""
+async def _listing(engine: Engine) -> _Listing | None:
+    """The runtime's containers as cpushim's tracking sees them; None when it cannot list
+    them. Only containers tracked before the listing can be gone from it: one created
+    meanwhile may be newer than the list."""
+    tracked_before = set(engine.containers)
     reply = await engine.runtime.unary(UnaryCall(rq.LIST_CONTAINERS, (), b"", CALL_TIMEOUT))
     if reply.status is not Status.OK or not reply.messages:
         log.warning(
             "cannot list the runtime's containers; untracked ones are looked for later",
             extra={"fields": {"error": f"{reply.status.name}: {reply.status_message}"}},
         )
-        return {}
+        return None
     try:
         listed = pb.ListContainersResponse.FromString(reply.messages[0]).containers
     except DecodeError:
-        return {}
-    engine.never_running.intersection_update(item.id for item in listed)
-    return {
+        return None
+    listed_ids = {item.id for item in listed}
+    engine.never_running.intersection_update(listed_ids)
+    unknown = {
         item.id: item
         for item in listed
         if item.state != pb.CONTAINER_EXITED
         and item.id not in engine.containers
         and item.id not in engine.never_running
     }
+    return _Listing(unknown, sorted(tracked_before - listed_ids))
 
 
 async def _pod(engine: Engine, sandbox_id: str) -> Pod | None:

@@ -16,9 +16,16 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Shim
-from tests.e2e.pods import assert_kernel, start_pinned, start_pod, start_shared_and_pinned
+from tests.e2e.pods import (
+    assert_kernel,
+    run_pod,
+    start_pinned,
+    start_pod,
+    start_shared_and_pinned,
+)
+from tests.e2e.test_operations import Scrape, free_port, get
 from tests.harness.containerd import PrivateContainerd, wait_for
-from tests.harness.kubelet import KubeletClient, cgroup_file
+from tests.harness.kubelet import ONE_CPU, KubeletClient, cgroup_file
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
@@ -211,6 +218,38 @@ def test_containers_another_client_makes_on_containerd_are_taken_in(
     assert_kernel(direct.kernel_cpus(guaranteed_id), "1")
     assert_kernel(direct.kernel_cpus(outsider_id), "0")
     assert shim.assignments() == {guaranteed_pod.uid: {"main": "1"}}
+
+
+def test_a_created_container_another_client_removes_is_forgotten(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """kubelet created a Guaranteed container and had not started it when crictl, pointed at
+    containerd's own socket, removed it: no process exits, no call passes through cpushim,
+    and the pod stays. The full look (every second here) finds it gone: CPU 1 goes back, the
+    shared container grows to it, and the container is forgotten rather than kept as exited
+    until its pod goes."""
+    metrics = f"http://127.0.0.1:{free_port()}"
+    shim.start("--resync-period", "1", "--metrics-address", metrics.removeprefix("http://"))
+    kubelet = via()
+    _, shared_id = start_pod(kubelet, "shared", "besteffort")
+    pod, created_id = run_pod(kubelet, "guaranteed", "guaranteed", ONE_CPU)
+    assert shim.assignments() == {pod.uid: {"main": "1"}}
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+    direct.remove_container(created_id)
+
+    def forgotten() -> float:
+        status, text = get(f"{metrics}/metrics")
+        assert status == 200, text
+        return Scrape(text).value("cpushim_removed_containers_found_total")
+
+    wait_for(
+        lambda: forgotten() == 1,
+        REACTION_TIMEOUT,
+        "the removed container forgotten",
+        on_timeout=lambda: shim.process.log() if shim.process else "",
+    )
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+    assert shim.assignments() == {}
 
 
 def replace_file(path: Path, text: str) -> None:

@@ -744,3 +744,96 @@ async def test_a_pod_another_client_made_before_a_restart_is_forgotten_once_gone
     await sweep(env.engine)
     assert pod.sandbox_id not in env.engine.pods
     assert outsider not in env.engine.containers
+
+
+async def remove_container_outside(env: Env, container_id: str) -> None:
+    """Another CRI client stops and removes a container on the runtime's own socket."""
+    for method, request in (
+        ("StopContainer", pb.StopContainerRequest(container_id=container_id)),
+        ("RemoveContainer", pb.RemoveContainerRequest(container_id=container_id)),
+    ):
+        reply = await env.channel.unary(
+            UnaryCall(rq.RUNTIME + method, (), request.SerializeToString(), 10.0)
+        )
+        assert reply.status is Status.OK
+
+
+async def test_a_container_another_client_removed_is_forgotten(env: Env) -> None:
+    """crictl pointed at containerd's socket removes a pinned container, its pod staying:
+    no StopContainer or RemoveContainer passed through cpushim, and no exit was seen (a
+    full look would see it exited and keep it tracked until its pod went). The sweep finds
+    it gone: it is forgotten and its CPU goes back."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned = await env.kubelet.start_new(pod, "main", 1000)
+    kept = await env.kubelet.start_new(pod, "sidecar", 1000)
+    await remove_container_outside(env, pinned)
+    await sweep(env.engine)
+    assert pinned not in env.engine.containers
+    assert ContainerKey(pod.uid, "main") not in env.engine.state.assignments
+    assert kept in env.engine.containers
+    assert env.engine.counters["removed_containers_found"] == 1
+    await env.engine.checkpoint_written()
+    assert list(env.saved()[pod.uid]) == ["sidecar"]
+    # Its CPU is free again: a new container of another pod gets it.
+    other = await env.kubelet.run_pod("web", "guaranteed")
+    assert await env.kubelet.start_new(other, "main", 1000)
+    assert_consistent(env)
+
+
+async def test_an_exited_container_another_client_removed_is_forgotten(env: Env) -> None:
+    pod = await env.kubelet.run_pod("job", "besteffort")
+    done = await env.kubelet.start_new(pod, "main")
+    env.fake.exit_container(done)
+    await env.engine.container_exited(done)
+    assert done in env.engine.containers  # kept until kubelet removes it
+    await remove_container_outside(env, done)
+    await sweep(env.engine)
+    assert done not in env.engine.containers
+    assert env.engine.counters["removed_containers_found"] == 1
+
+
+async def test_a_container_created_after_the_listing_is_not_forgotten(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime's list was made before kubelet's create of a container reached it: the
+    sweep gets the list afterwards, and must not take the new container for a removed one."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    real = env.engine.runtime.unary
+    listed, go_on = asyncio.Event(), asyncio.Event()
+
+    async def unary(call: UnaryCall, *args: Any, **kwargs: Any) -> Reply:
+        reply = await real(call, *args, **kwargs)
+        if call.path == rq.LIST_CONTAINERS and not listed.is_set():
+            listed.set()  # the answer is made; it reaches the sweep late
+            await go_on.wait()
+        return reply
+
+    monkeypatch.setattr(env.engine.runtime, "unary", unary)
+    running = asyncio.create_task(sweep(env.engine))
+    await listed.wait()
+    created = await env.kubelet.start_new(pod, "main", 1000)
+    go_on.set()
+    await running
+    assert created in env.engine.containers
+    assert ContainerKey(pod.uid, "main") in env.engine.state.assignments
+    assert env.engine.counters["removed_containers_found"] == 0
+    assert_consistent(env)
+
+
+async def test_a_slow_container_status_does_not_hold_back_creates(env: Env) -> None:
+    """The sweep asks the runtime about each unknown container before it takes the engine
+    lock: a runtime slow to answer (up to the call's 10 s timeout) delays no decision."""
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    outsider = made_outside(env, pod, "debug")
+    gate = env.fake.gate("ContainerStatus")
+    running = asyncio.create_task(sweep(env.engine))
+    await until(lambda: bool(env.fake.calls_of("ContainerStatus")), "the sweep's question")
+    env.fake.ungate("ContainerStatus")  # the sweep's call stays held
+    db = await env.kubelet.run_pod("db", "guaranteed")
+    pinned = await asyncio.wait_for(env.kubelet.start_new(db, "main", 1000), 2.0)
+    assert env.cpus(pinned) == FIRST_SINGLE
+    assert not running.done()
+    gate.set()
+    assert (await running).tracked == [outsider]
+    assert env.cpus(outsider) == SHARED_AFTER_FIRST_SINGLE
+    assert_consistent(env)

@@ -550,7 +550,7 @@ async def test_a_container_forgotten_while_it_is_located_is_not_watched(w: Watch
     pod = await w.env.kubelet.run_pod("web", "besteffort")
     container_id = await w.env.kubelet.start_new(pod, "main")
     await until(lambda: len(w.env.fake.calls_of("ContainerStatus")) == 1, "locating")
-    w.env.engine._untrack(container_id)
+    w.env.engine.untrack(container_id)
     gate.set()
 
     def locating() -> bool:
