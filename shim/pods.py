@@ -16,7 +16,7 @@ container's memory comes from in the request's ``cpuset_mems``: :func:`kubelet_m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
@@ -57,6 +57,14 @@ class Pod:
     qos: QOSClass | None
     cgroup_parent: str
     annotations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The pod's CPU request as shares and its memory limit, as kubelet gives them in the
+    # sandbox config (its totals over the containers, or the pod-level resources); 0 when
+    # it gives none.
+    cpu_shares: int = 0
+    memory_limit: int = 0
+    # Its containers showed pod-level resources (:func:`shows_pod_level_resources`): none
+    # of them gets exclusive CPUs, as with kubelet's static policy.
+    pod_level_resources: bool = False
 
     @property
     def label(self) -> str:
@@ -78,6 +86,8 @@ class Pod:
             qos=qos,
             cgroup_parent=parent,
             annotations=MappingProxyType(dict(config.annotations)),
+            cpu_shares=max(config.linux.resources.cpu_shares, 0),
+            memory_limit=max(config.linux.resources.memory_limit_in_bytes, 0),
         )
 
 
@@ -126,7 +136,7 @@ def plan_container(
     pod_wide = _flag(annotations, ANNOTATION_EXCLUSIVE)
     wanted = per_container if per_container is not None else pod_wide
     count = None
-    if pod.qos is not None and wanted is not False:
+    if pod.qos is not None and wanted is not False and not pod.pod_level_resources:
         count = exclusive_cpu_count(
             pod.qos, resources.cpu_shares, resources.cpu_quota, resources.cpu_period
         )
@@ -135,6 +145,29 @@ def plan_container(
         isolated=isolated,
         keep_quota=quota is not None and quota.strip().lower() == "keep",
     )
+
+
+def takes_whole_pod(pod: Pod, resources: pb.LinuxContainerResources) -> bool:
+    """Whether a container asks for all of its pod's CPU and memory. kubelet gives a
+    container without limits of its own those of its pod's pod-level resources (KEP-2837);
+    otherwise the pod's figures are its containers' totals, which one container reaches
+    only when it is the only one, or an init container that runs alone."""
+    return (
+        pod.cpu_shares > 0
+        and pod.memory_limit > 0
+        and resources.cpu_shares >= pod.cpu_shares
+        and resources.memory_limit_in_bytes >= pod.memory_limit
+    )
+
+
+def shows_pod_level_resources(whole: Sequence[bool]) -> bool:
+    """Whether a Guaranteed pod whose live containers asking for exclusive CPUs are
+    ``whole`` (:func:`takes_whole_pod`, one flag each) has pod-level resources: two or more
+    of them, one taking the whole pod. kubelet's static policy gives such a pod no exclusive
+    CPUs; pinning each of them would hand out the pod's CPUs once per container. One alone
+    cannot be told from a pod of one container (it is pinned, with the pod's CPUs), nor can
+    containers that each set limits of their own (pinned within the pod's)."""
+    return len(whole) >= 2 and any(whole)
 
 
 def kubelet_memory_nodes(resources: pb.LinuxContainerResources) -> CPUSet | None:

@@ -51,6 +51,8 @@ from shim.pods import (
     isolated_mode,
     kubelet_memory_nodes,
     plan_container,
+    shows_pod_level_resources,
+    takes_whole_pod,
 )
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
@@ -467,6 +469,9 @@ class Engine:
     def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
         if config.metadata.uid:
             pod = Pod.from_config(sandbox_id, config)
+            known = self.pods.get(sandbox_id)
+            if known is not None and known.pod_level_resources:
+                pod = replace(pod, pod_level_resources=True)
             self.pods[sandbox_id] = pod
             return pod
         known = self.pods.get(sandbox_id)
@@ -496,6 +501,14 @@ class Engine:
             if tracked.key == key:
                 # kubelet makes the next attempt only once the previous one has exited.
                 self._mark_exited(tracked)
+        whole = takes_whole_pod(pod, request.config.linux.resources)
+        if (
+            plan.exclusive is not None
+            and self.policy.name != "none"
+            and await self._shows_pod_level_resources(pod, key, whole)
+        ):
+            pod = self._mark_pod_level(pod)
+            plan = replace(plan, exclusive=None)
         if plan.exclusive is None or self.policy.name == "none":
             return await self._create_shared(forward, request, pod, key, plan)
         try:
@@ -509,6 +522,49 @@ class Engine:
             forward, request, pod, key, plan, plan.exclusive, memory_nodes
         )
 
+    async def _shows_pod_level_resources(self, pod: Pod, key: ContainerKey, whole: bool) -> bool:
+        """Whether this create, beside the pod's live containers that ask for exclusive CPUs,
+        shows the pod's resources to be pod-level ones (shim/pods.py). Costs nothing but
+        for such a pod: a sibling that takes the whole pod is looked up in the runtime,
+        since an init container that did may have exited a moment ago."""
+        if not pod.cpu_shares:
+            return False
+        siblings = [
+            t
+            for t in self.containers.values()
+            if t.key.pod_uid == pod.uid
+            and t.key != key
+            and t.phase is not Phase.EXITED
+            and t.cpus_asked is not None
+        ]
+        if not shows_pod_level_resources([whole, *(t.whole_pod for t in siblings)]):
+            return False
+        live: list[Tracked] = []
+        for sibling in siblings:
+            try:
+                state = await self._container_state(sibling.id)
+            except RuntimeError:
+                state = pb.CONTAINER_RUNNING  # unknown: taken as it was
+            if state not in (None, pb.CONTAINER_EXITED):
+                live.append(sibling)
+        return shows_pod_level_resources([whole, *(t.whole_pod for t in live)])
+
+    def _mark_pod_level(self, pod: Pod) -> Pod:
+        """From now on none of the pod's containers asks for exclusive CPUs; those pinned
+        give them back at the create that showed it (``_create_shared``)."""
+        marked = replace(pod, pod_level_resources=True)
+        self.pods[pod.sandbox_id] = marked
+        for tracked in self.containers.values():
+            if tracked.key.pod_uid == pod.uid:
+                tracked.cpus_asked = None
+        self.counters["pod_level_resource_pods"] += 1
+        log.info(
+            "a pod with pod-level resources: its containers share, as kubelet's static policy"
+            " gives such a pod no exclusive CPUs",
+            extra={"fields": {"pod": pod.label, "pod_uid": pod.uid}},
+        )
+        return marked
+
     async def _create_shared(
         self,
         forward: Forward,
@@ -519,6 +575,9 @@ class Engine:
     ) -> Reply:
         if any(held.pod_uid == pod.uid for held in self.state.assignments):
             async with self.lock:
+                if pod.pod_level_resources:
+                    # Its containers pinned before it showed pod-level resources share too.
+                    await self._release([k for k in self.state.assignments if k.pod_uid == pod.uid])
                 # The previous attempt of this container, when it held exclusive CPUs (a
                 # resize from whole CPUs to a fraction), and the pod's exited init containers
                 # give their CPUs back before it is created, as before an exclusive one. A
@@ -549,6 +608,7 @@ class Engine:
                 applied=pool,
                 recorded=pool,
                 cpus_asked=plan.exclusive,
+                whole_pod=takes_whole_pod(pod, request.config.linux.resources),
             )
             # The pool changed while the runtime created it: correct it before it can start.
             await self._apply()
@@ -726,6 +786,7 @@ class Engine:
             applied=cpus,
             recorded=cpus,
             cpus_asked=plan.exclusive,
+            whole_pod=takes_whole_pod(pod, request.config.linux.resources),
         )
         log.info(
             "pinned",

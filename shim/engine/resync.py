@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import orjson
 from google.protobuf.message import DecodeError
@@ -26,7 +26,15 @@ from shim.engine.core import Engine
 from shim.engine.moves import pid_of
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import kubelet_cfs_quota
-from shim.pods import AnnotationError, ContainerPlan, Pod, exclusive_request, plan_container
+from shim.pods import (
+    AnnotationError,
+    ContainerPlan,
+    Pod,
+    exclusive_request,
+    plan_container,
+    shows_pod_level_resources,
+    takes_whole_pod,
+)
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.state import (
     Assignment,
@@ -86,6 +94,7 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
             f" ({exc}); is it a CRI runtime?"
         ) from exc
     report = ResyncReport()
+    pods = _with_pod_level_resources(pods, live)
     async with engine.lock:
         engine.pods = pods
         # Learnt from the runtime: one another client made never has its RemovePodSandbox
@@ -210,12 +219,32 @@ def sandbox_config(item: pb.PodSandbox, status: pb.PodSandboxStatusResponse) -> 
     config.annotations.update(status.status.annotations or item.annotations)
     try:
         info = orjson.loads(status.info.get("info", "{}"))
-        parent = info.get("config", {}).get("linux", {}).get("cgroup_parent", "")
+        linux = info.get("config", {}).get("linux", {})
+        parent = linux.get("cgroup_parent", "")
+        resources = linux.get("resources") or {}
+        shares = _json_int(resources.get("cpu_shares"))
+        memory = _json_int(resources.get("memory_limit_in_bytes"))
     except (orjson.JSONDecodeError, AttributeError):
-        parent = ""
+        parent, shares, memory = "", 0, 0
     if isinstance(parent, str):
         config.linux.cgroup_parent = parent
+    # The pod's totals (or its pod-level resources), which tell pod-level resources apart.
+    if shares > 0 and memory > 0:
+        config.linux.resources.cpu_shares = shares
+        config.linux.resources.memory_limit_in_bytes = memory
     return config
+
+
+def _json_int(value: object) -> int:
+    """An integer of a runtime's JSON: a number (Go's encoding/json, containerd's) or a
+    string of digits (protobuf's JSON mapping of 64-bit integers); 0 otherwise."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return 0
 
 
 async def _containers(
@@ -282,6 +311,24 @@ def _plan(pod: Pod | None, container: LiveContainer) -> ContainerPlan:
         return ContainerPlan(exclusive=None)
 
 
+def _with_pod_level_resources(
+    pods: dict[str, Pod], live: Mapping[str, LiveContainer]
+) -> dict[str, Pod]:
+    """``pods``, those whose live containers show pod-level resources marked so (as the
+    creates that showed it did while cpushim ran): none of their containers is pinned."""
+    eligible: dict[str, list[bool]] = {}
+    for container in live.values():
+        pod = pods.get(container.sandbox_id)
+        if pod is not None and _plan(pod, container).exclusive is not None:
+            whole = takes_whole_pod(pod, container.resources)
+            eligible.setdefault(container.sandbox_id, []).append(whole)
+    marked = dict(pods)
+    for sandbox_id, flags in eligible.items():
+        if shows_pod_level_resources(flags):
+            marked[sandbox_id] = replace(pods[sandbox_id], pod_level_resources=True)
+    return marked
+
+
 def _reconcile(
     engine: Engine,
     loaded: CPUState | None,
@@ -325,7 +372,10 @@ def _reconcile(
             # cpushim stopped while the create was on its way: the runtime may have made it.
             matches = [c for c in live.values() if key_of(c) == key]
             container = max(matches, key=lambda c: c.attempt, default=None)
-        if container is None:
+        pod = pods.get(container.sandbox_id) if container is not None else None
+        if container is None or (pod is not None and pod.pod_level_resources):
+            # A pod with pod-level resources holds none (cpushim stopped before the create
+            # that showed them had them given back).
             gone.append(key)
         else:
             holders[key] = container
@@ -695,6 +745,7 @@ def tracked_from_runtime(
         recorded=recorded,
         pid=pid_of(container.info) if cgroup is not None else 0,
         cpus_asked=plan.exclusive,
+        whole_pod=pod is not None and takes_whole_pod(pod, resources),
     )
 
 

@@ -57,6 +57,8 @@ class Tracked:
     # not apply, once logged; None when kubelet's resources match what the container holds
     # or was created asking for.
     resize_noted: int | None = None
+    # It asks for all of its pod's CPU and memory (shim/pods.py takes_whole_pod).
+    whole_pod: bool = False
     # Its cgroup holds the cpuset it should but the runtime's record does not carry the
     # memory nodes or quota that go with it: adopted at start-up on the exclusive CPUs it had
     # (kubelet's static policy's), or moved straight in its cgroup past its child cpusets

@@ -337,3 +337,34 @@ def test_a_shared_container_with_cgroups_of_its_own_moves_with_them(
         for directory in (job, inner):
             with contextlib.suppress(FileNotFoundError):
                 directory.rmdir()
+
+
+def test_a_pod_with_pod_level_resources_gets_no_exclusive_cpus(
+    shim: Shim, via: Callable[[], KubeletClient]
+) -> None:
+    """spec.resources cpu 1, memory 64Mi, and two containers with no limits of their own:
+    kubelet gives each the pod's (its sandbox config carries the pod's totals). The first is
+    pinned to CPU 1, as a one-container pod would be; the second shows the pod-level
+    resources, and both share CPUs 0-1 with kubelet's quota, as kubelet's static policy
+    would have them. A restart keeps it so."""
+    shim.start()
+    kubelet = via()
+    whole_pod = ContainerResources(1000, 1000, 64 * MIB, 64 * MIB)
+    sandbox = kubelet.run_pod_sandbox(
+        "pod-level", "default", new_pod_uid(), "guaranteed", pod_resources=whole_pod
+    )
+    first = kubelet.create_container(sandbox, "app", TEST_IMAGE, WORKLOAD, resources=whole_pod)
+    kubelet.start_container(first)
+    assert_kernel(kubelet.kernel_cpus(first), "1")
+    second = kubelet.create_container(sandbox, "helper", TEST_IMAGE, WORKLOAD, resources=whole_pod)
+    kubelet.start_container(second)
+    for container_id in (first, second):
+        assert_kernel(kubelet.kernel_cpus(container_id), "0-1")
+    quota = cgroup_file("cpu", kubelet.kernel_cpus(first).cgroup_path, "cpu.cfs_quota_us")
+    assert quota == str(milli_cpu_to_quota(1000))
+    assert shim.assignments() == {}
+    shim.stop()
+    shim.start()
+    for container_id in (first, second):
+        assert_kernel(kubelet.kernel_cpus(container_id), "0-1")
+    assert shim.assignments() == {}

@@ -87,13 +87,16 @@ class Kubelet:
         qos: QoSClass,
         annotations: Mapping[str, str] | None = None,
         uid: str | None = None,
+        resources: pb.LinuxContainerResources | None = None,
     ) -> Pod:
+        """``resources``: the pod's totals kubelet puts in the sandbox config (its
+        containers' or its pod-level resources), when a test needs them."""
         uid = uid or str(uuid.uuid4())
         config = pb.PodSandboxConfig(
             metadata=pb.PodSandboxMetadata(name=name, uid=uid, namespace="default"),
             annotations=dict(annotations or {}),
             linux=pb.LinuxPodSandboxConfig(
-                cgroup_parent=pod_cgroup_parent(qos, uid, self.cgroup_driver)
+                cgroup_parent=pod_cgroup_parent(qos, uid, self.cgroup_driver), resources=resources
             ),
         )
         raw = await self.ok(
