@@ -26,8 +26,8 @@ def reserved_cpus(
     """The reserved set, from an explicit list or from a count; give exactly one.
 
     A count is taken from the lowest-numbered physical cores, whole cores first: cores in the
-    order of their lowest CPU id, each taken whole while it fits, then single threads of the
-    lowest-numbered remaining CPUs. Operators expect the system's CPUs at the bottom of the
+    order of their lowest CPU id (within the socket and NUMA node of the lowest one first),
+    each taken whole while it fits, then single threads of the next cores. Operators expect the system's CPUs at the bottom of the
     map (CPU 0 and its siblings), even where a best fit would pick an emptier socket. Isolated
     CPUs are left out when the rest can cover the count: reserved CPUs run system daemons, and
     isolated CPUs are kept for exclusive use.
@@ -66,16 +66,33 @@ def reserved_cpus(
 
 
 def lowest_cores_first(topology: Topology, pool: CPUSet, count: int) -> CPUSet:
-    """``count`` CPUs of ``pool``: whole cores by lowest CPU id, then the lowest threads."""
+    """``count`` CPUs of ``pool``: whole cores first, then single threads of the next cores
+    (lowest first). Sockets, the NUMA nodes in them and the cores in those are each taken in
+    the order of their lowest CPU id, so the set stays on the socket of CPU 0 while it can,
+    where CPU ids alternate between sockets (0, 2, 4 on one and 1, 3, 5 on the other) too,
+    as kubelet's takeByTopology keeps it."""
+
+    def lowest(cpus: CPUSet) -> int:
+        return cpus.first() if cpus else -1
+
+    def place(core: CPUSet) -> tuple[int, int, int]:
+        info = topology.info(core.first())
+        socket = lowest(topology.cpus_in_socket(info.socket) & pool)
+        node = lowest(topology.cpus_in_numa_node(info.numa_node) & pool)
+        return socket, node, core.first()
+
     cores = sorted(
         (cpus for cpus in (topology.cpus_in_core(core) & pool for core in topology.cores) if cpus),
-        key=lambda cpus: cpus.first(),
+        key=place,
     )
     taken = CPUSet()
     for core in cores:
         if len(taken) + len(core) > count:
-            break  # lowest-numbered first: the remainder comes from this core's threads
+            break  # the remainder comes from this core's threads on
         taken |= core
-    if len(taken) < count:
-        taken |= (pool - taken).take_lowest(count - len(taken))
+    for core in cores:
+        if len(taken) >= count:
+            break
+        free = core - taken
+        taken |= free.take_lowest(min(len(free), count - len(taken)))
     return taken

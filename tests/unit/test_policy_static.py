@@ -1026,3 +1026,36 @@ def test_distribute_across_numa_on_uneven_machines(
     # Found by differential fuzzing; the placements are today's, pinned.
     topology = expected_topology(spec)
     assert str(take_by_topology(topology, P(available), count, options=options)) == expected
+
+
+# Two sockets whose CPU ids alternate (even ids on socket 0, odd on socket 1), siblings n and
+# n + 8, as many two-socket servers number them.
+INTERLEAVED = expected_topology(
+    MachineSpec(
+        sockets=2,
+        cores_per_die=4,
+        threads_per_core=2,
+        cpu_ids=[0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15],
+    )
+)
+
+
+@pytest.mark.parametrize(
+    ("count", "expected"),
+    [
+        # kubelet's NewStaticPolicy: takeByTopology(allCPUs, n) keeps socket 0.
+        (1, "0"),
+        (2, "0,8"),
+        (3, "0,2,8"),
+        (4, "0,2,8,10"),
+        (5, "0,2,4,8,10"),
+        (9, "0,2,4,6,8,10,12,14,1"),
+    ],
+)
+def test_reserved_by_count_stays_on_cpu_0s_socket_where_ids_alternate(
+    count: int, expected: str
+) -> None:
+    assert reserved_cpus(INTERLEAVED, count=count) == P(expected)
+    if count < 8:
+        # The same as kubelet's packed best fit takes on this uniform machine.
+        assert take_by_topology(INTERLEAVED, INTERLEAVED.online, count) == P(expected)
