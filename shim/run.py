@@ -238,6 +238,22 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloader: ConfigReloader | None = None
+
+    def hang_up() -> None:
+        # What operators send for "read your config" (systemctl reload): by default it
+        # would end the process with none of the shutdown's work done.
+        if reloader is not None:
+            log.info(
+                "SIGHUP: reading the config file again", extra={"fields": {"path": reloader.path}}
+            )
+            reloader.read_again()
+        elif options.config_path is None:
+            log.info("SIGHUP: there is no config file to read again (--config); ignored")
+        else:
+            log.info("SIGHUP: the config file is read once the resync is done")
+
+    loop.add_signal_handler(signal.SIGHUP, hang_up)
     async with contextlib.AsyncExitStack() as cleanup:
         # However _run ends: stopped, refused at start-up, or done.
         cleanup.callback(runtime.close)
@@ -257,6 +273,10 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
                     ' (metricsAddress, --metrics-address; "" switches them off)'
                 ) from exc
             cleanup.push_async_callback(_close_server, metrics_server)
+        # A listen path that cannot serve (another process on it, a file in its place, a
+        # directory that cannot be made) is told now, not after the wait and a resync that
+        # may move every container.
+        server.check_listen_path()
         version = await _unless_stopped(
             wait_for_runtime(server.runtime, options.upstream_wait), stop
         )
@@ -280,7 +300,6 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
         metrics.state_loaded = True
         watcher = Watcher(engine, resync_period=options.resync_period)
         watcher.start()
-        reloader: ConfigReloader | None = None
         if options.config_path is not None:
             reloader = ConfigReloader(watcher, options, build_policy)
             reloader.start()

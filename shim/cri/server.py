@@ -170,6 +170,11 @@ class RelayServer:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def check_listen_path(self) -> None:
+        """Make the socket's directory and clear a stale socket; AlreadyServingError when
+        the path is another process's (``start`` checks again)."""
+        prepare_socket_path(self.listen_path)
+
     async def start(self) -> None:
         prepare_socket_path(self.listen_path)
         gid = -1

@@ -233,6 +233,12 @@ class ConfigReloader:
             self.watcher.inotify.unsubscribe(self._parent_subscription)
             self._parent_subscription = None
 
+    def read_again(self) -> None:
+        """Read the file again whatever the watches said (SIGHUP, ``systemctl reload``): for
+        an edit a lost or missed watch left unseen."""
+        self._written = True
+        self._check_soon()
+
     def _check_soon(self) -> None:
         # One job for every reason, so that two reads never run at once.
         self.watcher.jobs.request("config", self._check)

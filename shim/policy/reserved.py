@@ -27,10 +27,10 @@ def reserved_cpus(
 
     A count is taken from the lowest-numbered physical cores, whole cores first: cores in the
     order of their lowest CPU id (within the socket and NUMA node of the lowest one first),
-    each taken whole while it fits, then single threads of the next cores. Operators expect the system's CPUs at the bottom of the
-    map (CPU 0 and its siblings), even where a best fit would pick an emptier socket. Isolated
-    CPUs are left out when the rest can cover the count: reserved CPUs run system daemons, and
-    isolated CPUs are kept for exclusive use.
+    each taken whole while it fits, then single threads of the next cores. Operators expect
+    the system's CPUs at the bottom of the map (CPU 0 and its siblings), even where a best fit
+    would pick an emptier socket. Isolated CPUs are left out when the rest can cover the
+    count: reserved CPUs run system daemons, and isolated CPUs are kept for exclusive use.
     """
     if (cpus is None) == (count is None):
         raise ReservedCPUsError("give either an explicit reserved CPU list or a count, not both")

@@ -590,3 +590,16 @@ async def test_a_bad_edit_made_again_after_a_good_one_is_counted_again(r: Reload
         r.path.write_text(good)
         await events_handled(r)
     assert r.env.engine.counters["config_errors"] == 2
+
+
+async def test_read_again_applies_an_edit_no_watch_saw(r: Reloading) -> None:
+    """SIGHUP (systemctl reload): an edit made while the directory's watch was lost (or on a
+    file system whose changes inotify does not see) is read at once, not at the next full
+    look (here never: resyncPeriod is 0)."""
+    r.reloader._unwatch()  # no event reaches cpushim
+    r.write('reservedSystemCPUs = "0-1"\n')
+    await until(lambda: r.watcher.jobs.pending == 0, "watch jobs done")
+    assert r.env.engine.counters["config_reloads"] == 0
+    r.reloader.read_again()
+    await r.reloaded("config_reloads")
+    assert r.env.engine.policy.reserved == CPUSet.parse("0-1")

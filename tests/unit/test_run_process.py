@@ -334,3 +334,51 @@ def test_image_calls_go_to_their_own_endpoint(fake: FakeRuntimeServer) -> None:
         assert proc.wait(20) == 0
         loop.run(images.stop())
         loop.stop()
+
+
+def test_a_listen_path_that_cannot_serve_is_refused_before_the_resync(
+    fake: FakeRuntimeServer,
+) -> None:
+    """Before the wait for the runtime and the resync (which may move every container and
+    writes the checkpoint), not after them."""
+    listen = fake.socket_path.parent / "not-a-socket"
+    listen.write_text("")
+    log = fake.socket_path.parent / "cpushim.log"
+    proc = start_cpushim(listen, fake.endpoint, log, state="fresh-state")
+    assert proc.wait(20) == 1, log.read_text()
+    assert "not a socket" in log.read_text()
+    assert not [path for path, *_ in fake.runtime.calls if path.endswith("/ListContainers")]
+    assert not (fake.socket_path.parent / "fresh-state" / "state.json").exists()
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_sighup_reads_the_config_again_and_cpushim_goes_on(
+    fake: FakeRuntimeServer, with_config: bool
+) -> None:
+    """What operators send for "read your config" (systemctl reload): by default it would
+    end the process without its shutdown (no drain, no STOPPING=1, the socket left)."""
+    listen = fake.socket_path.parent / "sock" / "cri.sock"
+    log = fake.socket_path.parent / "cpushim.log"
+    extra: tuple[str, ...] = ()
+    if with_config:
+        config = fake.socket_path.parent / "config.toml"
+        config.write_text('logLevel = "debug"\n')
+        extra = ("--config", str(config))
+    proc = start_cpushim(listen, fake.endpoint, log, *extra)
+    try:
+        wait_serving(proc, listen, log)
+        wait_for(lambda: logged(log, "serving"), 10, "the serving line")
+        proc.send_signal(signal.SIGHUP)
+        said = (
+            "SIGHUP: reading the config file again"
+            if with_config
+            else "SIGHUP: there is no config file to read again (--config); ignored"
+        )
+        wait_for(lambda: logged(log, said), 10, "the SIGHUP line")
+        assert proc.poll() is None, log.read_text()
+        with grpc.insecure_channel(f"unix://{listen}") as ch:
+            assert unary(ch, RUNTIME + "Version", b"echo:x", timeout=10).endswith(b"echo:x")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0, log.read_text()
