@@ -174,7 +174,8 @@ def _cpu_list(value: object) -> str:
         raise _Invalid(f"not a CPU list: {text!r}") from None
     if not cpus:
         raise _Invalid("an empty list reserves nothing; the static policy needs at least one CPU")
-    return text
+    # One spelling per set: "0,1" rewritten as "0-1" is no change to reload for.
+    return str(cpus)
 
 
 def _boolean(value: object) -> bool:
@@ -250,7 +251,8 @@ def _policy_options(value: object) -> tuple[str, ...]:
         enabled = StaticPolicyOptions.parse(raw).enabled
     except OptionsError as exc:
         raise _Invalid(str(exc)) from None
-    return tuple(name for name in raw if name in enabled)
+    # In name order: the same options in another order are no change to reload for.
+    return tuple(sorted(name for name in raw if name in enabled))
 
 
 # -- keys --------------------------------------------------------------------------------------

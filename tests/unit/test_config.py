@@ -152,14 +152,14 @@ def test_image_endpoint_follows_the_runtime_unless_set() -> None:
     assert from_text('imageEndpoint = "/i.sock"').runtime_endpoint == DEFAULTS.runtime_endpoint
 
 
-def test_policy_options_keep_the_files_order_and_drop_false_ones() -> None:
+def test_policy_options_are_in_name_order_without_false_ones() -> None:
     text = (
         "[cpuManagerPolicyOptions]\n"
         'strict-cpu-reservation = "True"\n'
         "distribute-cpus-across-numa = false\n"
         'full-pcpus-only = "1"\n'
     )
-    assert from_text(text).policy_options == ("strict-cpu-reservation", "full-pcpus-only")
+    assert from_text(text).policy_options == ("full-pcpus-only", "strict-cpu-reservation")
     assert from_text("[cpuManagerPolicyOptions]\n").policy_options == ()
 
 
@@ -250,8 +250,8 @@ def test_a_policy_option_flag_replaces_the_files_options(tmp_path: Path) -> None
         tmp_path, '[cpuManagerPolicyOptions]\nfull-pcpus-only = "true"\nalign-by-socket = "true"\n'
     )
     assert parse_cli("--config", str(config)).policy_options == (
-        "full-pcpus-only",
         "align-by-socket",
+        "full-pcpus-only",
     )
     options = parse_cli("--config", str(config), "--policy-option", "strict-cpu-reservation")
     assert options.policy_options == ("strict-cpu-reservation",)

@@ -603,3 +603,33 @@ async def test_read_again_applies_an_edit_no_watch_saw(r: Reloading) -> None:
     r.reloader.read_again()
     await r.reloaded("config_reloads")
     assert r.env.engine.policy.reserved == CPUSet.parse("0-1")
+
+
+FULL = 'full-pcpus-only = "true"\n'
+STRICT = 'strict-cpu-reservation = "true"\n'
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ('reservedSystemCPUs = "0,1"\n', 'reservedSystemCPUs = "0-1"\n'),
+        (
+            f"[cpuManagerPolicyOptions]\n{FULL}{STRICT}",
+            f"[cpuManagerPolicyOptions]\n{STRICT}{FULL}",
+        ),
+    ],
+)
+async def test_an_edit_that_only_respells_a_value_changes_nothing(
+    r: Reloading, before: str, after: str
+) -> None:
+    """A CPU list written another way, or the options' lines in another order, is the same
+    setting: no re-plan, no log line, no count."""
+    r.write(before)
+    await r.reloaded("config_reloads")
+    policy = r.env.engine.policy
+    r.write(after)
+    await until(lambda: r.reloader._last_read == r.path.read_bytes(), "the edit read")
+    await until(lambda: r.watcher.jobs.pending == 0, "watch jobs done")
+    assert r.env.engine.counters["config_reloads"] == 1
+    assert r.env.engine.counters["config_errors"] == 0
+    assert r.env.engine.policy is policy
