@@ -19,7 +19,7 @@ import orjson
 from shim.cpuset import CPUSet
 from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
-from shim.policy.options import OptionsError, StaticPolicyOptions
+from shim.policy.options import OPTION_NAMES, OptionsError, StaticPolicyOptions
 from shim.policy.static import StaticPolicy
 from shim.topology import Topology
 
@@ -29,6 +29,7 @@ __all__ = [
     "CPUState",
     "CheckpointError",
     "ContainerKey",
+    "UnknownPolicyError",
     "decode_checkpoint",
     "encode_checkpoint",
     "integrity_problems",
@@ -165,12 +166,21 @@ class CPUState:
         )._with(dict(self.assignments), policy)
 
 
+class UnknownPolicyError(CheckpointError):
+    """A checkpoint written under a policy or option this version does not know (a newer
+    cpushim's, before a roll back)."""
+
+
 def policy_of(state: CPUState, topology: Topology) -> CPUPolicy:
-    """The policy a checkpoint was written under; CheckpointError if it cannot be rebuilt."""
+    """The policy a checkpoint was written under; CheckpointError if it cannot be rebuilt
+    (UnknownPolicyError when this version does not know it)."""
     if state.policy == "none":
         return NonePolicy(topology)
     if state.policy != "static":
-        raise CheckpointError(f"unknown policy {state.policy!r}")
+        raise UnknownPolicyError(f"unknown policy {state.policy!r}")
+    unknown = sorted(name for name in state.options if name not in OPTION_NAMES)
+    if unknown:
+        raise UnknownPolicyError(f"unknown CPU manager policy options {unknown}")
     try:
         return StaticPolicy(
             topology=topology,
@@ -218,6 +228,11 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
         problems.append(f"the shared pool {state.shared} overlaps exclusive CPUs {overlap}")
     try:
         policy = policy_of(state, topology)
+    except UnknownPolicyError:
+        # A newer version's policy or option: what its shared pool should be is not known
+        # here. The configured policy differs from it, so start-up re-plans and computes
+        # the pool again; everything checked above holds for any policy.
+        return problems
     except CheckpointError as exc:
         problems.append(str(exc))
         return problems

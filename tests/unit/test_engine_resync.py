@@ -3,6 +3,8 @@ nodes, when the checkpoint and the runtime disagree or the checkpoint is rebuilt
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from grpclib.const import Status as GrpcStatus
 
@@ -365,4 +367,29 @@ async def test_a_container_that_exits_while_its_adoption_is_written_gives_the_cp
     assert await adopt_sharing(env.engine) == []
     assert env.engine.state.assignments == {}
     assert env.engine.state.shared == CPUSet.parse("0-7")
+    assert_consistent(env)
+
+
+@pytest.mark.parametrize(
+    "written_by_a_newer_version",
+    [{"options": frozenset({"an-option-added-later"})}, {"policy": "dynamic"}],
+    ids=["unknown option", "unknown policy"],
+)
+async def test_a_roll_back_starts_on_a_newer_versions_checkpoint(
+    env: Env, written_by_a_newer_version: dict[str, object]
+) -> None:
+    """Every version so far writes format 1: a newer cpushim that wrote an option or a
+    policy this one does not know leaves a well-formed file whose checksum matches. The
+    configured policy differs from it, so start-up re-plans, as for any policy change, and
+    the running container keeps its CPUs."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    newer = dataclasses.replace(env.engine.state, **written_by_a_newer_version)  # type: ignore[arg-type]
+    env.engine.checkpoint.save_sync(newer)
+    await env.restart()
+    held = env.engine.state.assignments[ContainerKey(pod.uid, "main")]
+    assert held.container_id == container_id
+    assert str(held.cpus) == FIRST_SINGLE
+    await env.engine.checkpoint_written()
+    assert env.saved()[pod.uid] == {"main": FIRST_SINGLE}
     assert_consistent(env)
