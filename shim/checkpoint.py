@@ -196,8 +196,10 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
     if fd is None:
         write_atomically(path, content, mode)
         # A file of its own for the next write to overwrite. The directory is not fsync'd
-        # for it: a spare lost to a crash is made again.
-        write_atomically(spare, content, mode, sync_directory=False)
+        # for it: a spare lost to a crash is made again. Nor can it fail the write, which
+        # is done (a full disk refusing it leaves the next write to make one).
+        with contextlib.suppress(OSError):
+            write_atomically(spare, content, mode, sync_directory=False)
         return content
     try:
         if os.fstat(fd).st_size != len(content):

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import shim.checkpoint as checkpoint_module
 from shim.checkpoint import (
     BLOCK,
     STATE_FILE,
@@ -533,3 +534,31 @@ def test_a_leftover_that_cannot_be_removed_is_left_and_the_rest_go(
     assert file.remove_leftovers() == [other]
     assert stuck.exists()
     assert file.load() == ONE
+
+
+def test_a_spare_the_disk_refuses_fails_no_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a spare (the first write, or after a crash between the renames) state.json is
+    written whole first and the spare made after. A full disk refusing the spare must not
+    make the save raise: the engine takes a failed save to have changed nothing, while the
+    file holds the new state."""
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    spare = tmp_path / ".state.json.spare"
+    spare.unlink()  # as after a crash between the renames
+    real = checkpoint_module.write_atomically
+
+    def spare_refused(path: Path, data: bytes, mode: int = 0o600, **kwargs: bool) -> None:
+        if path == spare:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data, mode, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "write_atomically", spare_refused)
+    file.save_sync(TWO)
+    assert file.load() == TWO
+    assert not spare.exists()
+    monkeypatch.undo()
+    file.save_sync(ONE)  # the disk has room again: the spare is made
+    assert file.load() == ONE
+    assert spare.exists()
