@@ -18,7 +18,15 @@ import socket
 from collections.abc import Mapping
 from typing import Final
 
-__all__ = ["NOTIFY_SOCKET", "notify", "ready", "status", "stopping"]
+__all__ = [
+    "NOTIFY_SOCKET",
+    "notify",
+    "ready",
+    "status",
+    "stopping",
+    "watchdog",
+    "watchdog_interval",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +93,24 @@ def stopping(status_text: str | None = None, environ: Mapping[str, str] = os.env
 def status(text: str, environ: Mapping[str, str] = os.environ) -> bool:
     """``STATUS=text``: one line shown by ``systemctl status``."""
     return notify(f"STATUS={_one_line(text)}", environ)
+
+
+def watchdog_interval(
+    environ: Mapping[str, str] = os.environ, pid: int | None = None
+) -> float | None:
+    """Seconds between the ``WATCHDOG=1`` pings systemd's ``WatchdogSec=`` asks for: half
+    its timeout (``$WATCHDOG_USEC``), as sd_watchdog_enabled(3) advises. None when it asks
+    for none, or names another process (``$WATCHDOG_PID``: a child that inherited the
+    environment is not the one watched)."""
+    usec = environ.get("WATCHDOG_USEC", "")
+    if not usec.isdigit() or int(usec) == 0:
+        return None
+    owner = environ.get("WATCHDOG_PID", "")
+    if owner and owner != str(os.getpid() if pid is None else pid):
+        return None
+    return int(usec) / 1_000_000 / 2
+
+
+def watchdog(environ: Mapping[str, str] = os.environ) -> bool:
+    """``WATCHDOG=1``: the service is alive."""
+    return notify("WATCHDOG=1", environ)

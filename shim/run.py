@@ -317,7 +317,10 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
         )
         # The state is resynced and the socket serves: systemd may start kubelet now.
         notify.ready(f"serving {options.listen}; {len(engine.state.assignments)} pinned")
+        pinging = _keep_watchdog_fed()
         await stop.wait()
+        if pinging is not None:
+            pinging.cancel()
         notify.stopping()
         stop.clear()  # a second signal ends the grace period at once
         log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
@@ -392,6 +395,22 @@ def runtime_unreachable(endpoint: str) -> str | None:
         except OSError as exc:
             return f"runtime {endpoint} unreachable: {exc}"
     return None
+
+
+def _keep_watchdog_fed() -> asyncio.Task[None] | None:
+    """Ping systemd's watchdog (``WatchdogSec=``) from the event loop while cpushim serves:
+    a loop stuck for the whole timeout stops the pings, and systemd restarts cpushim, which
+    resyncs from the runtime. None when systemd asks for no pings."""
+    interval = notify.watchdog_interval()
+    if interval is None:
+        return None
+
+    async def feed() -> None:
+        while True:
+            notify.watchdog()
+            await asyncio.sleep(interval)
+
+    return asyncio.get_running_loop().create_task(feed())
 
 
 async def _close_server(server: asyncio.Server) -> None:

@@ -60,7 +60,7 @@ def test_ready_is_sent_once_the_socket_serves_and_stopping_on_sigterm(
             process = subprocess.Popen(
                 command,
                 cwd=REPO_ROOT,
-                env=dict(os.environ, NOTIFY_SOCKET=str(notify_path)),
+                env=dict(os.environ, NOTIFY_SOCKET=str(notify_path), WATCHDOG_USEC="400000"),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -77,9 +77,13 @@ def test_ready_is_sent_once_the_socket_serves_and_stopping_on_sigterm(
             with KubeletClient(f"unix://{listen}", log_root=tmp_path / "logs") as kubelet:
                 assert kubelet.version().runtime_name == "containerd"
             assert any(line.startswith("STATUS=serving") for line in lines), lines
+            # WatchdogSec= (here 0.4 s): pinged at half of it while it serves.
+            assert receive(notifications, 10) == "WATCHDOG=1"
 
             process.send_signal(signal.SIGTERM)
-            assert "STOPPING=1" in receive(notifications, 10).splitlines()
+            while (said := receive(notifications, 10)) == "WATCHDOG=1":
+                pass  # one in flight
+            assert "STOPPING=1" in said.splitlines()
             assert process.wait(30) == 0
         finally:
             if process.poll() is None:

@@ -131,3 +131,24 @@ def test_a_path_too_long_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="shim.notify"):
         assert notify.ready(environ={"NOTIFY_SOCKET": path}) is False
     assert _warning(caplog).fields["error"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("environ", "interval"),
+    [
+        ({"WATCHDOG_USEC": "30000000"}, 15.0),
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "4242"}, 15.0),
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "4243"}, None),  # another process's
+        ({"WATCHDOG_USEC": "0"}, None),
+        ({"WATCHDOG_USEC": "soon"}, None),
+        ({}, None),
+    ],
+)
+def test_watchdog_interval(environ: dict[str, str], interval: float | None) -> None:
+    assert notify.watchdog_interval(environ, pid=4242) == interval
+
+
+def test_watchdog_ping(listener: tuple[socket.socket, str]) -> None:
+    sock, path = listener
+    assert notify.watchdog(environ={"NOTIFY_SOCKET": path}) is True
+    assert sock.recv(100) == b"WATCHDOG=1"

@@ -382,3 +382,33 @@ def test_sighup_reads_the_config_again_and_cpushim_goes_on(
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0, log.read_text()
+
+
+def test_systemds_watchdog_is_fed_while_cpushim_serves(fake: FakeRuntimeServer) -> None:
+    """Under WatchdogSec= systemd passes WATCHDOG_USEC and restarts a service whose pings
+    stop (a stuck event loop): cpushim pings from its loop, at half the timeout."""
+    listen = fake.socket_path.parent / "sock" / "cri.sock"
+    log = fake.socket_path.parent / "cpushim.log"
+    notify_path = fake.socket_path.parent / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notifications:
+        notifications.bind(str(notify_path))
+        notifications.settimeout(20)
+        proc = subprocess.Popen(
+            cpushim_command(f"unix://{listen}", fake.endpoint, state_dir=listen.parent / "state"),
+            stderr=log.open("wb"),
+            cwd=REPO,
+            env=dict(os.environ, NOTIFY_SOCKET=str(notify_path), WATCHDOG_USEC="200000"),
+        )
+        try:
+            assert "READY=1" in notifications.recv(4096).decode().splitlines()
+            pings = [notifications.recv(4096).decode() for _ in range(3)]
+            assert pings == ["WATCHDOG=1"] * 3, log.read_text()
+            proc.send_signal(signal.SIGTERM)
+            # The pings stop with the shutdown: STOPPING=1 comes next, after any in flight.
+            while (said := notifications.recv(4096).decode()) == "WATCHDOG=1":
+                pass
+            assert "STOPPING=1" in said.splitlines()
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, log.read_text()

@@ -111,6 +111,7 @@ def test_cpushim_service_settings() -> None:
     assert "kubelet.service" in " ".join(unit["Before"]).split()
     assert service["Restart"] == ["always"]
     assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    assert service["WatchdogSec"] == ["30"]
     assert service["ProtectSystem"] == ["strict"]
     assert service["NoNewPrivileges"] == ["yes"]
     assert set(" ".join(service["ReadWritePaths"]).split()) >= {"/var/lib/cpushim", "/run/cpushim"}
