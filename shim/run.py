@@ -194,7 +194,14 @@ def cgroup_layout() -> CgroupLayout | None:
 
 async def run(options: RunOptions) -> int:
     policy = build_policy(options)
-    state_lock = hold_directory(options.state_dir)
+    try:
+        state_lock = hold_directory(options.state_dir)
+    except OSError as exc:
+        # A file in its place, a read-only mount, a path outside the unit's ReadWritePaths.
+        raise RuntimeError(
+            f"cannot use the state directory {options.state_dir} (stateDir, --state-dir):"
+            f" {exc.strerror or exc}"
+        ) from exc
     try:
         leftovers = CheckpointFile(options.state_dir).remove_leftovers()
         if leftovers:

@@ -412,3 +412,19 @@ def test_systemds_watchdog_is_fed_while_cpushim_serves(fake: FakeRuntimeServer) 
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, log.read_text()
+
+
+def test_a_state_directory_that_cannot_be_used_is_named_with_its_setting(
+    fake: FakeRuntimeServer,
+) -> None:
+    listen = fake.socket_path.parent / "sock" / "cri.sock"
+    log = fake.socket_path.parent / "cpushim.log"
+    (listen.parent).mkdir()
+    (listen.parent / "state").write_text("a file where the directory should be")
+    proc = start_cpushim(listen, fake.endpoint, log)
+    assert proc.wait(20) == 1, log.read_text()
+    [error] = [e for e in log_events(log) if e["level"] == "error"]
+    assert error["error"] == (
+        f"cannot use the state directory {listen.parent / 'state'} (stateDir, --state-dir):"
+        " File exists"
+    )
