@@ -279,7 +279,7 @@ async def _run(options: RunOptions, policy: CPUPolicy) -> int:
                     f"cannot serve metrics on {options.metrics_address}: {exc}"
                     ' (metricsAddress, --metrics-address; "" switches them off)'
                 ) from exc
-            cleanup.push_async_callback(_close_server, metrics_server)
+            cleanup.push_async_callback(close_metrics_server, metrics_server)
         # A listen path that cannot serve (another process on it, a file in its place, a
         # directory that cannot be made) is told now, not after the wait and a resync that
         # may move every container.
@@ -420,6 +420,13 @@ def _keep_watchdog_fed() -> asyncio.Task[None] | None:
     return asyncio.get_running_loop().create_task(feed())
 
 
-async def _close_server(server: asyncio.Server) -> None:
+# How long a closed metrics server may wait for a connection still open: from Python 3.12,
+# wait_closed waits for every one, and a client that sent nothing holds its own for the
+# read timeout (10 s), past the shutdown's bound.
+METRICS_CLOSE_WAIT = 1.0
+
+
+async def close_metrics_server(server: asyncio.Server) -> None:
     server.close()
-    await server.wait_closed()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(server.wait_closed(), METRICS_CLOSE_WAIT)

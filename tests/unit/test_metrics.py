@@ -24,6 +24,7 @@ from shim.cri.hpack_blocks import grpc_status
 from shim.cri.passthrough import PassthroughInterceptor
 from shim.cri.server import RelayServer
 from shim.metrics import ENGINE_COUNTERS, KUBELET_COUNTERS, Metrics, RelayStats, serve_metrics
+from shim.run import METRICS_CLOSE_WAIT, close_metrics_server
 from tests.fake_cri import FUTURE_UNARY, FakeRuntimeServer, script, short_tmpdir
 from tests.unit.engine_env import Env, env
 from tests.unit.relay_env import RUNTIME, LoopThread, failure, unary
@@ -358,3 +359,19 @@ async def test_every_metric_in_the_operations_guide_is_exported(env: Env) -> Non
         name for name in documented if name not in exported and f"{name}_count" not in exported
     }
     assert not missing, f"docs/operations.md names metrics cpushim does not export: {missing}"
+
+
+async def test_a_silent_client_does_not_hold_up_the_shutdown(env: Env) -> None:
+    """From Python 3.12 a closed server's wait_closed waits for its connections, and one that
+    sent nothing is kept for the read timeout (10 s): the shutdown must not wait for it."""
+    address = free_address()
+    server = await serve_metrics(Metrics(env.engine), address, lambda: None)
+    host, port = address.rsplit(":", 1)
+    _, writer = await asyncio.open_connection(host, int(port))
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(close_metrics_server(server), 5)
+        assert loop.time() - started < METRICS_CLOSE_WAIT + 1
+    finally:
+        writer.close()
