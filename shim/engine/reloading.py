@@ -303,8 +303,13 @@ class ConfigReloader:
                 self._refuse(f"cannot write the checkpoint: {exc}", line=None, key=None)
                 return
             # As a restart would: the containers that share and ask for exclusive CPUs get
-            # them where the new policy has room.
-            adopted = await adopt_sharing(self.engine, skip=lost)
+            # them where the new policy has room. The new policy is in force whatever this
+            # meets: the rest of the reload goes on, and the sweeps try again.
+            try:
+                adopted = await adopt_sharing(self.engine, skip=lost)
+            except Exception:
+                self.engine.counters["internal_errors"] += 1
+                log.exception("adopting containers under the reloaded policy failed")
         else:
             lost = []
         self.engine.options = replace(self.engine.options, failure_policy=new.failure_policy)

@@ -633,3 +633,28 @@ async def test_an_edit_that_only_respells_a_value_changes_nothing(
     assert r.env.engine.counters["config_reloads"] == 1
     assert r.env.engine.counters["config_errors"] == 0
     assert r.env.engine.policy is policy
+
+
+async def test_a_failed_adoption_still_applies_the_rest_of_the_reload(
+    r: Reloading, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new policy is in force once change_policy is done: an adoption that fails after
+    it (an unexpected error) must not leave the log level, failure policy and resync period
+    of the same edit unapplied, nor the reload uncounted."""
+    import shim.engine.reloading as reloading
+
+    async def broken(*args: object, **kwargs: object) -> list[ContainerKey]:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(reloading, "adopt_sharing", broken)
+    root = logging.getLogger()
+    level = root.level
+    try:
+        r.write('reservedSystemCPUs = "0-1"\nlogLevel = "debug"\nfailurePolicy = "fail-open"\n')
+        await r.reloaded("config_reloads")
+        assert r.env.engine.policy.reserved == CPUSet.parse("0-1")
+        assert root.level == logging.DEBUG
+        assert r.env.engine.options.failure_policy == "fail-open"
+        assert r.env.engine.counters["internal_errors"] == 1
+    finally:
+        root.setLevel(level)
