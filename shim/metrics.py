@@ -110,6 +110,10 @@ ENGINE_COUNTERS: dict[str, str] = {
         "Live containers the runtime had and cpushim did not track (a fail-open create, a"
         " create whose answer was lost, another CRI client's), found by a sweep and taken in"
     ),
+    "pods_without_qos": (
+        "Pods run whose cgroup parent names no QoS class kubelet makes (kubelet's"
+        " cgroupsPerQOS: false, or a pod made by hand): their containers share"
+    ),
     "pod_level_resource_pods": (
         "Pods whose containers showed pod-level resources (two asking for exclusive CPUs, one"
         " of them for the whole pod's): none of their containers gets exclusive CPUs"

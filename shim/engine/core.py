@@ -385,7 +385,17 @@ class Engine:
         except DecodeError:
             return
         config = pb.RunPodSandboxRequest.FromString(request).config
-        self.pods[sandbox_id] = Pod.from_config(sandbox_id, config)
+        pod = Pod.from_config(sandbox_id, config)
+        self.pods[sandbox_id] = pod
+        if pod.qos is None and self.policy.name != "none":
+            # kubelet with cgroupsPerQOS: false puts every pod under its cgroup root: no QoS
+            # class to read, so nothing is pinned. Said once per pod, where it is decided.
+            self.counters["pods_without_qos"] += 1
+            log.warning(
+                "cannot tell the pod's QoS class from its cgroup parent (kubelet's"
+                " cgroupsPerQOS: false?); its containers share",
+                extra={"fields": {"pod": pod.label, "cgroup_parent": pod.cgroup_parent}},
+            )
 
     def _held_in_sandbox(self, sandbox_id: str) -> list[ContainerKey]:
         """The assignments of the sandbox's containers, also one whose container id was

@@ -8,6 +8,7 @@ socket 0 holds CPUs 0,1,4,5 and socket 1 holds 2,3,6,7; CPU 0 is reserved.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -42,6 +43,7 @@ from tests.unit.engine_env import (
     SHARED_AFTER_FIRST_SINGLE,
     TOPOLOGY,
     Env,
+    Pod,
     assert_consistent,
     env,
     make_env,
@@ -1261,3 +1263,26 @@ async def test_an_adopted_container_kept_on_its_cpus_gets_an_exclusive_ones_sett
     updates = len(updates_to(env.fake, made))
     await env.restart()
     assert len(updates_to(env.fake, made)) == updates
+
+
+async def test_a_pod_without_a_qos_cgroup_parent_shares_and_is_warned_about(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kubelet with cgroupsPerQOS: false puts each pod right under its cgroup root: no QoS
+    class can be read, so nothing is pinned. The operator is told, once per pod."""
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name="flat", uid="u-flat", namespace="default"),
+        linux=pb.LinuxPodSandboxConfig(cgroup_parent="/podu-flat"),
+    )
+    with caplog.at_level(logging.WARNING):
+        raw = await env.kubelet.ok(
+            "RunPodSandbox", pb.RunPodSandboxRequest(config=config).SerializeToString()
+        )
+    sandbox_id = pb.RunPodSandboxResponse.FromString(raw).pod_sandbox_id
+    pod = Pod(sandbox_id, config, "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    assert env.engine.state.assignments == {}
+    assert env.cpus(container_id) == str(env.engine.state.shared)
+    assert env.engine.counters["pods_without_qos"] == 1
+    [warning] = [r for r in caplog.records if "cgroupsPerQOS" in r.getMessage()]
+    assert warning.__dict__["fields"]["cgroup_parent"] == "/podu-flat"
