@@ -148,15 +148,17 @@ def plan_container(
 
 
 def takes_whole_pod(pod: Pod, resources: pb.LinuxContainerResources) -> bool:
-    """Whether a container asks for all of its pod's CPU and memory. kubelet gives a
+    """Whether a container asks for exactly all of its pod's CPU and memory. kubelet gives a
     container without limits of its own those of its pod's pod-level resources (KEP-2837);
     otherwise the pod's figures are its containers' totals, which one container reaches
-    only when it is the only one, or an init container that runs alone."""
+    only when it is the only one, or an init container that runs alone. Exactly: a
+    container resized in place past the totals its sandbox was made with (the runtime's
+    record of them stays) is no match."""
     return (
         pod.cpu_shares > 0
         and pod.memory_limit > 0
-        and resources.cpu_shares >= pod.cpu_shares
-        and resources.memory_limit_in_bytes >= pod.memory_limit
+        and resources.cpu_shares == pod.cpu_shares
+        and resources.memory_limit_in_bytes == pod.memory_limit
     )
 
 

@@ -92,6 +92,10 @@ class CPUState:
     # when the policy would hand them out then (they may be anyone's meanwhile). Kept while
     # its pod may still come back with one; in the checkpoint, so a restart keeps them too.
     released: Mapping[ContainerKey, CPUSet] = field(default_factory=lambda: MappingProxyType({}))
+    # The UIDs of pods found to have pod-level resources: none of their containers gets
+    # exclusive CPUs. In the checkpoint, so a restart that sees fewer of their containers
+    # running (one crashed, one completed) keeps them so.
+    pod_level: frozenset[str] = frozenset()
 
     @classmethod
     def empty(cls, policy: CPUPolicy) -> CPUState:
@@ -142,11 +146,17 @@ class CPUState:
         return replace(state, released=MappingProxyType(dict(sorted(released.items()))))
 
     def keep_released(self, pod_uids: Collection[str]) -> CPUState:
-        """Without the released CPUs of pods other than ``pod_uids`` (pods that are gone)."""
+        """Without the released CPUs and pod-level marks of pods other than ``pod_uids``
+        (pods that are gone)."""
         kept = {key: cpus for key, cpus in self.released.items() if key.pod_uid in pod_uids}
-        if len(kept) == len(self.released):
+        marked = frozenset(uid for uid in self.pod_level if uid in pod_uids)
+        if len(kept) == len(self.released) and marked == self.pod_level:
             return self
-        return replace(self, released=MappingProxyType(kept))
+        return replace(self, released=MappingProxyType(kept), pod_level=marked)
+
+    def with_pod_level(self, pod_uid: str) -> CPUState:
+        """The pod marked as having pod-level resources."""
+        return replace(self, pod_level=self.pod_level | {pod_uid})
 
     def update(self, key: ContainerKey, **changes: Any) -> CPUState:
         """The same CPUs, other bookkeeping (container id, sandbox, attempt)."""
@@ -302,6 +312,9 @@ def _body(state: CPUState) -> dict[str, Any]:
         for key, cpus in sorted(state.released.items()):
             released.setdefault(key.pod_uid, {})[key.name] = str(cpus)
         body["released"] = released
+    if state.pod_level:
+        # Only when there are any, as above.
+        body["podLevelResources"] = sorted(state.pod_level)
     return body
 
 
@@ -394,6 +407,9 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
     options = body["options"]
     if not isinstance(options, list):
         raise TypeError("options must be a list")
+    pod_level = body.get("podLevelResources", [])
+    if not isinstance(pod_level, list):
+        raise TypeError("podLevelResources must be a list")
     return CPUState(
         policy=_text(body["policy"], "policy"),
         options=frozenset(_text(o, "an option") for o in options),
@@ -402,4 +418,5 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
         shared=CPUSet.parse(_text(body["shared"], "shared")),
         assignments=MappingProxyType(dict(sorted(assignments.items()))),
         released=MappingProxyType(dict(sorted(released.items()))),
+        pod_level=frozenset(_text(uid, "a pod UID") for uid in pod_level),
     )

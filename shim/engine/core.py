@@ -479,8 +479,7 @@ class Engine:
     def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
         if config.metadata.uid:
             pod = Pod.from_config(sandbox_id, config)
-            known = self.pods.get(sandbox_id)
-            if known is not None and known.pod_level_resources:
+            if pod.uid in self.state.pod_level:
                 pod = replace(pod, pod_level_resources=True)
             self.pods[sandbox_id] = pod
             return pod
@@ -511,14 +510,6 @@ class Engine:
             if tracked.key == key:
                 # kubelet makes the next attempt only once the previous one has exited.
                 self._mark_exited(tracked)
-        whole = takes_whole_pod(pod, request.config.linux.resources)
-        if (
-            plan.exclusive is not None
-            and self.policy.name != "none"
-            and await self._shows_pod_level_resources(pod, key, whole)
-        ):
-            pod = self._mark_pod_level(pod)
-            plan = replace(plan, exclusive=None)
         if plan.exclusive is None or self.policy.name == "none":
             return await self._create_shared(forward, request, pod, key, plan)
         try:
@@ -539,31 +530,59 @@ class Engine:
         since an init container that did may have exited a moment ago."""
         if not pod.cpu_shares:
             return False
-        siblings = [
-            t
-            for t in self.containers.values()
-            if t.key.pod_uid == pod.uid
-            and t.key != key
-            and t.phase is not Phase.EXITED
-            and t.cpus_asked is not None
-        ]
+        siblings = [t for t in self._asking_exclusive(pod.uid) if t.key != key]
         if not shows_pod_level_resources([whole, *(t.whole_pod for t in siblings)]):
             return False
-        live: list[Tracked] = []
-        for sibling in siblings:
-            try:
-                state = await self._container_state(sibling.id)
-            except RuntimeError:
-                state = pb.CONTAINER_RUNNING  # unknown: taken as it was
-            if state not in (None, pb.CONTAINER_EXITED):
-                live.append(sibling)
+        live = await self._still_live(siblings)
         return shows_pod_level_resources([whole, *(t.whole_pod for t in live)])
 
-    def _mark_pod_level(self, pod: Pod) -> Pod:
-        """From now on none of the pod's containers asks for exclusive CPUs; those pinned
-        give them back at the create that showed it (``_create_shared``)."""
-        marked = replace(pod, pod_level_resources=True)
-        self.pods[pod.sandbox_id] = marked
+    def _asking_exclusive(self, pod_uid: str) -> list[Tracked]:
+        """The pod's containers not seen exited that ask for exclusive CPUs, one per name
+        (a later attempt's create marked the earlier ones exited)."""
+        found: dict[ContainerKey, Tracked] = {}
+        for tracked in self.containers.values():
+            if (
+                tracked.key.pod_uid == pod_uid
+                and tracked.phase is not Phase.EXITED
+                and tracked.cpus_asked is not None
+            ):
+                found.setdefault(tracked.key, tracked)
+        return list(found.values())
+
+    async def _still_live(self, containers: list[Tracked]) -> list[Tracked]:
+        """Those the runtime says have not exited: an init container that did a moment ago
+        may not have been seen yet. One whose state is unknown now is left out: a mark is
+        for good, and an exited one would make an ordinary pod look pod-level."""
+        live: list[Tracked] = []
+        for tracked in containers:
+            try:
+                state = await self._container_state(tracked.id)
+            except RuntimeError:
+                continue
+            if state not in (None, pb.CONTAINER_EXITED):
+                live.append(tracked)
+        return live
+
+    async def mark_pods_with_pod_level_resources(self) -> None:
+        """Under the lock, before an adoption: the pods whose containers cpushim took in
+        (another client's, or created to share under none) show pod-level resources as a
+        create would have; they are marked, and none of their containers is adopted."""
+        if self.policy.name == "none":
+            return
+        uids = {t.key.pod_uid for t in self.containers.values() if t.whole_pod}
+        for uid in sorted(uids - self.state.pod_level):
+            asking = self._asking_exclusive(uid)
+            if not shows_pod_level_resources([t.whole_pod for t in asking]):
+                continue
+            live = await self._still_live(asking)
+            pod = next((p for p in self.pods.values() if p.uid == uid), None)
+            if pod is not None and shows_pod_level_resources([t.whole_pod for t in live]):
+                await self._mark_pod_level(pod)
+
+    async def _mark_pod_level(self, pod: Pod) -> None:
+        """Under the lock: from now on none of the pod's containers asks for exclusive CPUs
+        (the mark is in the checkpoint), and those pinned give theirs back."""
+        self.pods[pod.sandbox_id] = replace(pod, pod_level_resources=True)
         for tracked in self.containers.values():
             if tracked.key.pod_uid == pod.uid:
                 tracked.cpus_asked = None
@@ -573,7 +592,8 @@ class Engine:
             " gives such a pod no exclusive CPUs",
             extra={"fields": {"pod": pod.label, "pod_uid": pod.uid}},
         )
-        return marked
+        await self._record(self.state.with_pod_level(pod.uid))
+        await self._release([k for k in self.state.assignments if k.pod_uid == pod.uid])
 
     async def _create_shared(
         self,
@@ -585,9 +605,6 @@ class Engine:
     ) -> Reply:
         if any(held.pod_uid == pod.uid for held in self.state.assignments):
             async with self.lock:
-                if pod.pod_level_resources:
-                    # Its containers pinned before it showed pod-level resources share too.
-                    await self._release([k for k in self.state.assignments if k.pod_uid == pod.uid])
                 # The previous attempt of this container, when it held exclusive CPUs (a
                 # resize from whole CPUs to a fraction), and the pod's exited init containers
                 # give their CPUs back before it is created, as before an exclusive one. A
@@ -642,10 +659,15 @@ class Engine:
         far as they can, and the container's memory stays there."""
         async with self.lock:
             if self.policy.name != "none":
-                return await self._create_exclusive_locked(
+                reply = await self._create_exclusive_locked(
                     forward, request, pod, key, plan, count, memory_nodes
                 )
-        # A reload to the none policy took the lock first: the container shares.
+                if reply is not None:
+                    return reply
+                # It showed the pod's resources to be pod-level ones: it shares.
+                pod = self.pods.get(pod.sandbox_id, pod)
+                plan = replace(plan, exclusive=None)
+        # Or a reload to the none policy took the lock first: the container shares.
         return await self._create_shared(forward, request, pod, key, plan)
 
     async def _create_exclusive_locked(
@@ -657,13 +679,19 @@ class Engine:
         plan: ContainerPlan,
         count: int,
         memory_nodes: CPUSet | None,
-    ) -> Reply:
-        """The exclusive create, under the engine lock."""
+    ) -> Reply | None:
+        """The exclusive create, under the engine lock; None when the container is to share
+        instead (it showed its pod's resources to be pod-level ones)."""
         attempt = request.config.metadata.attempt
         self.counters["pinning_requests"] += 1
         # A sibling whose state the runtime does not give now keeps its CPUs, and the create
         # goes on with the others: failing it would fail a sidecar's pod for a slow reply.
         unknown = await self._release_exited_in_pod(pod.uid, keep=key)
+        # Under the lock: a sibling created meanwhile is recorded by now.
+        whole = takes_whole_pod(pod, request.config.linux.resources)
+        if await self._shows_pod_level_resources(pod, key, whole):
+            await self._mark_pod_level(pod)
+            return None
         held = self.state.assignments.get(key)
         if held is not None and self._may_keep(key, held.cpus, count, plan, memory_nodes):
             # A restart of the same container (next attempt): its CPUs follow it, when the

@@ -94,13 +94,16 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
             f" ({exc}); is it a CRI runtime?"
         ) from exc
     report = ResyncReport()
-    pods = _with_pod_level_resources(pods, live)
+    pods = _with_pod_level_resources(pods, live, loaded.pod_level if loaded is not None else ())
     async with engine.lock:
         engine.pods = pods
         # Learnt from the runtime: one another client made never has its RemovePodSandbox
         # pass here, so a sweep forgets it once the runtime no longer lists it.
         engine.learnt_sandboxes = set(pods)
         state = _reconcile(engine, loaded, pods, live, report)
+        for pod in pods.values():
+            if pod.pod_level_resources:
+                state = state.with_pod_level(pod.uid)
         try:
             await engine.checkpoint.save(state)
         except OSError as exc:
@@ -312,20 +315,23 @@ def _plan(pod: Pod | None, container: LiveContainer) -> ContainerPlan:
 
 
 def _with_pod_level_resources(
-    pods: dict[str, Pod], live: Mapping[str, LiveContainer]
+    pods: dict[str, Pod], live: Mapping[str, LiveContainer], marked_before: Collection[str]
 ) -> dict[str, Pod]:
-    """``pods``, those whose live containers show pod-level resources marked so (as the
-    creates that showed it did while cpushim ran): none of their containers is pinned."""
-    eligible: dict[str, list[bool]] = {}
-    for container in live.values():
+    """``pods``, with those marked as having pod-level resources: the checkpoint's marks,
+    and those whose live containers show them now (as the creates that showed it while
+    cpushim ran; the running attempt of each name counts). None of their containers is
+    pinned."""
+    eligible: dict[str, dict[str, bool]] = {}
+    for container in running_first(live.values()):
         pod = pods.get(container.sandbox_id)
         if pod is not None and _plan(pod, container).exclusive is not None:
-            whole = takes_whole_pod(pod, container.resources)
-            eligible.setdefault(container.sandbox_id, []).append(whole)
+            names = eligible.setdefault(container.sandbox_id, {})
+            names.setdefault(container.name, takes_whole_pod(pod, container.resources))
     marked = dict(pods)
-    for sandbox_id, flags in eligible.items():
-        if shows_pod_level_resources(flags):
-            marked[sandbox_id] = replace(pods[sandbox_id], pod_level_resources=True)
+    for sandbox_id, pod in pods.items():
+        flags = list(eligible.get(sandbox_id, {}).values())
+        if pod.uid in marked_before or shows_pod_level_resources(flags):
+            marked[sandbox_id] = replace(pod, pod_level_resources=True)
     return marked
 
 
@@ -548,6 +554,7 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
     keys adopted; a container whose state the runtime does not give now stays as it is,
     and so does everything when the checkpoint cannot be written."""
     async with engine.lock:
+        await engine.mark_pods_with_pod_level_resources()
         waiting = waiting_for_exclusive(engine, skip)
         if not waiting:
             return []

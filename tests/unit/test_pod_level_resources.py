@@ -3,20 +3,37 @@ containers, and cpushim must not pin each one with the whole pod's CPUs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.engine.resync import sandbox_config
+from shim.cri.calls import Status
+from shim.engine.resync import adopt_sharing, sandbox_config
+from shim.engine.sweeping import sweep
 from shim.kube import QOSClass
 from shim.pods import Pod as ShimPod
 from shim.pods import plan_container, shows_pod_level_resources, takes_whole_pod
+from shim.policy.none import NonePolicy
 from shim.state import Assignment, ContainerKey
+from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import milli_cpu_to_quota, milli_cpu_to_shares
-from tests.unit.engine_env import GIB, Env, Pod, assert_consistent, env
+from tests.unit.engine_env import (
+    GIB,
+    TOPOLOGY,
+    Env,
+    Pod,
+    assert_consistent,
+    env,
+    make_env,
+    static_policy,
+    until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -177,7 +194,7 @@ def _pod(cpu_shares: int, memory: int) -> ShimPod:
         (2048, 2 * GIB, True),
         (2048, GIB, False),  # its memory limit is its own
         (1024, 2 * GIB, False),  # its CPU is its own
-        (4096, 4 * GIB, True),
+        (4096, 4 * GIB, False),  # resized in place past the pod's record of its totals
     ],
 )
 def test_takes_whole_pod(shares: int, memory: int, whole: bool) -> None:
@@ -252,3 +269,155 @@ def test_the_runtimes_record_of_the_pods_totals_is_read_at_start_up(
     got = (config.linux.resources.cpu_shares, config.linux.resources.memory_limit_in_bytes)
     assert got == expected
     assert config.linux.cgroup_parent == "/kubepods/podu"
+
+
+async def test_restart_keeps_a_marked_pod_unpinned_while_one_container_is_exited(
+    env: Env,
+) -> None:
+    """Live: a pod-level pod is marked for good, and its containers' next attempts share.
+    A restart of cpushim while one of its two containers is exited (in back-off) must
+    decide the same; it pins the other with the whole pod's CPUs instead."""
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    app = await start(env, pod, "app", 2000, 2 * GIB)
+    helper = await start(env, pod, "helper", 2000, 2 * GIB)
+    assert env.engine.state.assignments == {}
+    env.fake.exit_container(helper)  # crash-looping: exited, its next attempt waits
+    await env.restart()
+    assert env.engine.state.assignments == {}, "restart pinned a pod-level pod's container"
+    assert env.cpus(app) == str(env.engine.state.shared)
+
+
+async def test_restart_after_an_in_place_resize_does_not_unpin_an_ordinary_pod(
+    env: Env,
+) -> None:
+    """An ordinary Guaranteed pod (main 2 CPUs/1Gi, sidecar 1 CPU/512Mi; sandbox totals
+    3 CPUs/1.5Gi as RunPodSandbox gave them). kubelet resizes main in place to 4 CPUs/2Gi
+    (UpdateContainerResources); the sandbox's record in containerd keeps the totals of its
+    creation. cpushim keeps both pinned while it runs; a restart must too."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(3000, GIB + GIB // 2))
+    main = await start(env, pod, "main", 2000, GIB)
+    sidecar = await start(env, pod, "sidecar", 1000, GIB // 2)
+    before = {k: a.cpus for k, a in env.engine.state.assignments.items()}
+    assert len(before) == 2
+    resize = pb.UpdateContainerResourcesRequest(
+        container_id=main,
+        linux=pb.LinuxContainerResources(
+            cpu_period=100_000,
+            cpu_quota=milli_cpu_to_quota(4000),
+            cpu_shares=milli_cpu_to_shares(4000),
+            memory_limit_in_bytes=2 * GIB,
+        ),
+    )
+    await env.kubelet.ok("UpdateContainerResources", resize.SerializeToString())
+    assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == before
+    await env.restart()
+    assert not env.engine.pods[pod.sandbox_id].pod_level_resources
+    assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == before
+    assert len(CPUSet.parse(env.cpus(sidecar))) == 1
+
+
+async def test_a_create_while_the_first_container_is_being_pinned_is_not_pinned_too(
+    env: Env,
+) -> None:
+    """Two creates of a pod-level pod at once (kubelet gave up on the first's deadline and
+    went on to the next container): the second must see the first, whose create holds the
+    lock with its CPUs assigned; it is pinned as well, the pod holding its CPUs twice."""
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    gate = env.fake.gate("CreateContainer")
+
+    async def create(name: str) -> str:
+        request = env.kubelet.create_request(pod, name, 2000)
+        request.config.linux.resources.memory_limit_in_bytes = 2 * GIB
+        reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+        assert reply.status is Status.OK, reply.status_message
+        return pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+
+    first = asyncio.ensure_future(create("app"))
+    await until(lambda: bool(env.engine.state.assignments), "the first create decided")
+    second = asyncio.ensure_future(create("helper"))
+    await until(lambda: env.engine.creates_in_flight == 2, "the second create waiting")
+    gate.set()
+    await asyncio.gather(first, second)
+    await env.engine.checkpoint_written()
+    held = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
+    assert held == {}, f"a pod-level pod pinned: {held}"
+    assert_consistent(env)
+
+
+async def test_a_reload_from_none_to_static_does_not_pin_a_pod_level_pods_containers(
+    tmp_path: Path,
+) -> None:
+    """Under none no create looks for pod-level resources. A reload to static then adopts
+    every container that asks for exclusive CPUs: each container of a pod-level pod gets
+    the whole pod's CPUs, the double allocation the detection exists to prevent (and what a
+    restart under static, which marks the pod, does not do)."""
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path / "state", NonePolicy(TOPOLOGY))
+        try:
+            pod = await env.kubelet.run_pod(
+                "plr", "guaranteed", resources=pod_totals(2000, 2 * GIB)
+            )
+            await start(env, pod, "app", 2000, 2 * GIB)
+            await start(env, pod, "helper", 2000, 2 * GIB)
+            await env.engine.change_policy(static_policy())
+            await adopt_sharing(env.engine)
+            held = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
+            assert held == {}, f"a pod-level pod's containers pinned by the reload: {held}"
+        finally:
+            env.channel.close()
+
+
+async def test_a_failed_status_of_an_exited_init_container_does_not_unpin_an_ordinary_pod(
+    env: Env,
+) -> None:
+    """An ordinary pod whose init container (2 CPUs, 2Gi) sets its totals; the app container
+    (1 CPU, 1Gi) comes before cpushim saw the init container exit, and the runtime's
+    ContainerStatus fails once. The init container is then taken as live: the pod is marked
+    pod-level for the rest of its life and never pinned, though a restart of cpushim (or
+    the same create a moment later) pins it."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    init = await start(env, pod, "init", 2000, 2 * GIB)
+    env.fake.exit_container(init)  # cpushim has not seen the exit
+    env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE)
+    app = await start(env, pod, "app", 1000, GIB)
+    assert not env.engine.pods[pod.sandbox_id].pod_level_resources
+    assert len(CPUSet.parse(env.cpus(app))) == 1
+
+
+async def test_restart_does_not_unpin_a_one_container_pod_with_an_attempt_left_created(
+    env: Env,
+) -> None:
+    """A one-container Guaranteed pod (its container is the pod's totals, so it takes the
+    whole pod). kubelet's create of attempt 0 was made by the runtime but never started
+    (kubelet went on to attempt 1, and attempt 0 stays created beside it until kubelet's
+    GC). cpushim pins attempt 1 and never looks at attempt 0 (same container). A restart
+    counts both attempts as two containers of the pod taking the whole pod, marks the pod
+    pod-level and unpins the running container."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, GIB))
+    request = env.kubelet.create_request(pod, "main", 2000, attempt=0)
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK
+    left = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    main = await start(env, pod, "main", 2000, GIB, attempt=1)
+    assert env.fake.containers[left].state == pb.CONTAINER_CREATED
+    before = {k: a.cpus for k, a in env.engine.state.assignments.items()}
+    assert len(before) == 1
+    assert len(CPUSet.parse(env.cpus(main))) == 2
+    await env.restart()
+    assert not env.engine.pods[pod.sandbox_id].pod_level_resources
+    assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == before
+
+
+async def test_a_sweep_does_not_pin_a_second_container_of_a_pod_level_pod(env: Env) -> None:
+    """The same gap through a sweep: a container of a pod-level pod that did not come
+    through cpushim's create (another CRI client's, a fail-open create) is taken in and
+    adopted with the whole pod's CPUs beside the one already pinned."""
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    await start(env, pod, "app", 2000, 2 * GIB)
+    config = env.kubelet.create_request(pod, "helper", 2000).config
+    config.linux.resources.memory_limit_in_bytes = 2 * GIB
+    env.fake.add_container(pod.sandbox_id, config)
+    await sweep(env.engine)
+    held = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
+    assert held == {}, f"a pod-level pod pinned: {held}"
+    assert env.engine.pods[pod.sandbox_id].pod_level_resources

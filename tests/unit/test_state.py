@@ -661,6 +661,30 @@ def test_released_cpus_round_trip_and_are_written_only_when_there_are_any() -> N
     assert decode_checkpoint(encode_checkpoint(SAMPLE)).released == {}
 
 
+def test_pod_level_marks_round_trip_and_are_written_only_when_there_are_any() -> None:
+    state = SAMPLE.with_pod_level("pod-b").with_pod_level("pod-a")
+    data = encode_checkpoint(state)
+    assert orjson.loads(data)["body"]["podLevelResources"] == ["pod-a", "pod-b"]
+    assert decode_checkpoint(data) == state
+    assert "podLevelResources" not in orjson.loads(encode_checkpoint(SAMPLE))["body"]
+    assert decode_checkpoint(encode_checkpoint(SAMPLE)).pod_level == frozenset()
+
+
+@pytest.mark.parametrize("value", ["pod-a", [1], {"pod-a": True}])
+def test_malformed_pod_level_marks_are_refused(value: object) -> None:
+    doc = document(SAMPLE)
+    doc["body"]["podLevelResources"] = value
+    doc["checksum"] = seal(doc["body"])
+    with pytest.raises(CheckpointError, match="its body is malformed"):
+        decode_checkpoint(dump(doc))
+
+
+def test_keep_released_forgets_the_marks_of_pods_that_are_gone() -> None:
+    state = SAMPLE.with_pod_level("a").with_pod_level("b")
+    assert state.keep_released({"a", "b", "c"}) is state
+    assert state.keep_released({"b"}).pod_level == {"b"}
+
+
 def test_decode_without_pod_label() -> None:
     doc = document(SAMPLE)
     del doc["body"]["assignments"][SAMPLE_UID][SAMPLE_NAME]["pod"]
