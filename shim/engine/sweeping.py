@@ -81,6 +81,10 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
             found, pods = await _found(engine, listing.unknown)
             if found:
                 report.tracked = await _take_in(engine, found, pods, settle)
+            if report.tracked:
+                # One removed while this waited for the lock was taken in all the same:
+                # the next sweep's listing finds it gone, soon rather than a period later.
+                engine._sweep_soon()
     if _worth_adopting(engine, waiting_for_exclusive(engine)):
         report.adopted_exclusive = await adopt_sharing(engine)
     return report

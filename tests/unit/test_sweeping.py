@@ -837,3 +837,36 @@ async def test_a_slow_container_status_does_not_hold_back_creates(env: Env) -> N
     assert (await running).tracked == [outsider]
     assert env.cpus(outsider) == SHARED_AFTER_FIRST_SINGLE
     assert_consistent(env)
+
+
+async def test_a_container_removed_while_the_sweep_waits_for_the_lock_is_forgotten_soon(
+    watched: tuple[Env, Watcher],
+) -> None:
+    """The sweep asks about unknown containers before it takes the lock; one removed while
+    it waits is taken in, and forgotten by the sweep that follows at once."""
+    env, _ = watched
+    """Another client's container, found live by the sweep's ContainerStatus (asked before
+    the lock), is removed while the sweep waits for the lock (a decision holds it). The
+    sweep takes it in on the stale answer: a container the runtime no longer has is tracked
+    (and counted as found) until a later sweep forgets it."""
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    config = env.kubelet.create_request(pod, "debug").config
+    config.linux.resources.cpuset_cpus = str(env.engine.state.shared)
+    outsider = env.fake.add_container(pod.sandbox_id, config)
+    await env.engine.lock.acquire()  # a decision under way
+    running = asyncio.create_task(sweep(env.engine))
+    await until(lambda: bool(env.fake.calls_of("ContainerStatus")), "the sweep's question")
+    for method, request in (
+        ("StopContainer", pb.StopContainerRequest(container_id=outsider)),
+        ("RemoveContainer", pb.RemoveContainerRequest(container_id=outsider)),
+    ):
+        reply = await env.channel.unary(
+            UnaryCall(rq.RUNTIME + method, (), request.SerializeToString(), 10.0)
+        )
+        assert reply.status is Status.OK
+    env.engine.lock.release()
+    await running
+    assert outsider not in env.fake.containers
+    # Taken in on what the runtime said before the lock; the sweep that follows at once
+    # finds it gone.
+    await until(lambda: outsider not in env.engine.containers, "the removed container forgotten")
