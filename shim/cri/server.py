@@ -453,6 +453,12 @@ class ClientConnection(asyncio.Protocol):
                         self.splice.release(event.stream_id)
                     amended.ended(outcome)
                     continue
+                follower = self.server.follower
+                if follower is not None and not follower.follows(event.path):
+                    # The late reply to an amended call whose handler gave up waiting for
+                    # it: nobody follows that path, and its request is not kept.
+                    self.splice.release(event.stream_id)
+                    continue
                 if self._follow_now(event, afterwards):
                     continue
                 task = asyncio.get_running_loop().create_task(self._follow(event))

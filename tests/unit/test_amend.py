@@ -22,7 +22,7 @@ from tests.fake_cri import command_of, script
 from tests.harness.containerd import wait_for
 from tests.unit.engine_env import until
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
-from tests.unit.test_follow import Peers
+from tests.unit.test_follow import Peers, Recorder
 
 CREATE = RUNTIME + "CreateContainer"
 
@@ -345,3 +345,30 @@ def test_a_call_forwarded_on_the_relays_channel_shows_its_reply_to_the_hook_too(
     assert seen == [first, second]
     assert first.status is second.status is Status.OK
     assert first.messages[0].endswith(b"created")
+
+
+@pytest.mark.anyio
+async def test_a_late_reply_to_an_amended_call_is_not_handed_to_the_follower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handler gave up on the runtime's reply (deadline and grace) and has answered: a
+    reply the runtime sends later is for nobody. Handed to the follower, it looked like a
+    followed call whose request could not be read (a warning and unread_requests, for each
+    late CreateContainer)."""
+    monkeypatch.setattr(server_module, "_DEADLINE_GRACE", 0.0)
+    interceptor = Watching(True)
+    interceptor.gate.set()
+    recorder = Recorder(at_once=True)  # followed at once: seen within the answer's pass
+    server = RelayServer(
+        listen="unix:///nonexistent/relay.sock",
+        runtime_endpoint="unix:///nonexistent/runtime.sock",
+        interceptor=interceptor,
+        follower=recorder,
+    )
+    peers = Peers(server)
+    stream = peers.call(CREATE, b"create", timeout=b"20m")
+    await reached_runtime(peers, stream)
+    await until(lambda: bool(interceptor.returned), "the handler returned")
+    assert interceptor.returned[0].status is Status.DEADLINE_EXCEEDED
+    peers.answer(stream, b"created")
+    assert recorder.seen == []
