@@ -958,7 +958,8 @@ class Splice:
             raws, first_flags = [raw], flags
         if sid in self._relayed_by_upstream:
             if first_flags & fr.FLAG_END_STREAM:
-                self._relayed_by_upstream.discard(sid)
+                # The id stays known: grpc-go may follow its trailers with RST_STREAM, which
+                # must not reach the client either (it could overtake the relay's answer).
                 self._amending.pop(sid, None)
                 followed = self._following.pop(sid, None)
                 if followed is not None:

@@ -13,6 +13,7 @@ import pytest
 
 from shim.cri import frames as fr
 from shim.cri.calls import Reply, Status
+from shim.cri.hpack_blocks import encode_block
 from shim.cri.splice import CallAborted, CallCancelled, CallCompleted, CallReceived
 from tests.unit.test_splice_h2 import (
     INTERCEPTED,
@@ -372,3 +373,25 @@ def test_a_forwarded_call_the_runtime_refuses_by_reset_was_not_processed() -> No
     pair.pump()
     (aborted,) = events_on(pair.splice_events, sid, CallAborted)
     assert aborted.unprocessed
+
+
+def test_a_runtimes_trailers_and_reset_crossing_the_relays_answer_keep_it() -> None:
+    """grpc-go ends a stream whose request never finished with trailers, then RST_STREAM
+    (NO_ERROR), as at a held call's deadline. Crossing the relay's own answer, neither
+    reaches the client: the reset would overtake the answer still waiting for its credit."""
+    pair = make_pair(amended=True)
+    sid = held_call(pair)
+    pair.auto_ack = False  # the client has not read the answer yet
+    pair.splice.reply(sid, Reply.ok(b"x" * 80_000))
+    pair.pump()
+    assert pair.splice._local[sid].pending  # the rest waits for the client's stream credit
+    trailers = encode_block(
+        [(b":status", b"200"), (b"content-type", b"application/grpc"), (b"grpc-status", b"4")]
+    )
+    crossing = b"".join(fr.header_frames(sid, trailers, 16_384, end_stream=True))
+    pair.splice.from_upstream(crossing + fr.rst_stream(sid, fr.NO_ERROR))
+    pair.pump()
+    pair.read_everything(pair.client)
+    assert not events_on(pair.client_events, sid, h2.events.StreamReset)
+    assert pair.received(pair.client_events, sid) == grpc_body(b"x" * 80_000)
+    assert events_on(pair.client_events, sid, h2.events.StreamEnded)
