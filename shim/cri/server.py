@@ -360,6 +360,11 @@ class ClientConnection(asyncio.Protocol):
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
+        if self.client is not None:
+            # A runtime that stopped reading paused the client's reading (pause_writing):
+            # nothing would resume it now, and the client's credit for the replies still
+            # to go would never be read.
+            self.client.resume_reading()
         if self._closed or self._finishing or self._aborting:
             return  # closed by this side
         reason = str(exc) if exc else "connection closed by the runtime"

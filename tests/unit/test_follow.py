@@ -20,7 +20,13 @@ import pytest
 from shim.cri import frames as fr
 from shim.cri.calls import Status, frame_message
 from shim.cri.passthrough import PassthroughInterceptor
-from shim.cri.server import Afterwards, ClientConnection, Pending, RelayServer
+from shim.cri.server import (
+    Afterwards,
+    ClientConnection,
+    Pending,
+    RelayServer,
+    UpstreamConnection,
+)
 from tests.fake_cri import command_of, script, short_tmpdir
 from tests.unit.relay_env import RUNTIME, RelayEnv, relay_env, unary
 from tests.unit.test_splice_h2 import request_headers
@@ -203,6 +209,13 @@ class RecordingTransport:
         self.writes: list[bytes] = []
         self.closed = False
         self.eof = False
+        self.reading_paused = False
+
+    def pause_reading(self) -> None:
+        self.reading_paused = True
+
+    def resume_reading(self) -> None:
+        self.reading_paused = False
 
     def writelines(self, chunks: list[bytes]) -> None:
         assert not self.eof, "written after EOF"
@@ -389,3 +402,22 @@ async def test_an_unreachable_runtime_after_the_connection_ended_is_not_reported
         assert not connection.splice.upstream_absent
         assert not caplog.records
         assert not peers.to_client.writes
+
+
+@pytest.mark.anyio
+async def test_losing_a_runtime_that_had_paused_the_client_resumes_its_reading() -> None:
+    """containerd stopped reading (its socket full), so the relay paused the client's
+    reading; then its connection went. The client's reading must go on: its credit for
+    the replies still on their way, and its next calls, are read from it."""
+    server = RelayServer(
+        listen="unix:///nonexistent/relay.sock",
+        runtime_endpoint="unix:///nonexistent/runtime.sock",
+        interceptor=PassthroughInterceptor(frozenset()),
+    )
+    peers = Peers(server)
+    peers.call(FOLLOWED, script(b"echo:stopped"))
+    peers.exchange()
+    UpstreamConnection(peers.connection).pause_writing()
+    assert peers.to_client.reading_paused
+    peers.connection.upstream_lost(ConnectionResetError("runtime gone"))
+    assert not peers.to_client.reading_paused
