@@ -641,7 +641,10 @@ class StreamForward:
         self._connection = connection
         self._stream_id = stream_id
         self._call = call
-        self._outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._outcome: asyncio.Future[Reply] = loop.create_future()
+        # The call's deadline runs from its arrival (made with it, as its HEADERS came).
+        self._arrived = loop.time()
         self._seen: ReplySeen | None = None
         self.sent = False
         self.reply: Reply | None = None
@@ -666,7 +669,7 @@ class StreamForward:
         # The runtime ends the call at its deadline; this bounds the wait should the reply
         # be stuck behind a client that stopped reading (the engine holds its lock here).
         try:
-            async with asyncio.timeout(self._call.timeout + _DEADLINE_GRACE):
+            async with asyncio.timeout_at(self._arrived + self._call.timeout + _DEADLINE_GRACE):
                 self.reply = await asyncio.shield(self._outcome)
         except TimeoutError:
             self._seen = None  # a reply that comes now is no longer the handler's to see

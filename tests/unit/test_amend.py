@@ -372,3 +372,44 @@ async def test_a_late_reply_to_an_amended_call_is_not_handed_to_the_follower(
     assert interceptor.returned[0].status is Status.DEADLINE_EXCEEDED
     peers.answer(stream, b"created")
     assert recorder.seen == []
+
+
+@dataclass
+class Slow(AmendsCreateContainer):
+    """Forwards CreateContainer only once its deadline has passed (a decision that waited
+    for the engine lock that long), and records when the forward gave up."""
+
+    deadline: float
+    arrived: float = 0.0
+    returned: list[tuple[Reply, float]] = field(default_factory=list)
+
+    async def handle(self, call: UnaryCall, forward: Forward) -> Reply:
+        loop = asyncio.get_running_loop()
+        self.arrived = loop.time()
+        await until(lambda: loop.time() > self.arrived + self.deadline, "past the deadline", 10)
+        reply = await forward(call.request)
+        self.returned.append((reply, loop.time()))
+        return reply
+
+
+@pytest.mark.anyio
+async def test_the_wait_for_a_reply_ends_by_the_calls_deadline_from_its_arrival(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not a whole deadline (and grace) from the forward: time the handler spent first
+    (the engine's lock, its checkpoint) counts, as it does for the client."""
+    monkeypatch.setattr(server_module, "_DEADLINE_GRACE", 0.0)
+    interceptor = Slow(deadline=2.0)
+    server = RelayServer(
+        listen="unix:///nonexistent/relay.sock",
+        runtime_endpoint="unix:///nonexistent/runtime.sock",
+        interceptor=interceptor,
+    )
+    peers = Peers(server)
+    peers.call(CREATE, b"create", timeout=b"2S")  # the runtime never answers
+    peers.exchange()
+    await until(lambda: bool(interceptor.returned), "the forward gave up", 10)
+    [(reply, at)] = interceptor.returned
+    assert reply.status is Status.DEADLINE_EXCEEDED
+    # At once past the deadline, not a second deadline's length (2 s) after the forward.
+    assert at - interceptor.arrived < 3.0
