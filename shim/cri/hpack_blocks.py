@@ -20,7 +20,9 @@ Header = tuple[bytes, bytes]
 
 _STATIC_TABLE_LEN = 61
 _STATIC_PATH_INDEXES = {4: b"/", 5: b"/index.html"}
-_MAX_HEADER_LIST = 16 * 1024 * 1024
+# grpc-go's default limit on a received header list; a header block longer than this (its
+# encoded bytes are never more than the list they decode to) is no peer's.
+MAX_HEADER_LIST = 16 * 1024 * 1024
 _GRPC_STATUS = b"grpc-status"
 _HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 _GRPC_STATUS_HUFFMAN = _HUFFMAN.encode(_GRPC_STATUS)
@@ -79,7 +81,7 @@ def _string(block: bytes, pos: int) -> tuple[bytes, int]:
 
 
 def _fresh_decoder() -> hpack.Decoder:
-    return hpack.Decoder(max_header_list_size=_MAX_HEADER_LIST)
+    return hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
 
 
 def decode_block(block: bytes) -> list[Header]:

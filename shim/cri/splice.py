@@ -42,6 +42,7 @@ from shim.cri.calls import (
     unframe_messages,
 )
 from shim.cri.hpack_blocks import (
+    MAX_HEADER_LIST,
     Header,
     HeaderBlockError,
     RequestBlockReader,
@@ -531,6 +532,9 @@ class Splice:
             _, first_flags, raws, assembled = self._client_block
             raws.append(raw)
             assembled += raw[9:]
+            if len(assembled) > MAX_HEADER_LIST:
+                # Kept whole until its end: an endless block would take all memory.
+                raise fr.FrameError(f"a header block longer than {MAX_HEADER_LIST} bytes")
             if flags & fr.FLAG_END_HEADERS:
                 self._client_block = None
                 self._client_headers_complete(sid, first_flags, raws, bytes(assembled))

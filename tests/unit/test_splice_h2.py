@@ -662,3 +662,22 @@ def test_remembered_ids_age_out_oldest_first_and_a_readded_id_starts_afresh() ->
     recent.add(11)
     assert [sid for sid in (1, 5, 7, 9, 11) if sid in recent] == [7, 9, 11]
     assert len(recent) == 3
+
+
+def test_an_endless_header_block_from_the_client_fails_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A header block is kept whole until its END_HEADERS: one that never ends would take
+    all memory. Past the largest header list a gRPC peer takes, the connection fails."""
+    import shim.cri.splice as splice_module
+
+    monkeypatch.setattr(splice_module, "MAX_HEADER_LIST", 4096)
+    pair = make_pair()
+    pair.splice.take_output()
+    # HEADERS without END_HEADERS on a new stream, then CONTINUATIONs that never end it.
+    pair.splice.from_client(fr.frame(fr.HEADERS, 0, 1, b"\x82"))
+    for _ in range(5):
+        pair.splice.from_client(fr.frame(fr.CONTINUATION, 0, 1, b"\x00" * 1000))
+    failures = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    assert failures
+    assert "a header block longer than 4096 bytes" in failures[0].reason
