@@ -385,7 +385,7 @@ class Engine:
         except DecodeError:
             return
         config = pb.RunPodSandboxRequest.FromString(request).config
-        pod = Pod.from_config(sandbox_id, config)
+        pod = self.marked(Pod.from_config(sandbox_id, config))
         self.pods[sandbox_id] = pod
         if pod.qos is None and self.policy.name != "none":
             # kubelet with cgroupsPerQOS: false puts every pod under its cgroup root: no QoS
@@ -476,11 +476,16 @@ class Engine:
 
         return lambda: self._spawn(forget())
 
+    def marked(self, pod: Pod) -> Pod:
+        """``pod``, marked when the state says it has pod-level resources (a new sandbox of
+        a marked pod, a pod learnt from the runtime)."""
+        if pod.uid in self.state.pod_level and not pod.pod_level_resources:
+            return replace(pod, pod_level_resources=True)
+        return pod
+
     def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
         if config.metadata.uid:
-            pod = Pod.from_config(sandbox_id, config)
-            if pod.uid in self.state.pod_level:
-                pod = replace(pod, pod_level_resources=True)
+            pod = self.marked(Pod.from_config(sandbox_id, config))
             self.pods[sandbox_id] = pod
             return pod
         known = self.pods.get(sandbox_id)
@@ -563,17 +568,24 @@ class Engine:
                 live.append(tracked)
         return live
 
+    def pod_level_candidates(self) -> list[str]:
+        """The UIDs of unmarked pods whose tracked containers show pod-level resources
+        (before the runtime is asked whether they still run). No runtime call."""
+        if self.policy.name == "none":
+            return []
+        uids = {t.key.pod_uid for t in self.containers.values() if t.whole_pod}
+        return [
+            uid
+            for uid in sorted(uids - self.state.pod_level)
+            if shows_pod_level_resources([t.whole_pod for t in self._asking_exclusive(uid)])
+        ]
+
     async def mark_pods_with_pod_level_resources(self) -> None:
         """Under the lock, before an adoption: the pods whose containers cpushim took in
         (another client's, or created to share under none) show pod-level resources as a
         create would have; they are marked, and none of their containers is adopted."""
-        if self.policy.name == "none":
-            return
-        uids = {t.key.pod_uid for t in self.containers.values() if t.whole_pod}
-        for uid in sorted(uids - self.state.pod_level):
+        for uid in self.pod_level_candidates():
             asking = self._asking_exclusive(uid)
-            if not shows_pod_level_resources([t.whole_pod for t in asking]):
-                continue
             live = await self._still_live(asking)
             pod = next((p for p in self.pods.values() if p.uid == uid), None)
             if pod is not None and shows_pod_level_resources([t.whole_pod for t in live]):
@@ -582,6 +594,9 @@ class Engine:
     async def _mark_pod_level(self, pod: Pod) -> None:
         """Under the lock: from now on none of the pod's containers asks for exclusive CPUs
         (the mark is in the checkpoint), and those pinned give theirs back."""
+        for sandbox_id, known in list(self.pods.items()):
+            if known.uid == pod.uid:
+                self.pods[sandbox_id] = replace(known, pod_level_resources=True)
         self.pods[pod.sandbox_id] = replace(pod, pod_level_resources=True)
         for tracked in self.containers.values():
             if tracked.key.pod_uid == pod.uid:
@@ -687,6 +702,8 @@ class Engine:
         # A sibling whose state the runtime does not give now keeps its CPUs, and the create
         # goes on with the others: failing it would fail a sidecar's pod for a slow reply.
         unknown = await self._release_exited_in_pod(pod.uid, keep=key)
+        if pod.uid in self.state.pod_level:
+            return None  # marked while this create waited for the lock
         # Under the lock: a sibling created meanwhile is recorded by now.
         whole = takes_whole_pod(pod, request.config.linux.resources)
         if await self._shows_pod_level_resources(pod, key, whole):

@@ -32,7 +32,6 @@ from shim.pods import (
     Pod,
     exclusive_request,
     plan_container,
-    shows_pod_level_resources,
     takes_whole_pod,
 )
 from shim.policy.static import AllocationError, ExclusiveRequest
@@ -256,12 +255,21 @@ async def _containers(
     """Containers that are not exited (exited ones hold no CPUs), and the (sandbox id, name)
     of the exited ones. A container created in a sandbox that is stopped since counts as
     exited: the runtime starts none there (and the sandbox's stop left it created), so it
-    never runs."""
+    never runs. So does one created beside a later attempt of it (kubelet went on to the
+    next attempt when the create's answer was lost): kubelet never starts an earlier one."""
     reply = await _call(engine, rq.LIST_CONTAINERS, b"")
     live: dict[str, LiveContainer] = {}
     exited: list[tuple[str, str]] = []
-    for item in pb.ListContainersResponse.FromString(reply.messages[0]).containers:
-        never_runs = item.state == pb.CONTAINER_CREATED and item.pod_sandbox_id in stopped
+    items = pb.ListContainersResponse.FromString(reply.messages[0]).containers
+    latest: dict[tuple[str, str], int] = {}
+    for item in items:
+        name = (item.pod_sandbox_id, item.metadata.name)
+        latest[name] = max(latest.get(name, 0), item.metadata.attempt)
+    for item in items:
+        superseded = item.metadata.attempt < latest[(item.pod_sandbox_id, item.metadata.name)]
+        never_runs = item.state == pb.CONTAINER_CREATED and (
+            item.pod_sandbox_id in stopped or superseded
+        )
         if item.state == pb.CONTAINER_EXITED or never_runs:
             exited.append((item.pod_sandbox_id, item.metadata.name))
             continue
@@ -317,20 +325,25 @@ def _plan(pod: Pod | None, container: LiveContainer) -> ContainerPlan:
 def _with_pod_level_resources(
     pods: dict[str, Pod], live: Mapping[str, LiveContainer], marked_before: Collection[str]
 ) -> dict[str, Pod]:
-    """``pods``, with those marked as having pod-level resources: the checkpoint's marks,
-    and those whose live containers show them now (as the creates that showed it while
-    cpushim ran; the running attempt of each name counts). None of their containers is
-    pinned."""
+    """``pods``, with those marked as having pod-level resources: the checkpoint's marks
+    (made while cpushim ran), and, for a checkpoint without them (recovered from the
+    runtime), pods of two or more running containers asking for exclusive CPUs, every one
+    of them for all of the pod's. Stricter than a create's test: the runtime's record of a
+    pod's totals is from its start, and a container resized in place since may match it
+    (one created and never started may be an attempt left behind). None of their
+    containers is pinned."""
     eligible: dict[str, dict[str, bool]] = {}
     for container in running_first(live.values()):
         pod = pods.get(container.sandbox_id)
-        if pod is not None and _plan(pod, container).exclusive is not None:
+        if container.state != pb.CONTAINER_RUNNING or pod is None:
+            continue
+        if _plan(pod, container).exclusive is not None:
             names = eligible.setdefault(container.sandbox_id, {})
             names.setdefault(container.name, takes_whole_pod(pod, container.resources))
     marked = dict(pods)
     for sandbox_id, pod in pods.items():
         flags = list(eligible.get(sandbox_id, {}).values())
-        if pod.uid in marked_before or shows_pod_level_resources(flags):
+        if pod.uid in marked_before or (len(flags) >= 2 and all(flags)):
             marked[sandbox_id] = replace(pod, pod_level_resources=True)
     return marked
 
@@ -405,6 +418,9 @@ def _reconcile(
             report.replanned.append(str(key))
             if policy.name == "none":
                 continue  # shares, as every container does under none: no refusal to count
+            pod = pods.get(container.sandbox_id)
+            if pod is not None and pod.pod_level_resources:
+                continue  # its pod's mark came after this assignment: it shares
             plan = _plan(pods.get(container.sandbox_id), container)
             candidates.append((container, len(old.cpus), plan, old.mems))
     # Of two containers of one pod and name (one left created beside its next attempt), the

@@ -85,6 +85,12 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
                 # One removed while this waited for the lock was taken in all the same:
                 # the next sweep's listing finds it gone, soon rather than a period later.
                 engine._sweep_soon()
+    if engine.pod_level_candidates():
+        # Pinned before their pod showed pod-level resources (a sibling taken in now, or
+        # one whose state the runtime could not give at its create): adoption may have
+        # nothing to do, so the pods are marked here.
+        async with engine.lock:
+            await engine.mark_pods_with_pod_level_resources()
     if _worth_adopting(engine, waiting_for_exclusive(engine)):
         report.adopted_exclusive = await adopt_sharing(engine)
     return report
@@ -222,7 +228,7 @@ def _learn_pods(engine: Engine, pods: dict[str, Pod], found: list[LiveContainer]
     for container in found:
         pod = pods.get(container.sandbox_id)
         if pod is not None and container.sandbox_id not in engine.pods:
-            engine.pods[container.sandbox_id] = pod
+            engine.pods[container.sandbox_id] = engine.marked(pod)
             engine.learnt_sandboxes.add(container.sandbox_id)
 
 
@@ -314,6 +320,19 @@ async def _listing(engine: Engine) -> _Listing | None:
         return None
     listed_ids = {item.id for item in listed}
     engine.never_running.intersection_update(listed_ids)
+    # One created beside a later attempt of it never runs (kubelet went on to the next
+    # attempt): as at start-up.
+    latest: dict[tuple[str, str], int] = {}
+    for item in listed:
+        name = (item.pod_sandbox_id, item.metadata.name)
+        latest[name] = max(latest.get(name, 0), item.metadata.attempt)
+    engine.never_running.update(
+        item.id
+        for item in listed
+        if item.state == pb.CONTAINER_CREATED
+        and item.metadata.attempt < latest[(item.pod_sandbox_id, item.metadata.name)]
+        and item.id not in engine.containers
+    )
     unknown = {
         item.id: item
         for item in listed

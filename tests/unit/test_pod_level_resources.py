@@ -34,6 +34,7 @@ from tests.unit.engine_env import (
     static_policy,
     until,
 )
+from tests.unit.test_sweeping import create_with_reply_lost
 
 pytestmark = pytest.mark.anyio
 
@@ -421,3 +422,145 @@ async def test_a_sweep_does_not_pin_a_second_container_of_a_pod_level_pod(env: E
     held = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
     assert held == {}, f"a pod-level pod pinned: {held}"
     assert env.engine.pods[pod.sandbox_id].pod_level_resources
+
+
+async def create(env: Env, pod: Pod, name: str, milli_cpu: int, memory: int) -> str:
+    """kubelet's create of a Guaranteed container with these limits (not started)."""
+    request = env.kubelet.create_request(pod, name, milli_cpu)
+    request.config.linux.resources.memory_limit_in_bytes = memory
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK, reply.status_message
+    return pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+
+
+async def test_a_create_queued_on_the_lock_while_its_pod_is_marked_is_not_pinned(
+    env: Env,
+) -> None:
+    """A create that waited for the lock while a sibling's create marked its pod shares too."""
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    await start(env, pod, "app", 2000, 2 * GIB)
+    gate = env.fake.gate("ContainerStatus")
+    helper = asyncio.ensure_future(create(env, pod, "helper", 2000, 2 * GIB))
+    # helper's create holds the lock, asking the runtime about app.
+    await until(
+        lambda: env.engine.lock.locked() and env.engine.creates_in_flight == 1,
+        "helper's create under the lock",
+    )
+    third = asyncio.ensure_future(create(env, pod, "third", 2000, 2 * GIB))
+    await until(lambda: env.engine.creates_in_flight == 2, "the third create waiting")
+    env.fake.ungate("ContainerStatus")
+    gate.set()
+    await asyncio.gather(helper, third)
+    await env.engine.checkpoint_written()
+    assert pod.uid in env.engine.state.pod_level
+    held = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
+    assert held == {}, f"a container of a marked pod-level pod pinned: {held}"
+
+
+async def test_a_lost_create_and_its_pinned_sibling_are_unpinned_by_the_sweep(env: Env) -> None:
+    """A create whose answer was lost held its CPUs, untracked, when its sibling was created
+    and pinned too: the sweep that takes it in finds the pod-level resources and marks the
+    pod, though no container waits for an adoption."""
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, GIB))
+    main = await create_with_reply_lost(env, pod, 2000)
+    await start(env, pod, "helper", 2000, GIB)
+    report = await sweep(env.engine)
+    assert report.tracked == [main]
+    await env.engine.checkpoint_written()
+    held = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
+    assert held == {}, f"a pod-level pod's containers pinned after the sweep: {held}"
+
+
+async def test_a_restart_with_a_new_reserved_set_does_not_repin_a_marked_pods_container(
+    env: Env,
+) -> None:
+    """cpushim stopped between the mark's checkpoint write and the release's: a restart under
+    a new reserved set, which displaces that assignment, must not place it again."""
+    from shim.cpuset import CPUSet
+    from shim.state import Assignment, ContainerKey
+    from tests.unit.engine_env import static_policy
+
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    app = await start(env, pod, "app", 2000, 2 * GIB)
+    await start(env, pod, "helper", 2000, 2 * GIB)
+    assert env.engine.state.assignments == {}
+    assert pod.uid in env.engine.state.pod_level
+    held = Assignment(CPUSet.parse("2-3"), app, pod.sandbox_id, 0, "default/plr", None)
+    stale = env.engine.state.assign(ContainerKey(pod.uid, "app"), held, env.engine.policy)
+    assert stale.pod_level == frozenset({pod.uid})
+    env.engine.checkpoint.save_sync(stale)
+    await env.restart(static_policy(reserved="0,2"))
+    pinned = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
+    assert pinned == {}, f"a marked pod's container pinned again at start-up: {pinned}"
+
+
+async def test_restart_does_not_mark_an_ordinary_pod_by_an_init_attempt_left_created(
+    env: Env,
+) -> None:
+    """An init container's attempt left created beside its later attempt (kubelet went on to
+    the next when the create's answer was lost) never runs: a restart neither counts it as
+    a container taking the whole pod nor pins it."""
+    from shim.cpuset import CPUSet
+
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    request = env.kubelet.create_request(pod, "init", 2000, attempt=0)
+    request.config.linux.resources.memory_limit_in_bytes = 2 * GIB
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK
+    left = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    init = await start(env, pod, "init", 2000, 2 * GIB, attempt=1)
+    env.fake.exit_container(init)  # completed
+    app = await start(env, pod, "app", 1000, GIB)
+    assert env.fake.containers[left].state == pb.CONTAINER_CREATED
+    assert len(CPUSet.parse(env.cpus(app))) == 1
+    before = {k: a.cpus for k, a in env.engine.state.assignments.items()}
+    await env.restart()
+    assert not env.engine.pods[pod.sandbox_id].pod_level_resources, "ordinary pod marked"
+    assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == before
+
+
+async def test_a_sibling_whose_status_failed_is_looked_at_again_by_a_sweep(
+    env: Env,
+) -> None:
+    """The runtime could not say whether the pinned sibling still ran when the second
+    container was created, so both were pinned: a later sweep asks again and marks the pod."""
+    from grpclib.const import Status as GrpcStatus
+
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    await start(env, pod, "app", 2000, 2 * GIB)
+    env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, count=2)
+    await start(env, pod, "helper", 2000, 2 * GIB)
+    assert len(env.engine.state.assignments) == 2  # the documented transient
+    await sweep(env.engine)
+    await sweep(env.engine)
+    held = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
+    assert held == {}, f"a pod-level pod's containers still pinned after sweeps: {held}"
+
+
+async def test_restart_after_a_resize_onto_the_pods_old_totals_does_not_unpin_an_ordinary_pod(
+    env: Env,
+) -> None:
+    """A container resized in place to exactly the totals the runtime recorded at the pod's
+    start looks like it takes the whole pod; its sibling does not, so a restart (without
+    the checkpoint's marks to go by) leaves the pod ordinary."""
+    from shim.cpuset import CPUSet
+    from tests.harness.kubelet import milli_cpu_to_quota, milli_cpu_to_shares
+
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    main = await start(env, pod, "main", 1000, GIB)
+    sidecar = await start(env, pod, "sidecar", 1000, GIB)
+    resize = pb.UpdateContainerResourcesRequest(
+        container_id=main,
+        linux=pb.LinuxContainerResources(
+            cpu_period=100_000,
+            cpu_quota=milli_cpu_to_quota(2000),
+            cpu_shares=milli_cpu_to_shares(2000),
+            memory_limit_in_bytes=2 * GIB,
+        ),
+    )
+    await env.kubelet.ok("UpdateContainerResources", resize.SerializeToString())
+    assert len(env.engine.state.assignments) == 2
+    assert env.engine.counters["pod_level_resource_pods"] == 0
+    await env.restart()
+    assert not env.engine.pods[pod.sandbox_id].pod_level_resources, "ordinary pod marked"
+    assert len(CPUSet.parse(env.cpus(sidecar))) == 1

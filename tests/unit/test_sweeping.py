@@ -870,3 +870,19 @@ async def test_a_container_removed_while_the_sweep_waits_for_the_lock_is_forgott
     # Taken in on what the runtime said before the lock; the sweep that follows at once
     # finds it gone.
     await until(lambda: outsider not in env.engine.containers, "the removed container forgotten")
+
+
+async def test_an_attempt_left_created_beside_a_later_one_is_not_taken_in(env: Env) -> None:
+    """kubelet went on to the next attempt when a create's answer was lost: the earlier one,
+    left created, never runs, and gets no CPUs (as at start-up)."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    first = env.kubelet.create_request(pod, "main", 1000, attempt=0).config
+    env.fake.add_container(pod.sandbox_id, first, state=pb.CONTAINER_CREATED)
+    later = env.kubelet.create_request(pod, "main", 1000, attempt=1).config
+    env.fake.add_container(pod.sandbox_id, later, state=pb.CONTAINER_EXITED)
+    assert (await sweep(env.engine)).tracked == []
+    assert env.engine.state.assignments == {}
+    # Looked at once only.
+    statuses = len(env.fake.calls_of("ContainerStatus"))
+    await sweep(env.engine)
+    assert len(env.fake.calls_of("ContainerStatus")) == statuses
