@@ -68,6 +68,14 @@ async def start(
     return container_id
 
 
+async def resize_in_place(env: Env, container_id: str, milli_cpu: int, memory: int) -> None:
+    """kubelet's in-place resize of a Guaranteed container (InPlacePodVerticalScaling)."""
+    resize = pb.UpdateContainerResourcesRequest(
+        container_id=container_id, linux=pod_totals(milli_cpu, memory)
+    )
+    await env.kubelet.ok("UpdateContainerResources", resize.SerializeToString())
+
+
 async def test_containers_inheriting_the_pods_limits_share(env: Env) -> None:
     """spec.resources cpu 2, memory 2Gi; two containers with none of their own: each asks
     for the whole pod. The first is pinned (it cannot be told from a one-container pod);
@@ -300,16 +308,7 @@ async def test_restart_after_an_in_place_resize_does_not_unpin_an_ordinary_pod(
     sidecar = await start(env, pod, "sidecar", 1000, GIB // 2)
     before = {k: a.cpus for k, a in env.engine.state.assignments.items()}
     assert len(before) == 2
-    resize = pb.UpdateContainerResourcesRequest(
-        container_id=main,
-        linux=pb.LinuxContainerResources(
-            cpu_period=100_000,
-            cpu_quota=milli_cpu_to_quota(4000),
-            cpu_shares=milli_cpu_to_shares(4000),
-            memory_limit_in_bytes=2 * GIB,
-        ),
-    )
-    await env.kubelet.ok("UpdateContainerResources", resize.SerializeToString())
+    await resize_in_place(env, main, 4000, 2 * GIB)
     assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == before
     await env.restart()
     assert not env.engine.pods[pod.sandbox_id].pod_level_resources
@@ -476,10 +475,6 @@ async def test_a_restart_with_a_new_reserved_set_does_not_repin_a_marked_pods_co
 ) -> None:
     """cpushim stopped between the mark's checkpoint write and the release's: a restart under
     a new reserved set, which displaces that assignment, must not place it again."""
-    from shim.cpuset import CPUSet
-    from shim.state import Assignment, ContainerKey
-    from tests.unit.engine_env import static_policy
-
     pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
     app = await start(env, pod, "app", 2000, 2 * GIB)
     await start(env, pod, "helper", 2000, 2 * GIB)
@@ -500,8 +495,6 @@ async def test_restart_does_not_mark_an_ordinary_pod_by_an_init_attempt_left_cre
     """An init container's attempt left created beside its later attempt (kubelet went on to
     the next when the create's answer was lost) never runs: a restart neither counts it as
     a container taking the whole pod nor pins it."""
-    from shim.cpuset import CPUSet
-
     pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
     request = env.kubelet.create_request(pod, "init", 2000, attempt=0)
     request.config.linux.resources.memory_limit_in_bytes = 2 * GIB
@@ -524,8 +517,6 @@ async def test_a_sibling_whose_status_failed_is_looked_at_again_by_a_sweep(
 ) -> None:
     """The runtime could not say whether the pinned sibling still ran when the second
     container was created, so both were pinned: a later sweep asks again and marks the pod."""
-    from grpclib.const import Status as GrpcStatus
-
     pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
     await start(env, pod, "app", 2000, 2 * GIB)
     env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, count=2)
@@ -543,22 +534,10 @@ async def test_restart_after_a_resize_onto_the_pods_old_totals_does_not_unpin_an
     """A container resized in place to exactly the totals the runtime recorded at the pod's
     start looks like it takes the whole pod; its sibling does not, so a restart (without
     the checkpoint's marks to go by) leaves the pod ordinary."""
-    from shim.cpuset import CPUSet
-    from tests.harness.kubelet import milli_cpu_to_quota, milli_cpu_to_shares
-
     pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
     main = await start(env, pod, "main", 1000, GIB)
     sidecar = await start(env, pod, "sidecar", 1000, GIB)
-    resize = pb.UpdateContainerResourcesRequest(
-        container_id=main,
-        linux=pb.LinuxContainerResources(
-            cpu_period=100_000,
-            cpu_quota=milli_cpu_to_quota(2000),
-            cpu_shares=milli_cpu_to_shares(2000),
-            memory_limit_in_bytes=2 * GIB,
-        ),
-    )
-    await env.kubelet.ok("UpdateContainerResources", resize.SerializeToString())
+    await resize_in_place(env, main, 2000, 2 * GIB)
     assert len(env.engine.state.assignments) == 2
     assert env.engine.counters["pod_level_resource_pods"] == 0
     await env.restart()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf.message import Message
 from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
@@ -628,13 +629,7 @@ async def test_a_pod_learnt_by_a_sweep_is_forgotten_once_its_sandbox_is_gone(env
     assert (await sweep(env.engine)).adopted_exclusive == [ContainerKey(uid, "main")]
     assert sandbox_id in env.engine.pods
     # The other client tears its pod down on the runtime's socket.
-    for method, request in (
-        ("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id)),
-        ("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id)),
-    ):
-        path = rq.RUNTIME + method
-        reply = await env.channel.unary(UnaryCall(path, (), request.SerializeToString(), 10.0))
-        assert reply.status is Status.OK
+    await remove_outside(env, sandbox_id)
     assert outsider not in env.fake.containers
     await sweep(env.engine)
     assert sandbox_id not in env.engine.pods
@@ -664,15 +659,21 @@ def outside_pod(env: Env, name: str) -> Pod:
     return Pod(env.fake.add_sandbox(config), config, "guaranteed")
 
 
-async def remove_outside(env: Env, sandbox_id: str) -> None:
-    for method, request in (
-        ("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id)),
-        ("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id)),
-    ):
+async def on_runtime(env: Env, *calls: tuple[str, Message]) -> None:
+    """Calls another CRI client makes on the runtime's own socket, each answered OK."""
+    for method, request in calls:
         reply = await env.channel.unary(
             UnaryCall(rq.RUNTIME + method, (), request.SerializeToString(), 10.0)
         )
         assert reply.status is Status.OK
+
+
+async def remove_outside(env: Env, sandbox_id: str) -> None:
+    await on_runtime(
+        env,
+        ("StopPodSandbox", pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id)),
+        ("RemovePodSandbox", pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id)),
+    )
 
 
 async def test_a_stale_sandbox_list_of_a_concurrent_sweep_forgets_a_live_pod(
@@ -748,14 +749,11 @@ async def test_a_pod_another_client_made_before_a_restart_is_forgotten_once_gone
 
 async def remove_container_outside(env: Env, container_id: str) -> None:
     """Another CRI client stops and removes a container on the runtime's own socket."""
-    for method, request in (
+    await on_runtime(
+        env,
         ("StopContainer", pb.StopContainerRequest(container_id=container_id)),
         ("RemoveContainer", pb.RemoveContainerRequest(container_id=container_id)),
-    ):
-        reply = await env.channel.unary(
-            UnaryCall(rq.RUNTIME + method, (), request.SerializeToString(), 10.0)
-        )
-        assert reply.status is Status.OK
+    )
 
 
 async def test_a_container_another_client_removed_is_forgotten(env: Env) -> None:
@@ -845,10 +843,6 @@ async def test_a_container_removed_while_the_sweep_waits_for_the_lock_is_forgott
     """The sweep asks about unknown containers before it takes the lock; one removed while
     it waits is taken in, and forgotten by the sweep that follows at once."""
     env, _ = watched
-    """Another client's container, found live by the sweep's ContainerStatus (asked before
-    the lock), is removed while the sweep waits for the lock (a decision holds it). The
-    sweep takes it in on the stale answer: a container the runtime no longer has is tracked
-    (and counted as found) until a later sweep forgets it."""
     pod = await env.kubelet.run_pod("tools", "besteffort")
     config = env.kubelet.create_request(pod, "debug").config
     config.linux.resources.cpuset_cpus = str(env.engine.state.shared)
@@ -856,14 +850,7 @@ async def test_a_container_removed_while_the_sweep_waits_for_the_lock_is_forgott
     await env.engine.lock.acquire()  # a decision under way
     running = asyncio.create_task(sweep(env.engine))
     await until(lambda: bool(env.fake.calls_of("ContainerStatus")), "the sweep's question")
-    for method, request in (
-        ("StopContainer", pb.StopContainerRequest(container_id=outsider)),
-        ("RemoveContainer", pb.RemoveContainerRequest(container_id=outsider)),
-    ):
-        reply = await env.channel.unary(
-            UnaryCall(rq.RUNTIME + method, (), request.SerializeToString(), 10.0)
-        )
-        assert reply.status is Status.OK
+    await remove_container_outside(env, outsider)
     env.engine.lock.release()
     await running
     assert outsider not in env.fake.containers
