@@ -137,7 +137,11 @@ def hold_directory(directory: Path) -> int:
     the process ends, however it ends); returns the descriptor to keep open. Two cpushims on
     one checkpoint would write over each other (through the same spare), so the second one
     refuses to start."""
+    made = not directory.exists()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if made:
+        # Its name in its parent survives a power cut with the first checkpoint in it.
+        _fsync_directory(directory.parent)
     fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

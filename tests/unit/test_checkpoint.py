@@ -562,3 +562,23 @@ def test_a_spare_the_disk_refuses_fails_no_write(
     file.save_sync(ONE)  # the disk has room again: the spare is made
     assert file.load() == ONE
     assert spare.exists()
+
+
+def test_a_new_state_directory_is_made_durable_in_its_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first start makes the directory: its parent is flushed, or a power cut soon
+    after could lose the directory with the checkpoint written into it."""
+    synced: list[Path] = []
+    real = checkpoint_module._fsync_directory
+
+    def recording(directory: Path) -> None:
+        synced.append(directory)
+        real(directory)
+
+    monkeypatch.setattr(checkpoint_module, "_fsync_directory", recording)
+    state_dir = tmp_path / "var" / "cpushim"
+    os.close(hold_directory(state_dir))
+    assert synced == [state_dir.parent]
+    os.close(hold_directory(state_dir))  # there already: nothing to flush
+    assert synced == [state_dir.parent]
