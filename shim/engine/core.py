@@ -597,7 +597,6 @@ class Engine:
         for sandbox_id, known in list(self.pods.items()):
             if known.uid == pod.uid:
                 self.pods[sandbox_id] = replace(known, pod_level_resources=True)
-        self.pods[pod.sandbox_id] = replace(pod, pod_level_resources=True)
         for tracked in self.containers.values():
             if tracked.key.pod_uid == pod.uid:
                 tracked.cpus_asked = None

@@ -261,14 +261,10 @@ async def _containers(
     live: dict[str, LiveContainer] = {}
     exited: list[tuple[str, str]] = []
     items = pb.ListContainersResponse.FromString(reply.messages[0]).containers
-    latest: dict[tuple[str, str], int] = {}
+    superseded = superseded_attempts(items)
     for item in items:
-        name = (item.pod_sandbox_id, item.metadata.name)
-        latest[name] = max(latest.get(name, 0), item.metadata.attempt)
-    for item in items:
-        superseded = item.metadata.attempt < latest[(item.pod_sandbox_id, item.metadata.name)]
         never_runs = item.state == pb.CONTAINER_CREATED and (
-            item.pod_sandbox_id in stopped or superseded
+            item.pod_sandbox_id in stopped or item.id in superseded
         )
         if item.state == pb.CONTAINER_EXITED or never_runs:
             exited.append((item.pod_sandbox_id, item.metadata.name))
@@ -287,6 +283,23 @@ async def _containers(
         response = pb.ContainerStatusResponse.FromString(status_reply.messages[0])
         live[item.id] = live_container(item.id, item.pod_sandbox_id, item.metadata, response)
     return live, exited
+
+
+def superseded_attempts(items: Iterable[pb.Container]) -> set[str]:
+    """The ids of the containers left created beside a later attempt of themselves (kubelet
+    went on to the next attempt when a create's answer was lost): kubelet never starts an
+    earlier attempt, so they never run."""
+    items = list(items)
+    latest: dict[tuple[str, str], int] = {}
+    for item in items:
+        name = (item.pod_sandbox_id, item.metadata.name)
+        latest[name] = max(latest.get(name, 0), item.metadata.attempt)
+    return {
+        item.id
+        for item in items
+        if item.state == pb.CONTAINER_CREATED
+        and item.metadata.attempt < latest[(item.pod_sandbox_id, item.metadata.name)]
+    }
 
 
 def live_container(
@@ -421,7 +434,7 @@ def _reconcile(
             pod = pods.get(container.sandbox_id)
             if pod is not None and pod.pod_level_resources:
                 continue  # its pod's mark came after this assignment: it shares
-            plan = _plan(pods.get(container.sandbox_id), container)
+            plan = _plan(pod, container)
             candidates.append((container, len(old.cpus), plan, old.mems))
     # Of two containers of one pod and name (one left created beside its next attempt), the
     # running one, else the later attempt, is the one that gets the CPUs.

@@ -40,6 +40,7 @@ from shim.engine.resync import (
     live_status,
     running_first,
     sandbox_config,
+    superseded_attempts,
     tracked_from_runtime,
     waiting_for_exclusive,
 )
@@ -320,19 +321,8 @@ async def _listing(engine: Engine) -> _Listing | None:
         return None
     listed_ids = {item.id for item in listed}
     engine.never_running.intersection_update(listed_ids)
-    # One created beside a later attempt of it never runs (kubelet went on to the next
-    # attempt): as at start-up.
-    latest: dict[tuple[str, str], int] = {}
-    for item in listed:
-        name = (item.pod_sandbox_id, item.metadata.name)
-        latest[name] = max(latest.get(name, 0), item.metadata.attempt)
-    engine.never_running.update(
-        item.id
-        for item in listed
-        if item.state == pb.CONTAINER_CREATED
-        and item.metadata.attempt < latest[(item.pod_sandbox_id, item.metadata.name)]
-        and item.id not in engine.containers
-    )
+    # As at start-up.
+    engine.never_running.update(superseded_attempts(listed) - set(engine.containers))
     unknown = {
         item.id: item
         for item in listed

@@ -51,16 +51,23 @@ def pod_totals(milli_cpu: int, memory: int) -> pb.LinuxContainerResources:
     )
 
 
-async def start(
+async def create(
     env: Env, pod: Pod, name: str, milli_cpu: int, memory: int, attempt: int = 0
 ) -> str:
-    """kubelet's create and start of a Guaranteed container with these limits (a container
-    without limits of its own gets its pod's pod-level ones)."""
+    """kubelet's create of a Guaranteed container with these limits (a container without
+    limits of its own gets its pod's pod-level ones), not started."""
     request = env.kubelet.create_request(pod, name, milli_cpu, attempt)
     request.config.linux.resources.memory_limit_in_bytes = memory
     reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
-    assert reply.status.name == "OK", reply.status_message
-    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    assert reply.status is Status.OK, reply.status_message
+    return pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+
+
+async def start(
+    env: Env, pod: Pod, name: str, milli_cpu: int, memory: int, attempt: int = 0
+) -> str:
+    """kubelet's create and start of such a container."""
+    container_id = await create(env, pod, name, milli_cpu, memory, attempt)
     await env.kubelet.ok(
         "StartContainer", pb.StartContainerRequest(container_id=container_id).SerializeToString()
     )
@@ -394,10 +401,7 @@ async def test_restart_does_not_unpin_a_one_container_pod_with_an_attempt_left_c
     counts both attempts as two containers of the pod taking the whole pod, marks the pod
     pod-level and unpins the running container."""
     pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, GIB))
-    request = env.kubelet.create_request(pod, "main", 2000, attempt=0)
-    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
-    assert reply.status is Status.OK
-    left = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    left = await create(env, pod, "main", 2000, GIB)
     main = await start(env, pod, "main", 2000, GIB, attempt=1)
     assert env.fake.containers[left].state == pb.CONTAINER_CREATED
     before = {k: a.cpus for k, a in env.engine.state.assignments.items()}
@@ -421,15 +425,6 @@ async def test_a_sweep_does_not_pin_a_second_container_of_a_pod_level_pod(env: E
     held = {str(k): str(a.cpus) for k, a in env.engine.state.assignments.items()}
     assert held == {}, f"a pod-level pod pinned: {held}"
     assert env.engine.pods[pod.sandbox_id].pod_level_resources
-
-
-async def create(env: Env, pod: Pod, name: str, milli_cpu: int, memory: int) -> str:
-    """kubelet's create of a Guaranteed container with these limits (not started)."""
-    request = env.kubelet.create_request(pod, name, milli_cpu)
-    request.config.linux.resources.memory_limit_in_bytes = memory
-    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
-    assert reply.status is Status.OK, reply.status_message
-    return pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
 
 
 async def test_a_create_queued_on_the_lock_while_its_pod_is_marked_is_not_pinned(
@@ -496,11 +491,7 @@ async def test_restart_does_not_mark_an_ordinary_pod_by_an_init_attempt_left_cre
     the next when the create's answer was lost) never runs: a restart neither counts it as
     a container taking the whole pod nor pins it."""
     pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
-    request = env.kubelet.create_request(pod, "init", 2000, attempt=0)
-    request.config.linux.resources.memory_limit_in_bytes = 2 * GIB
-    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
-    assert reply.status is Status.OK
-    left = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    left = await create(env, pod, "init", 2000, 2 * GIB)
     init = await start(env, pod, "init", 2000, 2 * GIB, attempt=1)
     env.fake.exit_container(init)  # completed
     app = await start(env, pod, "app", 1000, GIB)
