@@ -394,11 +394,15 @@ async def _unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> 
 
 def runtime_unreachable(endpoint: str) -> str | None:
     """Why the runtime's socket does not take a connection now, or None when it does: what
-    /healthz reports. A connect on a Unix socket answers at once; no CRI call is made."""
+    /healthz reports. No CRI call is made. The connect does not block: a Unix socket's
+    connect either completes at once or, when the runtime's listen backlog is full, would
+    wait, and waiting here would hold every relayed call on the loop."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(0.2)
+        probe.setblocking(False)
         try:
             probe.connect(unix_path(endpoint))
+        except BlockingIOError:
+            return f"runtime {endpoint} takes no connection now: its listen backlog is full"
         except OSError as exc:
             return f"runtime {endpoint} unreachable: {exc}"
     return None

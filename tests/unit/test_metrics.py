@@ -5,6 +5,7 @@ through a real RelayServer in front of the fake CRI server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import time
@@ -24,7 +25,7 @@ from shim.cri.hpack_blocks import grpc_status
 from shim.cri.passthrough import PassthroughInterceptor
 from shim.cri.server import RelayServer
 from shim.metrics import ENGINE_COUNTERS, KUBELET_COUNTERS, Metrics, RelayStats, serve_metrics
-from shim.run import METRICS_CLOSE_WAIT, close_metrics_server
+from shim.run import METRICS_CLOSE_WAIT, close_metrics_server, runtime_unreachable
 from tests.fake_cri import FUTURE_UNARY, FakeRuntimeServer, script, short_tmpdir
 from tests.unit.engine_env import Env, env
 from tests.unit.relay_env import RUNTIME, LoopThread, failure, unary
@@ -375,3 +376,41 @@ async def test_a_silent_client_does_not_hold_up_the_shutdown(env: Env) -> None:
         assert loop.time() - started < METRICS_CLOSE_WAIT + 1
     finally:
         writer.close()
+
+
+# --- what /healthz asks of the runtime's socket ---------------------------------------------------
+
+
+def test_the_runtime_probe_tells_a_listening_socket_from_a_missing_one() -> None:
+    with short_tmpdir() as workdir:
+        check_probe_on(workdir / "runtime.sock")
+
+
+def check_probe_on(path: Path) -> None:
+    assert runtime_unreachable(f"unix://{path}") == (
+        f"runtime unix://{path} unreachable: [Errno 2] No such file or directory"
+    )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(8)
+        assert runtime_unreachable(f"unix://{path}") is None
+
+
+def test_the_runtime_probe_does_not_wait_on_a_full_listen_backlog() -> None:
+    # A runtime too busy to accept: a blocking connect would hold the event loop, and every
+    # relayed call with it, until its timeout.
+    with contextlib.ExitStack() as stack:
+        path = stack.enter_context(short_tmpdir()) / "runtime.sock"
+        listener = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        listener.bind(str(path))
+        listener.listen(0)
+        while True:  # fill the backlog, never accepting
+            client = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            client.setblocking(False)
+            try:
+                client.connect(str(path))
+            except BlockingIOError:
+                break
+        assert runtime_unreachable(f"unix://{path}") == (
+            f"runtime unix://{path} takes no connection now: its listen backlog is full"
+        )
