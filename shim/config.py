@@ -286,7 +286,8 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("failurePolicy", "failure_policy", "--failure-policy", _choice(*FAILURE_POLICIES)),
     Key("recoverFromRuntime", "recover_from_runtime", "--recover-from-runtime", _boolean),
     Key("resyncPeriod", "resync_period", "--resync-period", _seconds, _seconds_text),
-    Key("projectionDir", "projection_dir", "--projection-dir", _path),
+    # Absolute: the mount names it to the runtime, which would resolve it against its own.
+    Key("projectionDir", "projection_dir", "--projection-dir", _absolute_path),
     Key("projectionMountPath", "projection_mount_path", "--projection-mount-path", _absolute_path),
     Key("metricsAddress", "metrics_address", "--metrics-address", _address),
     Key("eventLoop", "event_loop", "--event-loop", _choice(*EVENT_LOOPS)),

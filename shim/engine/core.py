@@ -21,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -917,7 +918,7 @@ class Engine:
         if self.projector is None:
             return
         target = str(self.projector.mount_path)
-        if any(m.container_path == target for m in request.config.mounts):
+        if any(_at_or_under(m.container_path, target) for m in request.config.mounts):
             log.warning(
                 "the container already mounts something at the projection's path; not projected",
                 extra={"fields": {"container": str(key), "path": target}},
@@ -1442,6 +1443,14 @@ class Engine:
         async with self.lock:
             await self._apply()
             return not self._out_of_place()
+
+
+def _at_or_under(container_path: str, target: str) -> bool:
+    """Whether a container's mount lands on ``target`` or inside it, however its path is
+    written (the runtime cleans it: ``/run/cpushim/`` is ``/run/cpushim``). One inside would
+    need a mount point made in the read-only projection, and the container would not start."""
+    path = posixpath.normpath(posixpath.join("/", container_path))
+    return path == target or path.startswith(target.rstrip("/") + "/")
 
 
 def _unique_prefix_match(named: str, ids: set[str]) -> str:

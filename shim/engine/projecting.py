@@ -169,6 +169,15 @@ class Projector:
                 extra={"fields": {"container": str(key), "error": str(exc)}},
             )
             return False
+        except Exception:
+            # A projection is never worth a container's create, nor the retries of the
+            # others behind it: counted as what it cost, with the trace to find why.
+            self.counters["projection_errors"] += 1
+            log.exception(
+                "could not write a container's projection",
+                extra={"fields": {"container": str(key)}},
+            )
+            return False
         self._written[key] = cpuset
         self.counters["projection_writes"] += 1
         if self.on_written is not None:

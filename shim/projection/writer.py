@@ -299,21 +299,24 @@ def _recognise(data: bytes | None, known: _Known | None) -> _Known | None:
 
 
 def _read_file(dir_fd: int, name: str) -> tuple[bytes | None, int]:
+    # O_NONBLOCK: a FIFO in a file's place would otherwise hold the open for ever (the event
+    # loop itself on tmpfs).
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:
         # Missing, or something that is not a plain file (a symlink): not ours to read.
-        if exc.errno in (errno.ENOENT, errno.ELOOP):
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
             return None, 0
         raise
     try:
-        modified_ns = os.fstat(fd).st_mtime_ns
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            return None, 0
         chunks = []
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)
-        return b"".join(chunks), modified_ns
-    except IsADirectoryError:
-        return None, 0
+        return b"".join(chunks), status.st_mtime_ns
     finally:
         os.close(fd)
 

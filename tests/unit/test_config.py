@@ -324,6 +324,7 @@ ERRORS = [
     ('stateDir = ""', 1, "stateDir", "must not be empty"),
     ("sysfsRoot = 1", 1, "sysfsRoot", "want a string, got 1"),
     ('projectionMountPath = "run/cpushim"', 1, "projectionMountPath", "want an absolute path"),
+    ('projectionDir = "run/projection"', 1, "projectionDir", "want an absolute path"),
     ('metricsAddress = "9464"', 1, "metricsAddress", "want HOST:PORT, got '9464'"),
     ('metricsAddress = "::1:9464"', 1, "metricsAddress", "brackets"),
     ('recoverFromRuntime = "yes"', 1, "recoverFromRuntime", "want true or false, got 'yes'"),

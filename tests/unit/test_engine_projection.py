@@ -272,15 +272,52 @@ async def test_a_projection_that_cannot_be_written_costs_the_mount_not_the_conta
 
 
 @pytest.mark.anyio
-async def test_a_mount_kubelet_already_has_at_the_path_is_left_alone(env: Env) -> None:
+@pytest.mark.parametrize(
+    "path",
+    # However it is written (the runtime cleans the path), and below it: a mount point there
+    # would have to be made inside the read-only projection.
+    [str(MOUNT), f"{MOUNT}/", "/run//cpushim", "/run/./cpushim", f"{MOUNT}/extra"],
+)
+async def test_a_mount_kubelet_already_has_at_the_path_is_left_alone(env: Env, path: str) -> None:
     pod = await env.kubelet.run_pod("web", "besteffort")
     request = env.kubelet.create_request(pod, "main")
-    own = pb.Mount(container_path=str(MOUNT), host_path="/srv/elsewhere")
+    own = pb.Mount(container_path=path, host_path="/srv/elsewhere")
     request.config.mounts.append(own)
     reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
     assert reply.status is Status.OK
     container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
     assert mounts_of(env, container_id) == [own]
+
+
+@pytest.mark.anyio
+async def test_a_mount_beside_the_path_does_not_stop_the_projection(env: Env) -> None:
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    request = env.kubelet.create_request(pod, "main")
+    own = pb.Mount(container_path=f"{MOUNT}-data", host_path="/srv/elsewhere")
+    request.config.mounts.append(own)
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    assert [m.container_path for m in mounts_of(env, container_id)] == [f"{MOUNT}-data", str(MOUNT)]
+
+
+@pytest.mark.anyio
+async def test_an_unexpected_failure_of_the_writer_costs_the_mount_not_the_container(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not an OSError nor a ValueError: a defect of the writer's own, which must not refuse a
+    # create (nor end the retries of the directories behind it).
+    assert env.engine.projector is not None
+
+    async def broken(*args: Any) -> int:
+        raise TypeError("a writer's defect")
+
+    monkeypatch.setattr(env.engine.projector.writer, "write", broken)
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    container_id = await env.kubelet.start_new(pod, "main")
+    assert mounts_of(env, container_id) == []
+    assert env.engine.counters["projection_errors"] == 1
+    assert env.engine.counters["internal_errors"] == 0
 
 
 @pytest.mark.anyio

@@ -289,6 +289,10 @@ def test_parse_ignores_fields_it_does_not_know() -> None:
         pytest.param(with_(generation=True), id="generation-bool"),
         pytest.param(with_(generation=7.5), id="generation-float"),
         pytest.param(with_(generation=-1), id="generation-negative"),
+        # Valid JSON that no writer could render again, nor a float64 reader take exactly.
+        pytest.param(with_(generation=2**53), id="generation-huge"),
+        pytest.param(with_(numa_nodes=[2**64]), id="node-huge"),
+        pytest.param(with_(sockets=[2**53]), id="socket-huge"),
         pytest.param(with_(updated_at="yesterday"), id="time-words"),
         pytest.param(with_(updated_at="2026-01-02 03:04:05Z"), id="time-space"),
         pytest.param(with_(updated_at="2026-13-02T03:04:05Z"), id="time-month-13"),
@@ -1082,3 +1086,26 @@ def test_this_machines_tmpfs_is_seen(tmp_path: Path) -> None:
         pytest.skip("no /dev/shm here")
     assert ProjectionWriter(shm / "cpushim-not-made").inline
     assert ProjectionWriter(tmp_path, inline=False).inline is False
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "thread"])
+@pytest.mark.parametrize("name", [STATE_FILE, CPUS_FILE])
+async def test_a_fifo_in_a_file_s_place_is_replaced_without_waiting(
+    tmp_path: Path, inline: bool, name: str
+) -> None:
+    # An open without O_NONBLOCK would wait for a writer for ever: inline, on the event loop.
+    writer = ProjectionWriter(tmp_path, inline=inline)
+    await project(writer, "1")
+    fifo = writer.directory("pod-1", "app") / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    try:
+        # Inline, a wait would hold the loop itself: the suite's own timeout ends it.
+        with anyio.fail_after(10):
+            await project(writer, "2")
+    finally:
+        if stat.S_ISFIFO(fifo.lstat().st_mode):  # free a thread stuck in open
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert fifo.is_file()
+    assert read(writer.directory("pod-1", "app")).cpus == "2"
