@@ -164,6 +164,10 @@ class RuntimeChannel:
             protocol: H2Protocol = await self._channel.__connect__()
         except (OSError, ConnectionError) as exc:
             raise _NotConnectedError(str(exc)) from exc
+        if protocol.processor.connection.is_closing():
+            # Accepted and closed before a stream could be made (a runtime restarting):
+            # grpclib has dropped its transport already, and the next call connects anew.
+            raise _NotConnectedError("the runtime closed the connection at once")
         wrapper = Wrapper()
         stream = protocol.processor.connection.create_stream(wrapper=wrapper)
         release = None

@@ -1,0 +1,73 @@
+"""The runtime channel's transport failures: every one becomes a reply, never an exception."""
+
+from __future__ import annotations
+
+import socket
+from asyncio.selector_events import BaseSelectorEventLoop
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shim.cri.calls import Status, UnaryCall
+from shim.cri.upstream import RuntimeChannel
+from shim.run import wait_for_runtime
+from shim.status_cli import live_view
+from tests.fake_cri import short_tmpdir
+
+VERSION = "/runtime.v1.RuntimeService/Version"
+
+
+@pytest.fixture
+def closes_at_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A socket whose far end accepts each connection and closes it at once (a runtime going
+    down or coming up): made certain by closing it as soon as the client's connect returns,
+    before the client has written anything."""
+    with short_tmpdir() as workdir:
+        path = str(Path(workdir) / "runtime.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen(8)
+            connect = BaseSelectorEventLoop.sock_connect
+
+            async def connect_then_closed(self: Any, sock: socket.socket, address: Any) -> None:
+                await connect(self, sock, address)
+                peer, _ = listener.accept()  # queued already: no wait
+                peer.close()
+
+            monkeypatch.setattr(BaseSelectorEventLoop, "sock_connect", connect_then_closed)
+            yield f"unix://{path}"
+
+
+@pytest.mark.anyio
+async def test_a_connection_closed_at_once_is_unavailable(closes_at_once: str) -> None:
+    channel = RuntimeChannel(closes_at_once)
+    try:
+        for _ in range(2):  # and again on the next call, with a new connection
+            reply = await channel.unary(UnaryCall(VERSION, (), b"", 5.0))
+            assert reply.status is Status.UNAVAILABLE
+            assert not reply.unanswered  # nothing was sent: the runtime did nothing
+            assert "closed the connection" in reply.status_message
+    finally:
+        channel.close()
+
+
+@pytest.mark.anyio
+async def test_the_wait_for_the_runtime_goes_on_through_connections_closed_at_once(
+    closes_at_once: str,
+) -> None:
+    channel = RuntimeChannel(closes_at_once)
+    try:
+        with pytest.raises(RuntimeError, match="did not answer within"):
+            await wait_for_runtime(channel, 0)
+    finally:
+        channel.close()
+
+
+def test_status_tells_of_a_socket_that_closes_connections_at_once(closes_at_once: str) -> None:
+    live = live_view(closes_at_once)
+    assert live is not None
+    assert live.containers is None
+    assert live.error is not None
+    assert "closed the connection" in live.error
