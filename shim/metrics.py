@@ -336,26 +336,22 @@ async def _serve_one(
     healthy: Callable[[], str | None],
 ) -> None:
     async with asyncio.timeout(_READ_TIMEOUT):
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.LimitOverrunError:
-            _respond(writer, 400, _TEXT, b"request head too large\n")
-            return
-    if len(head) > _MAX_REQUEST_HEAD:
+        request_line = await _read_head(reader)
+    if request_line is None:
         _respond(writer, 400, _TEXT, b"request head too large\n")
         return
-    parts = head.split(b"\r\n", 1)[0].split()
+    parts = request_line.split()
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         _respond(writer, 400, _TEXT, b"bad request line\n")
         return
     method, target = parts[0], parts[1].split(b"?", 1)[0]
+    head_only = method == b"HEAD"
     if target not in (b"/metrics", b"/healthz"):
-        _respond(writer, 404, _TEXT, b"not found; try /metrics or /healthz\n")
+        _respond(writer, 404, _TEXT, b"not found; try /metrics or /healthz\n", head_only=head_only)
         return
     if method not in (b"GET", b"HEAD"):
         _respond(writer, 405, _TEXT, b"only GET and HEAD\n", extra=b"Allow: GET, HEAD\r\n")
         return
-    head_only = method == b"HEAD"
     if target == b"/metrics":
         _respond(writer, 200, CONTENT_TYPE_PLAIN_0_0_4, metrics.render(), head_only=head_only)
     else:
@@ -365,7 +361,33 @@ async def _serve_one(
         else:
             line = " ".join(reason.split()) + "\n"
             _respond(writer, 503, _TEXT, line.encode(), head_only=head_only)
-    await writer.drain()
+    async with asyncio.timeout(_READ_TIMEOUT):  # a client that never reads holds nothing
+        await writer.drain()
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
+    """A request's first line, its header lines read and dropped; None when the head is
+    larger than ``_MAX_REQUEST_HEAD``. Lines may end in a bare LF, as RFC 9112 lets a
+    server take them (``printf 'GET /healthz HTTP/1.0\\n\\n' | nc``), and empty lines
+    before the request line are skipped. IncompleteReadError when the client stops early."""
+    request_line = b""
+    size = 0
+    while True:
+        try:
+            line = await reader.readline()
+        except ValueError:  # longer than the reader's own limit
+            return None
+        if not line.endswith(b"\n"):
+            raise asyncio.IncompleteReadError(line, None)
+        size += len(line)
+        if size > _MAX_REQUEST_HEAD:
+            return None
+        line = line.rstrip(b"\r\n")
+        if not line:
+            if request_line:
+                return request_line
+        elif not request_line:
+            request_line = line
 
 
 def _respond(

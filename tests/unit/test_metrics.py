@@ -180,13 +180,53 @@ async def test_other_paths_and_methods_are_refused(served: Served) -> None:
     assert (await served.get("/metrics?name[]=x"))[0] == 200
 
 
-async def test_a_garbled_request_is_answered_and_closed(served: Served) -> None:
+async def raw_exchange(served: Served, request: bytes) -> bytes:
+    """What the server sends for ``request``, written as is, up to its close."""
     host, port = served.url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"nonsense\r\n\r\n")
-    answer = await asyncio.wait_for(reader.read(), 10)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_a_garbled_request_is_answered_and_closed(served: Served) -> None:
+    answer = await raw_exchange(served, b"nonsense\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 400 ")
-    writer.close()
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET /healthz HTTP/1.0\n\n",  # printf ... | nc
+        b"GET /healthz HTTP/1.1\nHost: x\n\n",
+        b"\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",  # an empty line before it
+    ],
+)
+async def test_requests_with_bare_line_feeds_are_answered(
+    served: Served, request_head: bytes
+) -> None:
+    served.metrics.state_loaded = True
+    answer = await raw_exchange(served, request_head)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert answer.endswith(b"\r\n\r\nok\n")
+
+
+async def test_a_request_head_too_large_is_refused(served: Served) -> None:
+    headers = b"".join(b"X-Filler-%d: %s\r\n" % (n, b"x" * 100) for n in range(100))
+    answer = await raw_exchange(served, b"GET /metrics HTTP/1.1\r\n" + headers + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert answer.endswith(b"request head too large\n")
+
+
+async def test_no_answer_to_head_has_a_body(served: Served) -> None:
+    for target in (b"/healthz", b"/metrics", b"/nowhere"):
+        answer = await raw_exchange(served, b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\n" % target)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 "), target
+        assert body == b"", target
 
 
 async def test_closing_the_server_stops_serving(env: Env) -> None:
