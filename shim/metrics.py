@@ -33,6 +33,7 @@ from shim.cri.methods import BY_PATH
 
 if TYPE_CHECKING:
     from shim.engine import Engine
+    from shim.state import CPUState
 
 log = logging.getLogger(__name__)
 
@@ -235,14 +236,26 @@ def _bound_label(bound: float) -> str:
 class EngineCollector:
     """The engine's counters and CPU state, read at scrape time."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, loaded: Callable[[], bool]) -> None:
         self.engine = engine
+        self.loaded = loaded
 
     def collect(self) -> Iterator[Metric]:
         counters = self.engine.counters
         state = self.engine.state
         for key, (name, text) in KUBELET_COUNTERS.items():
             yield CounterMetricFamily(name, text, value=counters.get(key, 0))
+        if self.loaded():
+            # Before, the engine holds an empty state, not the checkpoint's: nothing pinned
+            # and the whole node shared would be a lie for the wait and the resync.
+            yield from self._state_gauges(state)
+        names = set(ENGINE_COUNTERS) | (set(counters) - set(KUBELET_COUNTERS))
+        for key in sorted(names):
+            text = ENGINE_COUNTERS.get(key, f"cpushim engine counter {key}")
+            yield CounterMetricFamily(f"cpushim_{key}", text, value=counters.get(key, 0))
+
+    @staticmethod
+    def _state_gauges(state: CPUState) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "cpu_manager_shared_pool_size_millicores",
             "Size of the shared CPU pool for non-guaranteed QoS pods, in millicores",
@@ -253,10 +266,6 @@ class EngineCollector:
             "Number of CPUs exclusively allocated to containers",
             value=sum(len(a.cpus) for a in state.assignments.values()),
         )
-        names = set(ENGINE_COUNTERS) | (set(counters) - set(KUBELET_COUNTERS))
-        for key in sorted(names):
-            text = ENGINE_COUNTERS.get(key, f"cpushim engine counter {key}")
-            yield CounterMetricFamily(f"cpushim_{key}", text, value=counters.get(key, 0))
 
 
 class Metrics:
@@ -272,7 +281,7 @@ class Metrics:
         self.relay = RelayStats()
         self.state_loaded = False
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(engine, lambda: self.state_loaded))
         self.registry.register(self.relay)
 
     def render(self) -> bytes:

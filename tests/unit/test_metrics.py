@@ -112,6 +112,7 @@ def test_every_counter_the_engine_uses_is_exported_with_help() -> None:
 
 
 async def test_a_lifecycle_scraped_over_http(env: Env, served: Served) -> None:
+    served.metrics.state_loaded = True
     before = await served.scrape()
     assert before[("cpu_manager_pinning_requests_total", ())] == 0
     assert before[("cpu_manager_shared_pool_size_millicores", ())] == 8000
@@ -149,10 +150,33 @@ async def test_a_lifecycle_scraped_over_http(env: Env, served: Served) -> None:
 
 
 async def test_help_text_is_exported(served: Served) -> None:
+    served.metrics.state_loaded = True
     _, _, body = await served.get("/metrics")
     assert "# HELP cpushim_drift_repairs_total " in body
     assert "# TYPE cpu_manager_pinning_requests_total counter" in body
     assert "# TYPE cpu_manager_shared_pool_size_millicores gauge" in body
+
+
+async def test_the_state_s_gauges_wait_for_the_state(env: Env) -> None:
+    # A restarted cpushim serves /metrics while it waits for the runtime and resyncs; its
+    # engine's state is empty until then, whatever the checkpoint holds.
+    await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 2000)
+    metrics = Metrics(env.engine)
+
+    def gauges() -> dict[str, float]:
+        return {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(metrics.render().decode())
+            for sample in family.samples
+            if family.type == "gauge"
+        }
+
+    assert gauges() == {}
+    metrics.state_loaded = True
+    assert gauges() == {
+        "cpu_manager_exclusive_cpu_allocation_count": 2,
+        "cpu_manager_shared_pool_size_millicores": 6000,
+    }
 
 
 # --- /healthz and the HTTP side --------------------------------------------------------------
@@ -389,6 +413,7 @@ async def test_every_metric_in_the_operations_guide_is_exported(env: Env) -> Non
     documented = set(re.findall(row, guide, re.MULTILINE))
     assert {"cpu_manager_pinning_errors_total", "cpushim_exits_seen_total"} <= documented
     metrics = Metrics(env.engine)
+    metrics.state_loaded = True  # the state's gauges show once it is
     metrics.relay.call_finished(VERSION, 0, 0.001)  # labelled families show once they count
     exported = {
         sample.name
