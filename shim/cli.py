@@ -120,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     _option(
         policy,
         "recoverFromRuntime",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="ignore the checkpoint (it is kept beside, renamed) and rebuild the assignments"
-        " from the containers the runtime reports",
+        " from the containers the runtime reports (--no-recover-from-runtime: not, whatever"
+        " the config file says)",
     )
     _option(
         policy,

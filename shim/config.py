@@ -468,6 +468,10 @@ def resolve(flags: Mapping[str, object], file_values: ConfigValues) -> RunOption
         for field, value in file_values.items()
         if not any(field in group and not group.isdisjoint(flags) for group in _ALTERNATIVES)
     }
+    if flags.get("policy") == "none" and "policy_options" not in flags:
+        # The file's options were the file's policy's: a flag that switches to none leaves
+        # them behind. Given as flags too, build_policy refuses them, as kubelet does.
+        merged.pop("policy_options", None)
     merged.update(flags)
     if not merged.get("image_endpoint"):
         merged["image_endpoint"] = merged.get("runtime_endpoint", RunOptions.runtime_endpoint)

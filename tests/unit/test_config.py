@@ -257,6 +257,25 @@ def test_a_policy_option_flag_replaces_the_files_options(tmp_path: Path) -> None
     assert options.policy_options == ("strict-cpu-reservation",)
 
 
+def test_a_policy_flag_for_none_leaves_the_files_options_behind(tmp_path: Path) -> None:
+    # The file's options are for the file's static policy; none takes none (kubelet refuses
+    # options with it), and no flag could empty the file's table.
+    config = write(
+        tmp_path,
+        'cpuManagerPolicy = "static"\n[cpuManagerPolicyOptions]\nfull-pcpus-only = "true"\n',
+    )
+    options = parse_cli("--config", str(config), "--policy", "none")
+    assert (options.policy, options.policy_options) == ("none", ())
+    build_policy(replace(options, sysfs_root=write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path / "sys")))
+    # Kept for a flag naming static, and refused when given as flags with none.
+    assert parse_cli("--config", str(config), "--policy", "static").policy_options == (
+        "full-pcpus-only",
+    )
+    both = parse_cli("--policy", "none", "--policy-option", "full-pcpus-only")
+    with pytest.raises(ValueError, match="need the static policy"):
+        build_policy(replace(both, sysfs_root=write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path / "s2")))
+
+
 def test_a_bad_new_flag_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (
         ["--resync-period", "-1"],
@@ -614,8 +633,9 @@ def test_a_reservation_the_machine_cannot_meet_names_its_key(
         ("recoverFromRuntime = true\n", (), True),
         ("recoverFromRuntime = false\n", ("--recover-from-runtime",), False),
         ("recoverFromRuntime = false\n", (), False),
+        ("recoverFromRuntime = true\n", ("--no-recover-from-runtime",), False),
     ],
-    ids=["file", "flag", "off"],
+    ids=["file", "flag", "off", "turned-off-by-flag"],
 )
 def test_recovery_turned_on_in_the_config_file_is_warned_of(
     tmp_path: Path,
