@@ -104,8 +104,9 @@ def _systemd_path(cgroups_path: str) -> PurePosixPath:
     slice_name, prefix, name = cgroups_path.split(":")
     if not name:
         raise CgroupError(f"systemd cgroupsPath without a unit name: {cgroups_path!r}")
-    # runc's defaults: no slice means system.slice, a name ending in .slice is a slice itself.
-    unit = name if name.endswith(".slice") else f"{prefix}-{name}.scope" if prefix else name
+    # runc's defaults: no slice means system.slice, a name ending in .slice is a slice itself,
+    # any other a scope named prefix-name, the dash kept when the prefix is empty.
+    unit = name if name.endswith(".slice") else f"{prefix}-{name}.scope"
     return expand_slice(slice_name or "system.slice") / unit
 
 

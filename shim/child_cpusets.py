@@ -6,7 +6,8 @@ child's ``cpuset.cpus`` and ``cpuset.mems`` inside its parent's and refuses (EBU
 write that would leave a child with CPUs or nodes outside it: shrinking such a container's
 cpuset fails, through the runtime too (``runc update`` writes the same files), and a shared
 container would go on running on CPUs just handed out exclusively. Cgroup v2 needs none of
-this: a child's effective CPUs follow its parent's by themselves.
+this from Linux 5.17 on (a child's effective CPUs follow its parent's by themselves); before,
+it refused such a shrink too, and the same moves serve there.
 
 So in v1 the children are moved with the container the way v2 would show them. What a
 child's owner gave it is what it *wants*: every CPU of its parent (it follows the parent, as

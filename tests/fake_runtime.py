@@ -194,6 +194,7 @@ class FakeRuntime:
         cgroup_version: int = 1,
         pid_source: Callable[[], int] | None = None,
         cgroup_driver: CgroupDriver = "cgroupfs",
+        v2_before_5_17: bool = False,
     ) -> None:
         # With a root, started containers get a cgroup directory below it holding
         # ``cpuset.cpus``, written on start and update and removed when the process exits, as
@@ -206,6 +207,9 @@ class FakeRuntime:
         self.cgroup_driver = cgroup_driver
         # Version 2 adds the ``cgroup.events`` file, "populated 1" while the process runs.
         self.cgroup_version = cgroup_version
+        # Whether runc's update is refused (EBUSY) below a child cpuset's own set: under v1,
+        # and under v2 on kernels before 5.17.
+        self.children_bound_updates = cgroup_version == 1 or v2_before_5_17
         self.sandboxes: dict[str, FakeSandbox] = {}
         self.containers: dict[str, FakeContainer] = {}
         self.calls: list[tuple[str, Message]] = []
@@ -714,7 +718,7 @@ class FakeRuntime:
             raise GRPCError(Status.UNKNOWN, f"container {container.id!r} is in removing state")
         cgroup = self.cgroup_dir(container.id)
         running = container.state == pb.CONTAINER_RUNNING and cgroup is not None
-        if running and cgroup is not None and cgroup.is_dir() and self.cgroup_version == 1:
+        if running and cgroup is not None and cgroup.is_dir() and self.children_bound_updates:
             # runc update writes the container's own files only, as the kernel refuses them.
             wanted = {
                 "cpuset.cpus": request.linux.cpuset_cpus or container.resources.cpuset_cpus,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -139,13 +140,23 @@ class Mover:
 
     def write_tree(self, tracked: Tracked, name: str, values: CPUSet) -> None:
         """Write a container's cgroup file ``name`` (``cpuset.cpus``, ``cpuset.mems``); under
-        cgroup v1, the cgroups it made below its own first (shim/child_cpusets.py). OSError
-        when refused, with the cgroups as they were."""
+        cgroup v1, the cgroups it made below its own first (shim/child_cpusets.py), and under
+        v2 too when the kernel refuses the write for them (EBUSY: before Linux 5.17 v2 kept
+        a child's own set inside its parent's as v1 does). OSError when refused, with the
+        cgroups as they were."""
         directory = tracked.cgroup
         assert directory is not None
-        if self.layout is None or self.layout.version is not CgroupVersion.V1:
+        if self.layout is None:
             cgroups.write_list(directory, name, values)
             return
+        if self.layout.version is CgroupVersion.V2 and not tracked.child_memory.get(name):
+            # Children it narrowed before (remembered) get their own sets back on the way.
+            try:
+                cgroups.write_list(directory, name, values)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or not child_cpusets.has_children(directory):
+                    raise
         memory = tracked.child_memory.get(name, {})
         written, tracked.child_memory[name] = child_cpusets.move_with_children(
             directory, name, values, memory
@@ -227,13 +238,13 @@ class Mover:
         CPUs (and memory nodes) written here, children first, since ``runc update`` writes
         the container's own files only and the kernel refuses a shrink below a child. True
         when written; the caller then settles a refusal with
-        :meth:`refused_after_tree_write`."""
+        :meth:`refused_after_tree_write`. Under v2 the same, for kernels before 5.17, which
+        refuse a shrink below a child's own set there too (:meth:`write_tree`)."""
         directory = tracked.cgroup
         if (
             directory is None
             or tracked.phase is not Phase.RUNNING
             or self.layout is None
-            or self.layout.version is not CgroupVersion.V1
             or not child_cpusets.has_children(directory)
         ):
             return False

@@ -121,7 +121,7 @@ def test_this_machines_layout_is_detected() -> None:
         ),
         pytest.param("system.slice:docker:abcd", "system.slice/docker-abcd.scope", id="docker"),
         pytest.param(":cri-containerd:abcd", "system.slice/cri-containerd-abcd.scope", id="none"),
-        pytest.param("machine.slice::abcd", "machine.slice/abcd", id="no-prefix"),
+        pytest.param("machine.slice::abcd", "machine.slice/-abcd.scope", id="no-prefix"),
         pytest.param("-.slice:x:y", "x-y.scope", id="root-slice"),
     ],
 )

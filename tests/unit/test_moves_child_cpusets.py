@@ -279,6 +279,61 @@ async def test_under_cgroup_v2_the_children_are_left_to_the_kernel(tmp_path: Pat
             env.channel.close()
 
 
+@pytest.fixture
+async def v2_before_5_17(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Env]:
+    """Cgroup v2 on a kernel before 5.17 (Ubuntu 22.04, Debian 11): a cgroup's write below a
+    child's own set is refused (EBUSY) as in v1, a child outside its parent is not."""
+    write = cgroups.write_list
+
+    def write_as_old_v2(directory: Path, name: str, values: CPUSet) -> None:
+        if v1_children_outside(directory, name, str(values)):
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(directory / name))
+        write(directory, name, values)
+
+    monkeypatch.setattr(cgroups, "write_list", write_as_old_v2)
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=2, v2_before_5_17=True
+    ) as fake:
+        options = EngineOptions(record_delay=3600.0, record_max_delay=3600.0, retry_delay=0.01)
+        environment = await make_env(fake, tmp_path / "state", options=options)
+        yield environment
+        environment.channel.close()
+
+
+async def test_under_cgroup_v2_before_5_17_a_shared_container_moves_its_children(
+    v2_before_5_17: Env,
+) -> None:
+    env = v2_before_5_17
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("ci", "besteffort"), "main")
+    cgroup = await located(env, shared_id)
+    follows = child(cgroup, "docker", "")  # never set: v2's "all of the parent's"
+    pinned = child(cgroup, "job", "0-7")  # a nested runtime's --cpuset-cpus
+    pinned_id = await env.kubelet.start_new(
+        await env.kubelet.run_pod("db", "guaranteed"), "main", 1000
+    )
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert cpus_of(pinned) == SHARED_AFTER_FIRST_SINGLE
+    assert cpus_of(follows) == ""
+    assert env.engine.counters["child_cpuset_writes"] == 1
+    await env.kubelet.stop(pinned_id)
+    assert (env.kernel_cpus(shared_id), cpus_of(pinned)) == ("0-7", "0-7")
+
+
+async def test_under_cgroup_v2_before_5_17_a_move_through_the_runtime_takes_the_children(
+    v2_before_5_17: Env,
+) -> None:
+    env = v2_before_5_17
+    pinned_id = await env.kubelet.start_new(
+        await env.kubelet.run_pod("db", "guaranteed"), "main", 1000
+    )
+    inner = child(await located(env, pinned_id), "inner", FIRST_SINGLE)
+    assert await env.engine.change_policy(static_policy(reserved=f"0,{FIRST_SINGLE}")) == []
+    moved = str(next(iter(env.engine.state.assignments.values())).cpus)
+    assert FIRST_SINGLE not in moved
+    assert (env.cpus(pinned_id), env.kernel_cpus(pinned_id), cpus_of(inner)) == (moved,) * 3
+    assert env.engine.counters["cpuset_update_errors"] == 0
+
+
 @pytest.mark.parametrize("runtime_refuses", [False, True])
 async def test_kubelets_update_of_a_container_whose_move_is_pending_takes_its_children(
     tmp_path: Path, v1_rules: None, monkeypatch: pytest.MonkeyPatch, runtime_refuses: bool
