@@ -211,8 +211,16 @@ class Projector:
 
     async def clean_stale(self, keep: Collection[ContainerKey]) -> None:
         """Remove the directories of containers that went while cpushim was down."""
+
+        def failed(pod_uid: str, exc: OSError) -> None:
+            self.counters["projection_errors"] += 1
+            log.warning(
+                "could not clean a pod's stale projections",
+                extra={"fields": {"pod_uid": pod_uid, "error": str(exc)}},
+            )
+
         try:
-            removed = await self.writer.clean_stale([(k.pod_uid, k.name) for k in keep])
+            removed = await self.writer.clean_stale([(k.pod_uid, k.name) for k in keep], failed)
         except OSError as exc:
             self.counters["projection_errors"] += 1
             log.warning("could not clean stale projections", extra={"fields": {"error": str(exc)}})

@@ -174,19 +174,30 @@ class ProjectionWriter:
                 await asyncio.to_thread(_remove_pod, self.root, pod_uid)
             self._known.pop(pod_uid, None)
 
-    async def clean_stale(self, keep: Collection[tuple[str, str]]) -> list[Path]:
+    async def clean_stale(
+        self,
+        keep: Collection[tuple[str, str]],
+        failed: Callable[[str, OSError], None] | None = None,
+    ) -> list[Path]:
         """Remove the directories of containers not in ``keep`` (pod UID, container name) and
         pod directories left empty; returns what was removed. Entries that do not look like
-        cpushim's (other names, symlinks, files, directories with other content) stay."""
+        cpushim's (other names, symlinks, files, directories with other content) stay. A pod
+        whose sweep fails is told to ``failed`` (raised without it) and the others go on."""
         kept: dict[str, set[str]] = {}
         for pod_uid, container_name in keep:
             kept.setdefault(pod_uid, set()).add(container_name)
         removed: list[Path] = []
         for pod_uid in await asyncio.to_thread(_pod_names, self.root):
             async with self._pod_lock(pod_uid):
-                names = await asyncio.to_thread(
-                    _sweep_pod, self.root, pod_uid, frozenset(kept.get(pod_uid, ()))
-                )
+                try:
+                    names = await asyncio.to_thread(
+                        _sweep_pod, self.root, pod_uid, frozenset(kept.get(pod_uid, ()))
+                    )
+                except OSError as exc:
+                    if failed is None:
+                        raise
+                    failed(pod_uid, exc)
+                    continue
             pod_known = self._known.get(pod_uid, {})
             for name in names:
                 pod_known.pop(name, None)

@@ -21,6 +21,7 @@ import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+import shim.projection.writer as writer_module
 from shim.cpuset import CPUSet
 from shim.projection import (
     CPUS_FILE,
@@ -669,6 +670,29 @@ async def test_clean_stale_removes_only_what_is_ours_and_gone(tmp_path: Path) ->
     assert (outside / "e" / CPUS_FILE).read_text() == "0\n"
     assert await writer.clean_stale({("u1", "a"), ("u5", "d")}) == []
     assert await ProjectionWriter(tmp_path / "never-made").clean_stale(()) == []
+
+
+@pytest.mark.anyio
+async def test_a_pod_whose_sweep_fails_does_not_stop_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = ProjectionWriter(tmp_path)
+    for pod in ("u1", "u2", "u3"):
+        await project(writer, "1", pod=pod)
+    sweep = writer_module._sweep_pod
+
+    def refused_for_u2(root: Path, pod_uid: str, keep: frozenset[str]) -> list[str]:
+        if pod_uid == "u2":
+            raise OSError(errno.EBUSY, "busy", str(root / pod_uid))
+        return sweep(root, pod_uid, keep)
+
+    monkeypatch.setattr(writer_module, "_sweep_pod", refused_for_u2)
+    failures: list[tuple[str, int | None]] = []
+    removed = await writer.clean_stale((), lambda pod, exc: failures.append((pod, exc.errno)))
+    assert failures == [("u2", errno.EBUSY)]
+    assert sorted(removed) == sorted(tmp_path / path for path in ("u1", "u1/app", "u3", "u3/app"))
+    with pytest.raises(OSError, match="busy"):  # told to no one: raised
+        await writer.clean_stale(())
 
 
 # --- atomicity: a reader in another process ---------------------------------------------------
