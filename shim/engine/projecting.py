@@ -99,6 +99,9 @@ class Projector:
             host_path=str(self.writer.directory(key.pod_uid, key.name)),
             readonly=True,
             propagation=pb.PROPAGATION_PRIVATE,
+            # On an SELinux node the runtime labels the directory for the container, as
+            # kubelet asks for volumes; elsewhere the runtime does nothing with it.
+            selinux_relabel=True,
         )
 
     def update(self, key: ContainerKey, cpuset: Cpuset) -> None:

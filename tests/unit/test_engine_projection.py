@@ -81,6 +81,7 @@ async def test_a_shared_container_is_created_with_its_directory_mounted_read_onl
     assert mount.container_path == str(MOUNT)
     assert mount.host_path == str(root(env) / pod.uid / "main")
     assert mount.readonly
+    assert mount.selinux_relabel
     state = projected(env, pod, "main")
     assert (state.cpus, state.pool, state.exclusive) == (str(ALL), "shared", False)
     assert (root(env) / pod.uid / "main" / "cpus").read_text() == f"{ALL}\n"
