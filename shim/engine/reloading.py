@@ -318,6 +318,10 @@ class ConfigReloader:
         if new.resync_period != self.options.resync_period:
             self.watcher.set_resync_period(new.resync_period)
         restart = [name for name in changed if name not in POLICY_FIELDS | LIVE_FIELDS]
+        if not new.recover_from_runtime:
+            # Turned off after a recovery (docs/operations.md): the next start reads the
+            # checkpoint again, which is what turning it off asks; nothing waits for a restart.
+            restart = [name for name in restart if name != "recover_from_runtime"]
         self.options = new
         self._refused = None
         self.engine.counters["config_reloads"] += 1

@@ -297,6 +297,21 @@ async def test_keys_that_need_a_restart_are_named_not_applied(
     assert r.reloader.options.listen == "unix:///tmp/elsewhere.sock"
 
 
+async def test_recovery_turned_off_after_a_recovery_waits_for_no_restart(
+    r: Reloading, caplog: pytest.LogCaptureFixture
+) -> None:
+    # docs/operations.md's recovery: start once with it on, then turn it off in the file.
+    with caplog.at_level(logging.INFO):
+        r.write('reservedSystemCPUs = "0"\nrecoverFromRuntime = true\n')
+        await r.reloaded("config_reloads")
+        r.write('reservedSystemCPUs = "0"\nrecoverFromRuntime = false\n')
+        await r.reloaded("config_reloads", 2)
+    *_, on, off = [rec for rec in caplog.records if rec.getMessage() == "config reloaded"]
+    assert on.__dict__["fields"]["need_restart"] == ["recoverFromRuntime"]
+    assert off.__dict__["fields"]["changed"] == ["recoverFromRuntime"]
+    assert off.__dict__["fields"]["need_restart"] == []
+
+
 async def test_an_edit_in_place_is_seen_too(r: Reloading) -> None:
     root = logging.getLogger()
     level = root.level
