@@ -18,6 +18,7 @@ import orjson
 from google.protobuf.message import DecodeError
 
 from shim import cgroups
+from shim.cgroups import CgroupVersion
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
@@ -756,8 +757,13 @@ def tracked_from_runtime(
             applied = cgroups.read_cpus(cgroup)
         except (OSError, ValueError):
             cgroup = None
-        if applied is None:
-            cgroup, applied = None, recorded
+        if applied is None and cgroup is not None:
+            layout = engine.mover.layout
+            if layout is None or layout.version is not CgroupVersion.V2 or not cgroup.is_dir():
+                cgroup = None
+            # Else a v2 cgroup whose parent does not enable the cpuset controller: kept, so
+            # its watch tells its exit (and warns of it) as for one met while cpushim ran.
+            applied = recorded
     settings_stale = False
     if holds:
         assert assignment is not None

@@ -338,6 +338,34 @@ async def test_a_running_container_whose_v2_cgroup_has_no_cpuset_keeps_its_cpus(
             assert w.counters["drift_repairs"] == 0
 
 
+async def test_after_a_restart_a_v2_cgroup_without_a_cpuset_is_still_watched(
+    tmp_path: Path,
+) -> None:
+    """Dropped at start-up, its container had no watch: an exit went unseen until the next
+    full look, its exclusive CPUs held meanwhile."""
+    async with FakeRuntime(cgroup_root=tmp_path / "unified", cgroup_version=2) as fake:
+        async for w in watched_env(tmp_path, fake):
+            w.env.engine.mover.layout = CgroupLayout(CgroupVersion.V2, tmp_path / "unified")
+            pinned_id = await w.started("db", "guaranteed", 1000)
+            cpuset_file(w.env, pinned_id).unlink()
+            await restart_and_see_the_exit(w.env, pinned_id)
+
+
+async def restart_and_see_the_exit(env: Env, pinned_id: str) -> None:
+    engine = await env.restart()
+    tracked = engine.containers[pinned_id]
+    assert tracked.cgroup == cpuset_file(env, pinned_id).parent
+    watcher = Watcher(engine, resync_period=0)
+    watcher.start()
+    try:
+        await watcher.check(pinned_id)
+        assert engine.counters["cgroups_without_cpuset"] == 1
+        (tracked.cgroup / "cgroup.events").write_text("populated 0\nfrozen 0\n")
+        await until(lambda: engine.state.holding(pinned_id) is None, "released")
+    finally:
+        await watcher.stop()
+
+
 # --- the state file --------------------------------------------------------------------------
 
 
