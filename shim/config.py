@@ -323,6 +323,12 @@ def load_config(path: Path) -> ConfigValues:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(path, f"cannot read the config file: {exc.strerror or exc}") from None
+    return config_from_bytes(data, path)
+
+
+def config_from_bytes(data: bytes, path: Path) -> ConfigValues:
+    """The values of a config file read already (``data``) from ``path``; ConfigError naming
+    the path when it is not a good config."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -478,11 +484,14 @@ def resolve(flags: Mapping[str, object], file_values: ConfigValues) -> RunOption
     return RunOptions(**merged, cli_overrides=frozenset(flags))
 
 
-def reload_options(current: RunOptions) -> RunOptions:
-    """``current`` with its config file read again: keys added, changed or removed there take
-    effect, flags given on the command line still win. ConfigError when the file is bad."""
-    if current.config_path is None:
+def reload_options(current: RunOptions, data: bytes | None = None) -> RunOptions:
+    """``current`` with its config file read again (or its bytes ``data``, read already):
+    keys added, changed or removed there take effect, flags given on the command line still
+    win. ConfigError when the file is bad."""
+    path = current.config_path
+    if path is None:
         raise ValueError("these options were not read from a config file")
     flags = {field: getattr(current, field) for field in current.cli_overrides}
-    flags["config_path"] = current.config_path
-    return resolve(flags, load_config(current.config_path))
+    flags["config_path"] = path
+    values = load_config(path) if data is None else config_from_bytes(data, path)
+    return resolve(flags, values)

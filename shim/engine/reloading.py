@@ -32,6 +32,7 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, key_line, reload_options
@@ -98,6 +99,17 @@ def _content(path: str) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+def _why_unreadable(path: str) -> str:
+    """What a config file ``_content`` could not read is, for the refusal."""
+    try:
+        found = os.stat(path)
+    except OSError as exc:
+        return f"cannot read the config file: {exc.strerror or exc}"
+    if not stat.S_ISREG(found.st_mode):
+        return "cannot read the config file: not a regular file"
+    return "cannot read the config file"
 
 
 def _is_link(path: str) -> bool:
@@ -267,7 +279,12 @@ class ConfigReloader:
             return
         self._last_read, self._read_once = _content(self.path), True
         try:
-            new = await asyncio.to_thread(reload_options, self.options)
+            if self._last_read is None:
+                # Read without blocking, as the path may be anything (a FIFO would hold a
+                # worker thread, and with it every later reload, until a writer came).
+                raise ConfigError(Path(self.path), _why_unreadable(self.path))
+            # A worker thread still: a key's check may ask the system (socketGroup's group).
+            new = await asyncio.to_thread(reload_options, self.options, self._last_read)
         except ConfigError as exc:
             self._refuse(str(exc), line=exc.line, key=exc.key)
             return

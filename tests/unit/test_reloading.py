@@ -9,7 +9,6 @@ import os
 import select
 import shutil
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from shim.policy import CPUPolicy
 from shim.run import RunOptions, build_policy
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
+from tests.harness.containerd import wait_for
 from tests.harness.kubelet import milli_cpu_to_quota
 from tests.harness.sysfs import MachineSpec, write_sysfs
 from tests.unit.engine_env import (
@@ -453,19 +453,51 @@ async def test_a_file_truncated_or_linked_without_a_close_is_read_at_the_full_lo
     assert str(r.env.engine.options.failure_policy) == "fail-open"
 
 
+def waiting_for_a_fifo_writer(thread_id: int) -> bool:
+    """Whether the thread is blocked in open(2) of a FIFO, waiting for the other end."""
+    try:
+        return Path(f"/proc/self/task/{thread_id}/wchan").read_text() == "wait_for_partner"
+    except OSError:
+        return False
+
+
 def test_a_fifo_at_the_config_path_is_not_waited_for(tmp_path: Path) -> None:
     # The reloader compares the file's bytes on the event loop: a FIFO put at the path must
     # not block it until a writer comes.
     fifo = tmp_path / "config.toml"
     os.mkfifo(fifo)
-    writer = threading.Timer(5.0, lambda: os.close(os.open(fifo, os.O_WRONLY)))
-    writer.start()
-    started = time.monotonic()
+    result: list[bytes | None] = []
+    reader = threading.Thread(target=lambda: result.append(_content(str(fifo))))
+    reader.start()
     try:
-        assert _content(str(fifo)) is None
-        assert time.monotonic() - started < 4.0
+        thread_id = reader.native_id
+        assert thread_id is not None
+        wait_for(lambda: bool(result) or waiting_for_a_fifo_writer(thread_id), 10, "the read")
+        assert result == [None], "the read waits for a writer of the FIFO"
     finally:
-        writer.cancel()
+        if not result:  # let it go
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join()
+
+
+async def test_a_fifo_renamed_over_the_config_is_refused_and_later_edits_are_read(
+    r: Reloading,
+) -> None:
+    # Read again in a worker thread by its path, it held that thread (and every reload after
+    # it: they wait for the one under way) until a writer came.
+    fifo = r.path.parent.parent / "fifo"
+    os.mkfifo(fifo)
+    link = r.path.with_name(".config.toml.new")
+    os.link(fifo, link)
+    os.replace(link, r.path)
+    try:
+        await r.reloaded("config_errors")
+    finally:
+        if any(waiting_for_a_fifo_writer(int(t)) for t in os.listdir("/proc/self/task")):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    r.write('reservedSystemCPUs = "0,4"\n')
+    await r.reloaded("config_reloads")
+    assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
 
 
 async def test_a_reload_under_way_when_the_reloader_stops_applies_nothing(
