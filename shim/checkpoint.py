@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Final
 
-from shim.fileio import read_file, write_and_sync
+from shim.fileio import read_regular_file, write_and_sync
 from shim.state import CheckpointError, CPUState, decode_checkpoint, encode_checkpoint
 
 STATE_FILE: Final = "state.json"
@@ -71,7 +71,7 @@ class CheckpointFile:
     def load(self) -> CPUState | None:
         """The saved state, None when there is none; CheckpointError when it is unreadable."""
         try:
-            data = self.path.read_bytes()
+            data = read_regular_file(self.path)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -123,7 +123,7 @@ class CheckpointFile:
     def on_disk(self) -> bytes | None:
         """The file's bytes now; None when it is missing or unreadable."""
         try:
-            return read_file(self.path)
+            return read_regular_file(self.path)
         except OSError:
             return None
 

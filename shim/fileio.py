@@ -8,7 +8,9 @@ kernel needs.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 # A regular file is read in as few calls as this allows; procfs and cgroupfs hand out at most
@@ -27,6 +29,21 @@ def read_file(path: str | Path) -> bytes:
         while chunk := os.read(fd, _CHUNK):
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_regular_file(path: str | Path) -> bytes:
+    """The whole of a regular file; OSError as ``open()`` raises it, and EINVAL for anything
+    else at the path. The open does not block: a FIFO put there would wait for a writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        chunks = []
+        while chunk := os.read(fd, _CHUNK):
+            chunks.append(chunk)
+        return b"".join(chunks)
     finally:
         os.close(fd)
 

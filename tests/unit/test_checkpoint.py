@@ -29,6 +29,7 @@ from shim.cpuset import CPUSet
 from shim.policy.static import StaticPolicy
 from shim.state import Assignment, CheckpointError, ContainerKey, CPUState, encode_checkpoint
 from tests.harness.crash import interrupted_checkpoint_write
+from tests.harness.fifo import without_waiting_on
 from tests.harness.sysfs import MachineSpec, expected_topology
 
 TOPOLOGY = expected_topology(MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2))
@@ -445,6 +446,18 @@ def test_a_fifo_in_place_of_the_spare_does_not_block_the_write(tmp_path: Path) -
     file.save_sync(TWO)  # would block forever on a FIFO nobody reads
     assert file.load() == TWO
     assert stat.S_ISREG((tmp_path / SPARE).stat().st_mode)
+
+
+def test_a_fifo_in_place_of_the_checkpoint_is_refused_without_waiting(tmp_path: Path) -> None:
+    # Read on the event loop by the state file's watch: a FIFO there would block it, and
+    # every CRI call with it, until a writer came.
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    file.path.unlink()
+    os.mkfifo(file.path)
+    assert without_waiting_on(file.path, file.on_disk) is None
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        without_waiting_on(file.path, file.load)
 
 
 @pytest.mark.usefixtures("no_umask")

@@ -25,7 +25,7 @@ from shim.policy import CPUPolicy
 from shim.run import RunOptions, build_policy
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
-from tests.harness.containerd import wait_for
+from tests.harness.fifo import waiting_for_a_fifo_writer, without_waiting_on
 from tests.harness.kubelet import milli_cpu_to_quota
 from tests.harness.sysfs import MachineSpec, write_sysfs
 from tests.unit.engine_env import (
@@ -453,31 +453,12 @@ async def test_a_file_truncated_or_linked_without_a_close_is_read_at_the_full_lo
     assert str(r.env.engine.options.failure_policy) == "fail-open"
 
 
-def waiting_for_a_fifo_writer(thread_id: int) -> bool:
-    """Whether the thread is blocked in open(2) of a FIFO, waiting for the other end."""
-    try:
-        return Path(f"/proc/self/task/{thread_id}/wchan").read_text() == "wait_for_partner"
-    except OSError:
-        return False
-
-
 def test_a_fifo_at_the_config_path_is_not_waited_for(tmp_path: Path) -> None:
     # The reloader compares the file's bytes on the event loop: a FIFO put at the path must
     # not block it until a writer comes.
     fifo = tmp_path / "config.toml"
     os.mkfifo(fifo)
-    result: list[bytes | None] = []
-    reader = threading.Thread(target=lambda: result.append(_content(str(fifo))))
-    reader.start()
-    try:
-        thread_id = reader.native_id
-        assert thread_id is not None
-        wait_for(lambda: bool(result) or waiting_for_a_fifo_writer(thread_id), 10, "the read")
-        assert result == [None], "the read waits for a writer of the FIFO"
-    finally:
-        if not result:  # let it go
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        reader.join()
+    assert without_waiting_on(fifo, lambda: _content(str(fifo))) is None
 
 
 async def test_a_fifo_renamed_over_the_config_is_refused_and_later_edits_are_read(

@@ -7,7 +7,9 @@ import asyncio
 import os
 import select
 import shutil
+import stat
 import subprocess
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +26,7 @@ from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver
+from tests.harness.fifo import waiting_for_a_fifo_writer
 from tests.harness.sysfs import MachineSpec, expected_topology
 from tests.unit.engine_env import (
     FIRST_SINGLE,
@@ -378,6 +381,37 @@ async def test_a_deleted_state_file_is_rewritten(w: Watched) -> None:
     await until(lambda: (w.env.state_dir / "state.json").exists(), "state rewritten")
     assert w.env.saved() == before
     assert w.counters["state_rewrites"] == 1
+
+
+async def test_a_fifo_renamed_over_the_state_file_is_replaced_without_blocking(
+    w: Watched,
+) -> None:
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    await w.env.kubelet.start_new(pod, "main", 1000)
+    path = w.env.state_dir / "state.json"
+    good = path.read_bytes()
+    fifo = w.env.state_dir.parent / "fifo"
+    os.mkfifo(fifo)
+    # The loop cannot tell it is blocked: a thread looks, and lets it go if it is.
+    loop_thread, blocked, done = threading.get_native_id(), [], threading.Event()
+
+    def guard() -> None:
+        while not done.wait(0.005):
+            if waiting_for_a_fifo_writer(loop_thread):
+                blocked.append(True)
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    guarding = threading.Thread(target=guard)
+    guarding.start()
+    try:
+        os.link(fifo, w.env.state_dir / "by-hand")
+        os.replace(w.env.state_dir / "by-hand", path)
+        await until(lambda: stat.S_ISREG(os.lstat(path).st_mode), "state.json rewritten")
+    finally:
+        done.set()
+        guarding.join()
+    assert path.read_bytes() == good
+    assert not blocked, "the event loop waited for a writer of a FIFO at state.json"
 
 
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"version": 1}'])
