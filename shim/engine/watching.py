@@ -439,7 +439,12 @@ class Watcher:
         try:
             self._state_identity = identity(directory)
             self._state_watch = self.inotify.subscribe(
-                str(directory), FILE_CHANGES | _GONE_EVENTS, on_event
+                # IN_MODIFY too: a truncate(2) by path, or a write through a descriptor held
+                # open, changes the file with no close; cpushim's own writes go to other
+                # names, renamed into place.
+                str(directory),
+                FILE_CHANGES | IN_MODIFY | _GONE_EVENTS,
+                on_event,
             )
         except WatchError as exc:
             self.counters["watch_errors"] += 1

@@ -414,6 +414,25 @@ async def test_a_fifo_renamed_over_the_state_file_is_replaced_without_blocking(
     assert not blocked, "the event loop waited for a writer of a FIFO at state.json"
 
 
+@pytest.mark.parametrize("how", ["truncate", "write through an open descriptor"])
+async def test_a_state_file_changed_without_a_close_is_rewritten(w: Watched, how: str) -> None:
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    await w.env.kubelet.start_new(pod, "main", 1000)
+    path = w.env.state_dir / "state.json"
+    good = path.read_bytes()
+    held = os.open(path, os.O_WRONLY)
+    try:
+        if how == "truncate":
+            os.truncate(path, 0)
+        else:
+            os.write(held, b"{not json")
+        await until(lambda: path.read_bytes() == good, "state rewritten")
+    finally:
+        os.close(held)
+    await w.settled()
+    assert w.counters["state_rewrites"] == 1
+
+
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"version": 1}'])
 async def test_an_edited_state_file_is_rewritten(w: Watched, content: bytes) -> None:
     pod = await w.env.kubelet.run_pod("db", "guaranteed")
