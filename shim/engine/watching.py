@@ -347,6 +347,9 @@ class Watcher:
             self.engine.mover.write_tree(tracked, CPUSET_CPUS, cpus)
             tracked.applied = cpus
         except OSError as exc:
+            # What the cgroup holds: if the runtime fails too, the move retries see the
+            # container out of place and try again.
+            tracked.applied = found
             log.info(
                 "direct repair failed; the runtime repairs it",
                 extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
@@ -363,8 +366,8 @@ class Watcher:
         result = await self.engine.mover.update_locked(tracked, cpus, mems, quota)
         if result.ok:
             self.engine._restored(tracked)
-        elif result.moved and tracked.settings_stale:
-            self.engine._retry_moves_soon()  # for the memory nodes and quota
+        elif (result.moved and tracked.settings_stale) or tracked.applied != cpus:
+            self.engine._retry_moves_soon()  # for the memory nodes and quota, or the CPUs
         self.engine.project(tracked)
 
     def _reversed_by_runtime(self, tracked: Tracked, found: CPUSet, cpus: CPUSet) -> bool:

@@ -4,6 +4,7 @@ writes and deletions) and a fake containerd that writes and removes it as runc w
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import select
 import shutil
@@ -21,6 +22,7 @@ from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions
+from shim.engine.tracked import Tracked
 from shim.engine.watching import Look, Watcher, _look
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
@@ -519,6 +521,27 @@ async def test_a_state_directory_removed_while_events_were_lost_is_watched_again
     (w.env.state_dir / "state.json").unlink()
     await until(lambda: (w.env.state_dir / "state.json").exists(), "a later removal seen")
     assert w.counters["full_resyncs"] == 1
+
+
+async def test_a_repair_refused_both_ways_is_tried_again(w: Watched) -> None:
+    w.env.engine.options = replace(w.env.engine.options, retry_delay=0.01)
+    shared_id = await w.started("web")
+    mover = w.env.engine.mover
+    write_tree = mover.write_tree
+    refused: list[CPUSet] = []
+
+    def refuse_once(tracked: Tracked, name: str, values: CPUSet) -> None:
+        if not refused:
+            refused.append(values)
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        write_tree(tracked, name, values)
+
+    mover.write_tree = refuse_once  # type: ignore[method-assign]
+    w.env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE, "busy")
+    cpuset_file(w.env, shared_id).write_text("3\n")
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "repaired by a retry")
+    assert refused == [CPUSet.parse("0-7")]
+    assert w.counters["drift_repairs"] == 1
 
 
 async def test_a_full_look_moves_a_container_whose_move_the_runtime_refused(w: Watched) -> None:
