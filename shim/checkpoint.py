@@ -67,6 +67,37 @@ class CheckpointFile:
         self.saved: CPUState | None = None
         # One write at a time: they share the spare.
         self._writing = threading.Lock()
+        # The lock on the directory's .lock (hold), while this process holds it.
+        self._held: int | None = None
+
+    def hold(self) -> None:
+        """Take the directory for this process (:func:`hold_directory`) until :meth:`release`."""
+        self._held = hold_directory(self.directory)
+
+    def hold_again(self) -> bool:
+        """Take the directory again when the lock held is on another file than the
+        directory's ``.lock`` now (the directory was removed and made again): True when it
+        was taken again, False when nothing needed doing; StateDirectoryInUseError when
+        another process took the new one meanwhile. Without a hold, nothing to do."""
+        if self._held is None:
+            return False
+        held = os.fstat(self._held)
+        try:
+            now = os.stat(self.directory / LOCK_FILE, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                return False
+        fd = hold_directory(self.directory)
+        os.close(self._held)
+        self._held = fd
+        return True
+
+    def release(self) -> None:
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
 
     def load(self) -> CPUState | None:
         """The saved state, None when there is none; CheckpointError when it is unreadable."""
@@ -128,6 +159,10 @@ class CheckpointFile:
             return None
 
 
+# The file whose flock says which process holds a state directory.
+LOCK_FILE = ".lock"
+
+
 class StateDirectoryInUseError(RuntimeError):
     pass
 
@@ -142,7 +177,9 @@ def hold_directory(directory: Path) -> int:
     if made:
         # Its name in its parent survives a power cut with the first checkpoint in it.
         _fsync_directory(directory.parent)
-    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(
+        directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import time
@@ -16,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from shim import notify
 from shim.cgroups import CgroupError, CgroupLayout
-from shim.checkpoint import CheckpointFile, hold_directory
+from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.server import Interceptor, RelayServer
@@ -194,8 +193,9 @@ def cgroup_layout() -> CgroupLayout | None:
 
 async def run(options: RunOptions) -> int:
     policy = build_policy(options)
+    checkpoint = CheckpointFile(options.state_dir)
     try:
-        state_lock = hold_directory(options.state_dir)
+        checkpoint.hold()
     except OSError as exc:
         # A file in its place, a read-only mount, a path outside the unit's ReadWritePaths.
         raise RuntimeError(
@@ -203,22 +203,22 @@ async def run(options: RunOptions) -> int:
             f" {exc.strerror or exc}"
         ) from exc
     try:
-        leftovers = CheckpointFile(options.state_dir).remove_leftovers()
+        leftovers = checkpoint.remove_leftovers()
         if leftovers:
             log.warning(
                 "removed what interrupted checkpoint writes left behind",
                 extra={"fields": {"files": [str(p) for p in leftovers]}},
             )
-        return await _run(options, policy)
+        return await _run(options, policy, checkpoint)
     finally:
-        os.close(state_lock)
+        checkpoint.release()
 
 
-async def _run(options: RunOptions, policy: CPUPolicy) -> int:
+async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFile) -> int:
     runtime = RuntimeChannel(options.runtime_endpoint)
     engine = Engine(
         policy,
-        CheckpointFile(options.state_dir),
+        checkpoint,
         runtime,
         EngineOptions(failure_policy=options.failure_policy),
         cgroups=cgroup_layout(),

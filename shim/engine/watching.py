@@ -30,6 +30,7 @@ from typing import Any, Final, NamedTuple
 
 from shim import cgroups
 from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
+from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError
 from shim.cpuset import CPUSet
 from shim.engine.core import Engine
 from shim.engine.sweeping import sweep
@@ -438,6 +439,8 @@ class Watcher:
                 self.jobs.request("state-dir", self._restore_state_dir)
             elif event.name == self.engine.checkpoint.path.name:
                 self.jobs.request("state", self.check_state)
+            elif event.name == LOCK_FILE:
+                self.jobs.request("state-lock", self._hold_state_dir_again)
 
         try:
             self._state_identity = identity(directory)
@@ -459,7 +462,33 @@ class Watcher:
     async def _restore_state_dir(self) -> None:
         if self._state_watch is None:
             self._watch_state_dir()
+        await self._hold_state_dir_again()
         await self.check_state()
+
+    async def _hold_state_dir_again(self) -> None:
+        """Take the lock of a state directory (or a ``.lock``) made again: the one held is on
+        a file that is gone, and a second cpushim started now would not be refused."""
+        try:
+            if self.engine.checkpoint.hold_again():
+                log.warning(
+                    "the state directory's lock was removed; taken again",
+                    extra={"fields": {"path": str(self.engine.checkpoint.directory)}},
+                )
+        except StateDirectoryInUseError as exc:
+            self.counters["watch_errors"] += 1
+            log.error(
+                "another process holds the state directory made again: two cpushims undo each"
+                " other's cpusets; stop the other",
+                extra={"fields": {"error": str(exc)}},
+            )
+        except OSError as exc:
+            self.counters["watch_errors"] += 1
+            log.warning(
+                "cannot take the state directory's lock again; the periodic look tries again",
+                extra={
+                    "fields": {"path": str(self.engine.checkpoint.directory), "error": str(exc)}
+                },
+            )
 
     async def check_state(self) -> None:
         """Rewrite ``state.json`` from memory when it is not what cpushim last wrote."""
@@ -526,6 +555,7 @@ class Watcher:
             self._state_watch = None
         if self._state_watch is None:
             self._watch_state_dir()
+        await self._hold_state_dir_again()
         await self.check_state()
 
     async def look_at_created(self, tracked: Tracked) -> None:

@@ -19,6 +19,7 @@ import pytest
 from grpclib.const import Status as GrpcStatus
 
 from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
+from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, hold_directory
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions
@@ -372,6 +373,43 @@ async def restart_and_see_the_exit(env: Env, pinned_id: str) -> None:
 
 
 # --- the state file --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("removed", ["the directory", "its lock file"])
+async def test_the_state_directory_made_again_is_held_again(w: Watched, removed: str) -> None:
+    # Held on a file that is gone, the lock would let a second cpushim start on the new one.
+    checkpoint = w.env.engine.checkpoint
+    checkpoint.hold()
+    try:
+        if removed == "the directory":
+            shutil.rmtree(w.env.state_dir)
+        else:
+            (w.env.state_dir / LOCK_FILE).unlink()
+        await until(lambda: (w.env.state_dir / LOCK_FILE).exists(), "lock file made again")
+        await w.settled()
+        with pytest.raises(StateDirectoryInUseError):
+            os.close(hold_directory(w.env.state_dir))
+        assert (w.env.state_dir / "state.json").exists()
+    finally:
+        checkpoint.release()
+    os.close(hold_directory(w.env.state_dir))  # released with the checkpoint
+
+
+async def test_a_state_directory_another_process_took_meanwhile_is_told_of(
+    w: Watched, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoint = w.env.engine.checkpoint
+    checkpoint.hold()
+    try:
+        shutil.rmtree(w.env.state_dir)
+        other = hold_directory(w.env.state_dir)  # before the loop runs the watcher
+        try:
+            await until(lambda: w.counters["watch_errors"] >= 1, "told")
+            assert "another process holds the state directory" in caplog.text
+        finally:
+            os.close(other)
+    finally:
+        checkpoint.release()
 
 
 async def test_a_deleted_state_file_is_rewritten(w: Watched) -> None:
