@@ -531,22 +531,40 @@ class Watcher:
         self.counters["full_resyncs"] += 1
         for hook in self.full_look_hooks:
             hook()
-        await self._sweep()
-        await self.engine.reapply()
+        # Each part on its own: the look is the safety net for lost events, and one part's
+        # failure (a defect) must not take the others with it.
+        await self._part_of_look("sweep", self._sweep())
+        await self._part_of_look("reapply", self.engine.reapply())
         for tracked in list(self.engine.containers.values()):
-            if tracked.phase is Phase.CREATED:
-                await self.look_at_created(tracked)
-            if tracked.phase is not Phase.RUNNING:
-                continue
-            if tracked.cgroup is None and (await self.engine.mover.find(tracked)).ended:
-                await self.engine.container_exited(tracked.id)
-                continue
-            await self.check(tracked.id)
-            running = tracked.phase is Phase.RUNNING and tracked.cgroup is not None
-            if running and tracked.id not in self._containers:
-                self.watch(tracked, look_on_failure=False)
+            await self._part_of_look("container", self._look_at(tracked), tracked.id)
         if self.engine.projector is not None:
             self.engine.projector.retry()
+        await self._part_of_look("state", self._look_at_state())
+
+    async def _part_of_look(
+        self, part: str, work: Coroutine[Any, Any, None], container_id: str = ""
+    ) -> None:
+        try:
+            await work
+        except Exception:
+            self.counters["internal_errors"] += 1
+            fields = {"part": part} | ({"container_id": container_id} if container_id else {})
+            log.exception("a part of the full look failed", extra={"fields": fields})
+
+    async def _look_at(self, tracked: Tracked) -> None:
+        if tracked.phase is Phase.CREATED:
+            await self.look_at_created(tracked)
+        if tracked.phase is not Phase.RUNNING:
+            return
+        if tracked.cgroup is None and (await self.engine.mover.find(tracked)).ended:
+            await self.engine.container_exited(tracked.id)
+            return
+        await self.check(tracked.id)
+        running = tracked.phase is Phase.RUNNING and tracked.cgroup is not None
+        if running and tracked.id not in self._containers:
+            self.watch(tracked, look_on_failure=False)
+
+    async def _look_at_state(self) -> None:
         directory = self.engine.checkpoint.path.parent
         if self._state_watch is not None and identity(directory) != self._state_identity:
             # Removed or replaced while the events that would have told it were lost (an

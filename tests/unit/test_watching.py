@@ -22,7 +22,7 @@ from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
 from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, hold_directory
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.engine import EngineOptions
+from shim.engine import EngineOptions, watching
 from shim.engine.tracked import Tracked
 from shim.engine.watching import Look, Watcher, _look
 from shim.policy.static import StaticPolicy
@@ -580,6 +580,37 @@ async def test_a_repair_refused_both_ways_is_tried_again(w: Watched) -> None:
     await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "repaired by a retry")
     assert refused == [CPUSet.parse("0-7")]
     assert w.counters["drift_repairs"] == 1
+
+
+@pytest.mark.parametrize("failing", ["the sweep", "another container's look"])
+async def test_a_failing_part_of_the_full_look_leaves_the_rest_done(
+    w: Watched, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    # The full look is the safety net for lost events: a defect in one of its parts must not
+    # end it before the drift it is there for is repaired.
+    first_id = await w.started("first")
+    shared_id = await w.started("web")
+    w.watcher.unwatch(shared_id)  # its events lost
+    cpuset_file(w.env, shared_id).write_text("2\n")
+
+    async def broken(*args: object) -> None:
+        raise RuntimeError("a defect")
+
+    if failing == "the sweep":
+        monkeypatch.setattr(watching, "sweep", broken)
+    else:
+        look_at = w.watcher._look_at
+
+        async def broken_for_the_first(tracked: Tracked) -> None:
+            if tracked.id == first_id:
+                await broken()
+            await look_at(tracked)
+
+        monkeypatch.setattr(w.watcher, "_look_at", broken_for_the_first)
+    await w.watcher.look_everywhere()
+    assert w.env.kernel_cpus(shared_id) == "0-7"
+    assert shared_id in w.watcher._containers
+    assert w.counters["internal_errors"] == 1
 
 
 async def test_a_full_look_moves_a_container_whose_move_the_runtime_refused(w: Watched) -> None:
