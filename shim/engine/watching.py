@@ -111,6 +111,9 @@ class Watcher:
         self.full_look_hooks: list[Callable[[], None]] = []
         # Set by stop(): a job or a reload still finishing places no watch and no timer.
         self._stopped = False
+        # Repairs' runtime updates at once, as for moves: systemd's daemon-reload rewrites
+        # every container's cpuset together, and each update forks a runc.
+        self._repair_updates = asyncio.Semaphore(engine.options.update_concurrency)
 
     @property
     def pidfd_count(self) -> int:
@@ -364,7 +367,8 @@ class Watcher:
         if reversal:
             tracked.reversal_recorded = cpus
         # Through the runtime too, so its own record (and systemd's) says the same.
-        result = await self.engine.mover.update_locked(tracked, cpus, mems, quota)
+        async with self._repair_updates:
+            result = await self.engine.mover.update_locked(tracked, cpus, mems, quota)
         if result.ok:
             self.engine._restored(tracked)
         elif (result.moved and tracked.settings_stale) or tracked.applied != cpus:

@@ -23,6 +23,7 @@ from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, hold_directory
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions, watching
+from shim.engine.moves import MoveResult
 from shim.engine.tracked import Tracked
 from shim.engine.watching import Look, Watcher, _look
 from shim.policy.static import StaticPolicy
@@ -580,6 +581,37 @@ async def test_a_repair_refused_both_ways_is_tried_again(w: Watched) -> None:
     await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "repaired by a retry")
     assert refused == [CPUSet.parse("0-7")]
     assert w.counters["drift_repairs"] == 1
+
+
+async def test_repairs_send_a_bounded_number_of_updates_at_once(
+    w: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # systemd's daemon-reload writes every container's cpuset at once; each repair's update
+    # forks a runc, and a node's worth at once is a fork storm.
+    limit = w.env.engine.options.update_concurrency
+    ids = [await w.started(f"web-{n}") for n in range(limit + 2)]
+    in_flight: list[str] = []
+    peak = 0
+    done = asyncio.Event()
+
+    async def held_update(tracked: Tracked, *args: object) -> MoveResult:
+        nonlocal peak
+        in_flight.append(tracked.id)
+        peak = max(peak, len(in_flight))
+        await done.wait()
+        in_flight.remove(tracked.id)
+        return MoveResult(ok=True)
+
+    monkeypatch.setattr(w.env.engine.mover, "update_locked", held_update)
+    for container_id in ids:
+        cpuset_file(w.env, container_id).write_text("2\n")
+    # Each repair goes from its count to its update without a pause.
+    await until(lambda: w.counters["drift_repairs"] == len(ids), "every repair under way")
+    assert (peak, len(in_flight)) == (limit, limit)
+    done.set()
+    await until(lambda: not in_flight and peak == limit, "every update sent")
+    await w.settled()
+    assert all(w.env.kernel_cpus(container_id) == "0-7" for container_id in ids)
 
 
 @pytest.mark.parametrize("failing", ["the sweep", "another container's look"])
