@@ -309,6 +309,8 @@ def test_overlapping_writes_do_not_corrupt_the_checkpoint(
         go_on.set()
         thread.join(10)
     monkeypatch.undo()
+    assert not thread.is_alive()
+    assert errors == []  # both writes done: neither lost on the way
     # Either write may win, but the file must be one of them, whole.
     assert file.path.read_bytes() in (short, long)
 

@@ -25,7 +25,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions, watching
 from shim.engine.moves import MoveResult
 from shim.engine.tracked import Tracked
-from shim.engine.watching import Look, Watcher, _look
+from shim.engine.watching import Coalescer, Look, Watcher, _look
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeRuntime
@@ -93,6 +93,47 @@ def cpuset_file(env: Env, container_id: str) -> Path:
     directory = env.fake.cgroup_dir(container_id)
     assert directory is not None
     return directory / "cpuset.cpus"
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+async def test_a_job_asked_for_while_it_runs_runs_once_more_after() -> None:
+    # What makes the last event count: its job may have read the file before the change.
+    jobs = Coalescer(asyncio.get_running_loop().create_task)
+    started: list[int] = []
+    release = asyncio.Event()
+
+    async def job() -> None:
+        started.append(len(started))
+        await release.wait()
+
+    jobs.request("state", job)
+    await until(lambda: started == [0], "the first run")
+    for _ in range(3):  # a burst: one more run covers all of it
+        jobs.request("state", job)
+    release.set()
+    await until(lambda: jobs.pending == 0, "the runs done")
+    assert started == [0, 1]
+    jobs.request("state", job)  # and a later request runs it again
+    await until(lambda: jobs.pending == 0 and len(started) == 3, "run again")
+
+
+async def test_a_failing_job_is_logged_and_runs_again_when_asked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    jobs = Coalescer(asyncio.get_running_loop().create_task)
+    runs: list[str] = []
+
+    async def failing() -> None:
+        runs.append("ran")
+        raise RuntimeError("a defect")
+
+    for expected in (1, 2):
+        jobs.request("state", failing)
+        await until(lambda: jobs.pending == 0, "done")
+        assert len(runs) == expected
+    assert caplog.text.count("watch job failed") == 2
 
 
 # --- drift -----------------------------------------------------------------------------------
@@ -738,7 +779,8 @@ async def test_a_new_resync_period_does_not_cut_a_look_half_way(periodic: Watche
     checkpoint.save = held_save  # type: ignore[method-assign]
     w.env.fake.exit_container(pinned_id)
     await asyncio.wait_for(saving.wait(), 5)  # the look is releasing
-    w.watcher.set_resync_period(0.02)
+    # Long: the cut look's work must not be done by the next one instead.
+    w.watcher.set_resync_period(3600)
     checkpoint.save = real_save  # type: ignore[method-assign]
     saved.set()
     await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "shared grown")
