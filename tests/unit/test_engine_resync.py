@@ -186,6 +186,39 @@ async def test_recovery_pins_the_running_attempt_even_when_it_needs_new_cpus(env
     assert_consistent(env)
 
 
+async def test_recovery_pins_a_running_attempt_before_a_later_one_created_beside_it(
+    env: Env,
+) -> None:
+    # Listed together (the runtime's list raced the exit, or kubelet's create of the next
+    # attempt came first): the running one is the one on the CPUs now.
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    running = renamed(env, await env.kubelet.start_new(pod, "main", 1000), "f" * 64)
+    env.fake.containers[running].resources.cpuset_cpus = FIRST_SINGLE
+    reply = await env.kubelet.create(pod, "main", 1000, attempt=1)
+    created = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    created = renamed(env, created, "0" * 64)
+    await env.restart(recover=True)
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.assignments[key].container_id == running
+    assert env.cpus(running) == FIRST_SINGLE == str(env.engine.state.assignments[key].cpus)
+
+
+async def test_recovery_pins_no_created_attempt_left_beside_a_later_exited_one(
+    env: Env,
+) -> None:
+    # Attempt 0's create answer was lost; kubelet made attempt 1, which ran and exited.
+    # kubelet never starts attempt 0: it must not hold CPUs.
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    reply = await env.kubelet.create(pod, "main", 1000)
+    orphan = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    later = await env.kubelet.start_new(pod, "main", 1000, attempt=1)
+    env.fake.exit_container(later, 0)
+    await env.restart(recover=True)
+    assert env.engine.state.assignments == {}
+    assert env.engine.containers.get(orphan) is None or not env.engine.containers[orphan].exclusive
+    assert_consistent(env)
+
+
 async def test_recovery_under_none_gives_a_pinned_container_back_kubelets_memory_nodes(
     env: Env,
 ) -> None:
