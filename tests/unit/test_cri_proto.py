@@ -28,6 +28,7 @@ from shim.cri.methods import (
     RUNTIME_SERVICE,
     Method,
 )
+from tests.harness.prerequisites import require
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO = Path("shim/cri/runtime_v1.proto")
@@ -367,7 +368,7 @@ def test_kubelet_shaped_messages_round_trip(message: Message) -> None:
 
 def test_generated_code_matches_the_proto(tmp_path: Path) -> None:
     if importlib.util.find_spec("grpc_tools") is None:
-        pytest.skip("grpc_tools (grpcio-tools) is not installed; cannot regenerate to compare")
+        require("proto", ["grpc_tools (grpcio-tools, a dev dependency) to regenerate and compare"])
     outputs = ["--python_out", str(tmp_path)]
     bin_dir = Path(sys.executable).parent
     mypy_plugin = shutil.which(

@@ -40,6 +40,7 @@ from shim.projection.writer import (
     check_name,
     on_memory_fs,
 )
+from tests.harness.prerequisites import require
 from tests.harness.sysfs import MachineSpec, expected_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1107,7 +1108,7 @@ def test_the_writer_writes_inline_only_on_a_memory_file_system(path: str, memory
 def test_this_machines_tmpfs_is_seen(tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir():
-        pytest.skip("no /dev/shm here")
+        require("projection", ["/dev/shm, a tmpfs"])
     assert ProjectionWriter(shm / "cpushim-not-made").inline
     assert ProjectionWriter(tmp_path, inline=False).inline is False
 
