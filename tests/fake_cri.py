@@ -8,6 +8,9 @@ must survive the relay). Commands:
 * ``b"echo:..."``          reply with the same bytes (the default for anything else too)
 * ``b"error:<code>:<msg>"`` fail with that gRPC status, message and status details
 * ``b"sleep:<seconds>"``   wait before answering (deadline tests)
+* ``b"hold:<name>"``       wait until the test calls :meth:`FakeRuntime.release` (from any
+  thread); :meth:`FakeRuntime.wait_held` returns once such a call is held. In a process of its
+  own (``python -m tests.fake_cri``) a held call is let go only when the process ends.
 * ``b"big:<n>"``           reply with n bytes
 * ``b"meta"``              echo request metadata as initial and trailing metadata
 * ``b"stream:<n>"``        (server-streaming methods) send n messages then end
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +98,27 @@ class FakeRuntime:
         self.calls: list[tuple[str, bytes, dict[str, str]]] = []
         self.deadlines: dict[bytes, float | None] = {}  # request -> seconds left on arrival
         self.wire: list[tuple[str, bytes]] = []  # requests exactly as they arrived
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's (set when it starts)
+        self._held: dict[bytes, threading.Event] = {}  # hold name -> a call has been held
+        self._released: dict[bytes, asyncio.Event] = {}  # hold name -> let go (the loop's)
+
+    def wait_held(self, name: bytes, timeout: float = 10.0) -> None:
+        """Return once a call scripted ``hold:<name>`` has been held (from any thread)."""
+        if not self._held.setdefault(name, threading.Event()).wait(timeout):
+            raise TimeoutError(f"no call held as {name!r} within {timeout}s")
+
+    def release(self, name: bytes) -> None:
+        """Let the calls held as ``name`` answer, and later ones pass (from any thread)."""
+        assert self.loop is not None, "the server has not started"
+        self.loop.call_soon_threadsafe(lambda: self._gate(name).set())
+
+    def _gate(self, name: bytes) -> asyncio.Event:
+        return self._released.setdefault(name, asyncio.Event())
+
+    async def _hold(self, name: bytes) -> None:
+        gate = self._gate(name)
+        self._held.setdefault(name, threading.Event()).set()
+        await gate.wait()
 
     def __mapping__(self) -> dict[str, Handler]:
         methods = [(m.path, m.server_streaming) for m in ALL_METHODS]
@@ -124,6 +149,8 @@ class FakeRuntime:
                 raise GRPCError(Status(int(code)), message.decode(), DETAILS)
             if request.startswith(b"sleep:"):
                 await asyncio.sleep(float(request[6:]))
+            if request.startswith(b"hold:"):
+                await self._hold(request[5:])
             if request.startswith(b"big:"):
                 await stream.send_message(b"x" * int(request[4:]))
                 return
@@ -169,6 +196,7 @@ class FakeRuntimeServer:
         return f"unix://{self.socket_path}"
 
     async def start(self) -> None:
+        self.runtime.loop = asyncio.get_running_loop()
         self._server = Server(
             [self.runtime], codec=RawCodec(), status_details_codec=RawDetailsCodec()
         )

@@ -65,6 +65,16 @@ def wait_serving(proc: subprocess.Popen[bytes], listen: Path, log: Path) -> None
     raise AssertionError(f"cpushim did not serve {listen}:\n{log.read_text()}")
 
 
+def refuses(listen: Path) -> bool:
+    """Whether nothing takes connections at ``listen`` (as once cpushim begins to shut down)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(listen))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+    return False
+
+
 def log_events(log: Path) -> list[dict[str, object]]:
     return [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
@@ -115,12 +125,17 @@ def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeSer
         with grpc.insecure_channel(f"unix://{listen}") as ch:
             assert unary(ch, RUNTIME + "Version", b"echo:v", timeout=10).endswith(b"echo:v")
 
-            caller = call_in_flight(fake, ch, b"sleep:1.5", 20, outcome)
+            caller = call_in_flight(fake, ch, b"hold:term", 20, outcome)
+            fake.runtime.wait_held(b"term")
             proc.send_signal(signal.SIGTERM)
+            # The call is answered only once cpushim's relay has begun to shut down.
+            wait_for(lambda: refuses(listen), 10, "cpushim to stop taking connections")
+            assert proc.poll() is None, log.read_text()
+            fake.runtime.release(b"term")
             caller.join(20)
         assert proc.wait(20) == 0
         assert "error" not in outcome, outcome
-        assert outcome["reply"] == b"reply-to:/runtime.v1.RuntimeService/ListContainers:sleep:1.5"
+        assert outcome["reply"] == b"reply-to:/runtime.v1.RuntimeService/ListContainers:hold:term"
         messages = [e["msg"] for e in log_events(log)]
         assert "shutting down" in messages
         assert "stopped" in messages
@@ -138,7 +153,7 @@ def test_a_second_sigterm_ends_the_grace_period_at_once(fake: FakeRuntimeServer)
         wait_serving(proc, listen, log)
         outcome: dict[str, object] = {}
         with grpc.insecure_channel(f"unix://{listen}") as ch:
-            caller = call_in_flight(fake, ch, b"sleep:100", 110, outcome)
+            caller = call_in_flight(fake, ch, b"hold:forever", 110, outcome)
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 10
             while not logged(log, "shutting down"):
