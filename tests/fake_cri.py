@@ -211,6 +211,33 @@ class FakeRuntimeServer:
             self.socket_path.unlink()
 
 
+class CountingFakeRuntime(FakeRuntime):
+    """A :class:`FakeRuntime` that counts its handlers while they run, however they end
+    (answered, failed, or cancelled by the client's reset or at the call's deadline): once
+    none runs, every call that reached it has been answered (grpclib writes the trailers as
+    the handler returns) or dropped, and no late answer is still to come."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = 0  # one int, so another thread reads it whole
+
+    def _counted(self, handle: Any) -> Any:
+        async def counted(stream: Stream[bytes, bytes]) -> None:
+            self.running += 1
+            try:
+                await handle(stream)
+            finally:
+                self.running -= 1
+
+        return counted
+
+    def _unary(self, path: str) -> Any:
+        return self._counted(super()._unary(path))
+
+    def _streaming(self, path: str) -> Any:
+        return self._counted(super()._streaming(path))
+
+
 @contextlib.contextmanager
 def short_tmpdir() -> Iterator[Path]:
     """A temp dir with a short path: unix socket paths are limited to 107 bytes."""

@@ -669,7 +669,11 @@ async def test_gate_holds_calls_until_set(client: Client, rt: FakeRuntime) -> No
     assert rt.gate("CreateContainer") is gate
     first = asyncio.create_task(client.create(sandbox_id, "a"))
     await wait_until(lambda: len(rt.calls_of("CreateContainer")) == 1)
-    await asyncio.sleep(0.05)
+    # Were the call not held, its reply would reach the client within two turns of the loop
+    # after it was recorded: the reply crosses a unix socket within this process, which takes
+    # turns, not time, however slow the host. Give it ten times that.
+    for _ in range(20):
+        await asyncio.sleep(0)
     assert not first.done()
     assert rt.containers == {}  # recorded, nothing done
 

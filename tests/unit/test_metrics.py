@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import socket
 import time
@@ -13,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import hpack
@@ -25,8 +27,14 @@ from shim.cri.hpack_blocks import grpc_status
 from shim.cri.passthrough import PassthroughInterceptor
 from shim.cri.server import RelayServer
 from shim.metrics import ENGINE_COUNTERS, KUBELET_COUNTERS, Metrics, RelayStats, serve_metrics
-from shim.run import METRICS_CLOSE_WAIT, close_metrics_server, runtime_unreachable
-from tests.fake_cri import FUTURE_UNARY, FakeRuntimeServer, script, short_tmpdir
+from shim.run import close_metrics_server, runtime_unreachable
+from tests.fake_cri import (
+    FUTURE_UNARY,
+    CountingFakeRuntime,
+    FakeRuntimeServer,
+    script,
+    short_tmpdir,
+)
 from tests.unit.engine_env import Env, env
 from tests.unit.relay_env import RUNTIME, LoopThread, failure, unary
 
@@ -271,14 +279,22 @@ def test_a_bad_address_is_refused() -> None:
 # --- the relay's calls -----------------------------------------------------------------------
 
 
+class Relay(NamedTuple):
+    channel: grpc.Channel
+    stats: RelayStats
+    reset: Callable[[], None]
+    runtime: CountingFakeRuntime  # behind the relay, on its loop's thread
+
+
 @pytest.fixture(scope="module")
-def relay() -> Iterator[tuple[grpc.Channel, RelayStats, Callable[[], None]]]:
+def relay() -> Iterator[Relay]:
     """A real RelayServer with a RelayStats observer in front of the fake CRI server."""
     loop = LoopThread()
     stats = RelayStats()
     try:
         with short_tmpdir() as workdir:
             fake = FakeRuntimeServer(workdir / "runtime.sock")
+            runtime = fake.runtime = CountingFakeRuntime()
             loop.run(fake.start())
             server = RelayServer(
                 listen=f"unix://{workdir}/cri.sock",
@@ -297,7 +313,7 @@ def relay() -> Iterator[tuple[grpc.Channel, RelayStats, Callable[[], None]]]:
 
             try:
                 with grpc.insecure_channel(f"unix://{workdir}/cri.sock") as channel:
-                    yield channel, stats, reset
+                    yield Relay(channel, stats, reset, runtime)
             finally:
                 loop.run(server.shutdown(2.0))
                 loop.run(fake.stop())
@@ -311,18 +327,24 @@ def relay_samples(stats: RelayStats) -> dict[tuple[str, tuple[tuple[str, str], .
     return samples(generate_latest(registry).decode())
 
 
-def settle(stats: RelayStats, calls: int) -> None:
-    """The relay reports a call's end as it forwards it, so at most a moment after the client
-    has it; wait for that."""
-    deadline = time.monotonic() + 5
-    while sum(stats.calls.values()) < calls and time.monotonic() < deadline:
+def wait_until(condition: Callable[[], bool], what: str, seconds: float = 5.0) -> None:
+    """Until ``condition`` (of what the relay's loop thread changes) holds; fail after
+    ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds}s: {what}")
         time.sleep(0.001)
 
 
-def test_relay_calls_are_counted_by_method_and_code(
-    relay: tuple[grpc.Channel, RelayStats, Callable[[], None]],
-) -> None:
-    channel, stats, reset = relay
+def settle(stats: RelayStats, calls: int) -> None:
+    """The relay reports a call's end as it forwards it, so at most a moment after the client
+    has it; wait for that."""
+    wait_until(lambda: sum(stats.calls.values()) >= calls, f"the relay counted {calls} calls")
+
+
+def test_relay_calls_are_counted_by_method_and_code(relay: Relay) -> None:
+    channel, stats, reset, _ = relay
     reset()
     for _ in range(3):
         unary(channel, VERSION, b"echo:hi", timeout=10)
@@ -354,24 +376,30 @@ def test_relay_calls_are_counted_by_method_and_code(
     inf = ("cpushim_relay_call_duration_seconds_bucket", (("le", "+Inf"), ("method", VERSION)))
     assert got[inf] == 4
     total = got[("cpushim_relay_call_duration_seconds_sum", (("method", VERSION),))]
-    assert 0 < total < 10
+    assert total > 0
 
 
-def test_calls_that_time_out_or_are_cancelled_count_once(
-    relay: tuple[grpc.Channel, RelayStats, Callable[[], None]],
-) -> None:
-    channel, stats, reset = relay
+def test_calls_that_time_out_or_are_cancelled_count_once(relay: Relay) -> None:
+    channel, stats, reset, runtime = relay
     reset()
+    tag = ("x-test", "reset")
+
+    def reached_runtime(path: str) -> bool:
+        return any(p == path and m.get(tag[0]) == tag[1] for p, _, m in runtime.calls)
+
     for path in (VERSION, START):
         # The runtime (or the relay's forward, for START) ends it at the deadline.
         error = failure(channel, path, b"sleep:1", timeout=0.2)
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        # No deadline: the client resets the stream (RST_STREAM CANCEL) when it gives up.
-        future = channel.unary_unary(path).future(script(b"sleep:1"))
-        time.sleep(0.2)
+        # No deadline: the client resets the stream (RST_STREAM CANCEL) when it gives up,
+        # once the call has gone through the relay to the runtime.
+        future = channel.unary_unary(path).future(script(b"sleep:1"), metadata=(tag,))
+        wait_until(functools.partial(reached_runtime, path), f"{path} reached the runtime")
         assert future.cancel()
     settle(stats, 4)
-    time.sleep(1.2)  # the runtime's late answers must not count the calls again
+    # The runtime's late answers must not count the calls again: let them all come, then
+    # send one more call behind them on the same connection.
+    wait_until(lambda: runtime.running == 0, "the runtime done with the calls")
     unary(channel, VERSION, b"echo:after", timeout=10)
     settle(stats, 5)
     assert stats.calls.pop((VERSION, "OK")) == 1
@@ -433,14 +461,16 @@ async def test_a_silent_client_does_not_hold_up_the_shutdown(env: Env) -> None:
     address = free_address()
     server = await serve_metrics(Metrics(env.engine), address, lambda: None)
     host, port = address.rsplit(":", 1)
-    _, writer = await asyncio.open_connection(host, int(port))
-    try:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        await asyncio.wait_for(close_metrics_server(server), 5)
-        assert loop.time() - started < METRICS_CLOSE_WAIT + 1
-    finally:
-        writer.close()
+    with socket.create_connection((host, int(port))) as silent:
+        # The server takes connections in the order they came: once a later one is answered,
+        # it holds the silent one too.
+        assert (await asyncio.to_thread(http_get, f"http://{address}/metrics"))[0] == 200
+        await asyncio.wait_for(close_metrics_server(server), 60)  # against a hang only
+        # The shutdown is over and the silent client's connection is still open, neither
+        # answered nor closed: the shutdown did not wait for it to end.
+        silent.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            silent.recv(1, socket.MSG_PEEK)
 
 
 # --- what /healthz asks of the runtime's socket ---------------------------------------------------

@@ -10,7 +10,8 @@ import asyncio
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -101,21 +102,43 @@ async def test_a_move_and_its_return_before_the_delay_cost_no_runtime_update(env
     assert updates_to(env.fake, shared_id) == []
 
 
+class StillClock:
+    """The loop's clock (the record delay's), standing still but for what the test adds, as
+    in tests/unit/test_shutdown.py: time passes for the engine as the test says, however
+    long the host takes. The loop's timers fire only when it is moved past them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        loop = asyncio.get_running_loop()
+        self.now = loop.time()
+        monkeypatch.setattr(loop, "time", lambda: self.now)
+
+    async def until(self, condition: Callable[[], bool], what: str) -> None:
+        """``until`` while the clock stands still: it turns the loop and the host's clock
+        bounds the wait."""
+        deadline = time.monotonic() + 5.0
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within 5s: {what}")
+            await asyncio.sleep(0)
+
+
 async def test_a_container_that_keeps_moving_is_recorded_once_it_stays_put(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
         env = await cgroup_env(tmp_path, fake, record_delay=1.0)
         shared_id = await start_located(env, "web")
+        clock = StillClock(monkeypatch)
         # Three moves 0.6 s apart, each within the delay of the one before: a record one delay
         # after the first move would carry the second cpuset and need another for the third.
         for index in range(3):
             pod = await env.kubelet.run_pod(f"db-{index}", "guaranteed")
             await env.kubelet.start_new(pod, "main", 1000)
-            await asyncio.sleep(0.6)  # time passing between pods, not a synchronisation
+            clock.now += 0.6
         last = env.kernel_cpus(shared_id)
         assert last is not None
-        await until(lambda: updates_to(fake, shared_id) != [], "the record sent", deadline=5.0)
+        clock.now += 0.4  # the last cpuset has stayed put for the delay
+        await clock.until(lambda: updates_to(fake, shared_id) != [], "the record sent")
         assert updates_to(fake, shared_id) == [last]
         env.channel.close()
 
