@@ -105,6 +105,8 @@ class Watcher:
         self._state_watch: Subscription | None = None
         # The state directory the watch was placed on (device, inode).
         self._state_identity: tuple[int, int] | None = None
+        # The .lock another process held when this one tried to take it again (told once).
+        self._contended_lock: tuple[int, int] | None = None
         self._timer: asyncio.Task[None] | None = None
         # Called at the start of every full look (the config reloader reads its file again:
         # an edit whose event an overflow dropped is applied then).
@@ -443,7 +445,9 @@ class Watcher:
                 self.jobs.request("state-dir", self._restore_state_dir)
             elif event.name == self.engine.checkpoint.path.name:
                 self.jobs.request("state", self.check_state)
-            elif event.name == LOCK_FILE:
+            elif event.name == LOCK_FILE and event.mask & (IN_DELETE | IN_MOVED_FROM):
+                # Only its going: every try to take a lock opens and closes the file, and a
+                # close that asked for another try would loop while another process holds it.
                 self.jobs.request("state-lock", self._hold_state_dir_again)
 
         try:
@@ -472,13 +476,19 @@ class Watcher:
     async def _hold_state_dir_again(self) -> None:
         """Take the lock of a state directory (or a ``.lock``) made again: the one held is on
         a file that is gone, and a second cpushim started now would not be refused."""
+        checkpoint = self.engine.checkpoint
         try:
-            if self.engine.checkpoint.hold_again():
+            if checkpoint.hold_again():
                 log.warning(
                     "the state directory's lock was removed; taken again",
-                    extra={"fields": {"path": str(self.engine.checkpoint.directory)}},
+                    extra={"fields": {"path": str(checkpoint.directory)}},
                 )
+            self._contended_lock = None
         except StateDirectoryInUseError as exc:
+            contended = identity(checkpoint.directory / LOCK_FILE)
+            if contended is not None and contended == self._contended_lock:
+                return  # told already, at the first look that met this lock
+            self._contended_lock = contended
             self.counters["watch_errors"] += 1
             log.error(
                 "another process holds the state directory made again: two cpushims undo each"

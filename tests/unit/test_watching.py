@@ -26,6 +26,7 @@ from shim.engine import EngineOptions, watching
 from shim.engine.moves import MoveResult
 from shim.engine.tracked import Tracked
 from shim.engine.watching import Coalescer, Look, Watcher, _look
+from shim.inotify import FILE_CHANGES, Event
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeRuntime
@@ -437,7 +438,26 @@ async def test_the_state_directory_made_again_is_held_again(w: Watched, removed:
     os.close(hold_directory(w.env.state_dir))  # released with the checkpoint
 
 
-async def test_a_state_directory_another_process_took_meanwhile_is_told_of(
+async def events_seen_up_to_now(watcher: Watcher, directory: Path, name: str) -> None:
+    """Every event the kernel queued on ``directory`` before this call has been handed out
+    (one made after them has: inotify keeps their order), and the jobs they asked for done."""
+    seen: list[str] = []
+
+    def on_event(event: Event) -> None:
+        if event.name == name:
+            seen.append(name)
+
+    subscription = watcher.inotify.subscribe(str(directory), FILE_CHANGES, on_event)
+    try:
+        (directory / name).write_bytes(b"")
+        await until(lambda: bool(seen), f"{name} seen")
+    finally:
+        watcher.inotify.unsubscribe(subscription)
+        (directory / name).unlink()
+    await until(lambda: watcher.jobs.pending == 0, "watch jobs done")
+
+
+async def test_a_state_directory_another_process_took_meanwhile_is_told_of_once(
     w: Watched, caplog: pytest.LogCaptureFixture
 ) -> None:
     checkpoint = w.env.engine.checkpoint
@@ -448,8 +468,17 @@ async def test_a_state_directory_another_process_took_meanwhile_is_told_of(
         try:
             await until(lambda: w.counters["watch_errors"] >= 1, "told")
             assert "another process holds the state directory" in caplog.text
+            # Each try opens and closes the other's .lock: no try may ask for the next one.
+            for look in range(3):
+                await w.watcher.look_everywhere()
+                await events_seen_up_to_now(w.watcher, w.env.state_dir, f"sentinel-{look}")
+            assert w.counters["watch_errors"] == 1
         finally:
             os.close(other)
+        # Once the other lets go, the next look takes it.
+        await w.watcher.look_everywhere()
+        with pytest.raises(StateDirectoryInUseError):
+            os.close(hold_directory(w.env.state_dir))
     finally:
         checkpoint.release()
 
