@@ -298,6 +298,7 @@ class Metrics:
 # --- the HTTP endpoint ---------------------------------------------------------------------------
 
 _READ_TIMEOUT = 10.0
+_CLOSE_TIMEOUT = 1.0
 _MAX_REQUEST_HEAD = 8192
 _REASONS = {
     200: "OK",
@@ -330,8 +331,14 @@ async def serve_metrics(
             log.exception("metrics endpoint request failed")
         finally:
             writer.close()
+            # A close with data unsent waits for the client to read it: one that never does
+            # would hold the connection for ever. Waited for, not cancelled: the wait is on
+            # the connection's own future.
+            closed = asyncio.ensure_future(writer.wait_closed())
+            if not (await asyncio.wait({closed}, timeout=_CLOSE_TIMEOUT))[0]:
+                writer.transport.abort()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                await closed
 
     server = await asyncio.start_server(handle, host, port, reuse_address=True)
     log.info("serving metrics", extra={"fields": {"address": address}})
@@ -350,11 +357,11 @@ async def _serve_one(
         _respond(writer, 400, _TEXT, b"request head too large\n")
         return
     parts = request_line.split()
+    head_only = parts[:1] == [b"HEAD"]
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-        _respond(writer, 400, _TEXT, b"bad request line\n")
+        _respond(writer, 400, _TEXT, b"bad request line\n", head_only=head_only)
         return
     method, target = parts[0], parts[1].split(b"?", 1)[0]
-    head_only = method == b"HEAD"
     if target not in (b"/metrics", b"/healthz"):
         _respond(writer, 404, _TEXT, b"not found; try /metrics or /healthz\n", head_only=head_only)
         return

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import hpack
@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import shim
+import shim.metrics as metrics_module
 from shim.cri.hpack_blocks import grpc_status
 from shim.cri.passthrough import PassthroughInterceptor
 from shim.cri.server import RelayServer
@@ -35,7 +36,7 @@ from tests.fake_cri import (
     script,
     short_tmpdir,
 )
-from tests.unit.engine_env import Env, env
+from tests.unit.engine_env import Env, env, until
 from tests.unit.relay_env import RUNTIME, LoopThread, failure, unary
 
 pytestmark = pytest.mark.anyio
@@ -253,12 +254,54 @@ async def test_a_request_head_too_large_is_refused(served: Served) -> None:
     assert answer.endswith(b"request head too large\n")
 
 
+async def test_a_blank_request_line_is_refused(served: Served) -> None:
+    answer = await raw_exchange(served, b"   \r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 ")
+
+
 async def test_no_answer_to_head_has_a_body(served: Served) -> None:
-    for target in (b"/healthz", b"/metrics", b"/nowhere"):
-        answer = await raw_exchange(served, b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\n" % target)
+    for request_line in (
+        b"HEAD /healthz HTTP/1.1",
+        b"HEAD /metrics HTTP/1.1",
+        b"HEAD /nowhere HTTP/1.1",
+        b"HEAD /metrics HTTP/2.0",  # refused, and still without a body
+    ):
+        answer = await raw_exchange(served, request_line + b"\r\nHost: x\r\n\r\n")
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 "), target
-        assert body == b"", target
+        assert head.startswith(b"HTTP/1.1 "), request_line
+        assert body == b"", request_line
+
+
+async def test_a_client_that_never_reads_does_not_keep_its_connection(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its answer fills the socket's buffers; the drain gives up after the read timeout, and
+    # the close must not then wait for the client to read the rest.
+    monkeypatch.setattr(metrics_module, "_READ_TIMEOUT", 0.2)
+    metrics = Metrics(env.engine)
+    body = b"#" * (32 << 20)  # more than the kernel's buffers and the transport's limit
+    monkeypatch.setattr(metrics, "render", lambda: body)
+    writers: list[asyncio.StreamWriter] = []
+    serve_one = metrics_module._serve_one
+
+    async def seen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *args: Any) -> None:
+        writers.append(writer)
+        await serve_one(reader, writer, *args)
+
+    monkeypatch.setattr(metrics_module, "_serve_one", seen)
+    address = free_address()
+    server = await serve_metrics(metrics, address, lambda: None)
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect((host, int(port)))
+            client.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            await until(lambda: bool(writers), "the request taken")
+            # The client reads nothing: the server's end must close all the same.
+            await asyncio.wait_for(writers[0].wait_closed(), 30)
+    finally:
+        await close_metrics_server(server)
 
 
 async def test_closing_the_server_stops_serving(env: Env) -> None:
