@@ -1449,8 +1449,14 @@ def _at_or_under(container_path: str, target: str) -> bool:
     """Whether a container's mount lands on ``target`` or inside it, however its path is
     written (the runtime cleans it: ``/run/cpushim/`` is ``/run/cpushim``). One inside would
     need a mount point made in the read-only projection, and the container would not start."""
-    path = posixpath.normpath(posixpath.join("/", container_path))
+    path, target = _clean(container_path), _clean(target)
     return path == target or path.startswith(target.rstrip("/") + "/")
+
+
+def _clean(path: str) -> str:
+    """An absolute path as Go's filepath.Clean gives it, which the runtime uses: unlike
+    posixpath.normpath, it keeps no two leading slashes."""
+    return posixpath.normpath("/" + path.lstrip("/"))
 
 
 def _unique_prefix_match(named: str, ids: set[str]) -> str:

@@ -277,7 +277,17 @@ async def test_a_projection_that_cannot_be_written_costs_the_mount_not_the_conta
     "path",
     # However it is written (the runtime cleans the path), and below it: a mount point there
     # would have to be made inside the read-only projection.
-    [str(MOUNT), f"{MOUNT}/", "/run//cpushim", "/run/./cpushim", f"{MOUNT}/extra"],
+    [
+        str(MOUNT),
+        f"{MOUNT}/",
+        "/run//cpushim",
+        "/run/./cpushim",
+        "//run/cpushim",
+        "///run/cpushim",
+        "run/cpushim",
+        f"{MOUNT}/extra",
+        f"/{MOUNT}/extra",
+    ],
 )
 async def test_a_mount_kubelet_already_has_at_the_path_is_left_alone(env: Env, path: str) -> None:
     pod = await env.kubelet.run_pod("web", "besteffort")
