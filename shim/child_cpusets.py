@@ -7,7 +7,8 @@ write that would leave a child with CPUs or nodes outside it: shrinking such a c
 cpuset fails, through the runtime too (``runc update`` writes the same files), and a shared
 container would go on running on CPUs just handed out exclusively. Cgroup v2 needs none of
 this from Linux 5.17 on (a child's effective CPUs follow its parent's by themselves); before,
-it refused such a shrink too, and the same moves serve there.
+it refused such a shrink too, and the same moves serve there, for the children with a set of
+their own (an empty one there is all of the parent's, not "never configured").
 
 So in v1 the children are moved with the container the way v2 would show them. What a
 child's owner gave it is what it *wants*: every CPU of its parent (it follows the parent, as
@@ -128,10 +129,15 @@ def has_children(directory: Path) -> bool:
         return False
 
 
-def child_values(directory: Path, name: str) -> dict[PurePosixPath, CPUSet]:
+def child_values(
+    directory: Path, name: str, *, inherit_empty: bool = False
+) -> dict[PurePosixPath, CPUSet]:
     """Every cgroup below ``directory`` with the list in its file ``name``, by path relative
     to it; {} when there is none (:func:`has_children`: one stat, before any listing).
-    OSError when a directory cannot be listed or a file read or parsed."""
+    With ``inherit_empty`` (cgroup v2, where an empty list means all of the parent's), a
+    cgroup holding an empty list is left out, and what is below it with it: it restricts
+    nothing above it, and what restricts it is not moved. OSError when a directory cannot
+    be listed or a file read or parsed."""
     found: dict[PurePosixPath, CPUSet] = {}
     pending = [PurePosixPath()]
     while pending:
@@ -146,21 +152,21 @@ def child_values(directory: Path, name: str) -> dict[PurePosixPath, CPUSet]:
         for entry in entries:
             child = relative / entry
             values = _read(directory / child, name)
-            if values is not None:
+            if values is not None and (values or not inherit_empty):
                 found[child] = values
                 pending.append(child)
     return found
 
 
 def move_with_children(
-    directory: Path, name: str, new: CPUSet, memory: Memory
+    directory: Path, name: str, new: CPUSet, memory: Memory, *, inherit_empty: bool = False
 ) -> tuple[int, dict[PurePosixPath, Child]]:
     """Write ``new`` into a v1 container cgroup's file ``name`` (``cpuset.cpus`` or
     ``cpuset.mems``), the cgroups below it first (:func:`plan_writes`). Returns how many
     writes made room (all but the container's own) and the memory for the next move.
     OSError when a write is refused, after every write before it was undone; a child
-    removed meanwhile is skipped."""
-    found = child_values(directory, name)
+    removed meanwhile is skipped. ``inherit_empty``: as :func:`child_values` (cgroup v2)."""
+    found = child_values(directory, name, inherit_empty=inherit_empty)
     old = _read(directory, name) if found else None
     if old is None:
         cgroups.write_list(directory, name, new)

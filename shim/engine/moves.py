@@ -159,7 +159,11 @@ class Mover:
                     raise
         memory = tracked.child_memory.get(name, {})
         written, tracked.child_memory[name] = child_cpusets.move_with_children(
-            directory, name, values, memory
+            directory,
+            name,
+            values,
+            memory,
+            inherit_empty=self.layout.version is CgroupVersion.V2,
         )
         if written:
             self.counters["child_cpuset_writes"] += written

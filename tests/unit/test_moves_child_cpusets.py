@@ -319,6 +319,26 @@ async def test_under_cgroup_v2_before_5_17_a_shared_container_moves_its_children
     assert (env.kernel_cpus(shared_id), cpus_of(pinned)) == ("0-7", "0-7")
 
 
+async def test_under_cgroup_v2_before_5_17_a_child_that_inherits_is_left_with_what_is_below(
+    v2_before_5_17: Env,
+) -> None:
+    # In v2 an empty cpuset.cpus is all of the parent's (a runtime's own cgroup inside the
+    # container), not v1's "never configured": what is below it keeps its own set.
+    env = v2_before_5_17
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("ci", "besteffort"), "main")
+    cgroup = await located(env, shared_id)
+    job = child(cgroup, "job", f"{FIRST_SINGLE}-5")  # makes the old kernel refuse the shrink
+    docker = child(cgroup, "docker", "")
+    nested = child(docker, "nested", "5")  # a nested runtime's --cpuset-cpus=5
+    pinned_id = await env.kubelet.start_new(
+        await env.kubelet.run_pod("db", "guaranteed"), "main", 1000
+    )
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert (cpus_of(job), cpus_of(docker), cpus_of(nested)) == ("5", "", "5")
+    await env.kubelet.stop(pinned_id)
+    assert (cpus_of(job), cpus_of(docker), cpus_of(nested)) == (f"{FIRST_SINGLE}-5", "", "5")
+
+
 async def test_under_cgroup_v2_before_5_17_a_move_through_the_runtime_takes_the_children(
     v2_before_5_17: Env,
 ) -> None:
