@@ -34,6 +34,7 @@ from shim.cpuset import CPUSet
 __all__ = [
     "CPUS_FILE",
     "DEFAULT_PATH",
+    "MAX_INTEGER",
     "POOLS",
     "STATE_FILE",
     "Pool",
@@ -53,7 +54,7 @@ Pool: TypeAlias = Literal["exclusive", "shared", "reserved"]
 POOLS: Final[tuple[Pool, ...]] = ("exclusive", "shared", "reserved")
 # The largest integer (a generation, a NUMA node or socket id) a file may hold: what every
 # JSON reader takes exactly (a float64's integers) and any writer can render again.
-_MAX_INTEGER: Final = 2**53 - 1
+MAX_INTEGER: Final = 2**53 - 1
 
 # RFC 3339 date-time (section 5.6); fromisoformat alone also takes forms RFC 3339 does not.
 _RFC3339: Final = re.compile(
@@ -153,8 +154,8 @@ def parse(data: bytes | str) -> Projection:
         if not isinstance(core, str) or _CORE.fullmatch(core) is None:
             raise ProjectionError(f"'cores' holds {core!r}, not a 'socket:die:core' name")
     generation = _field(document, "generation", int)
-    if not 0 <= generation <= _MAX_INTEGER:
-        raise ProjectionError(f"'generation' is {generation}, not in 0..{_MAX_INTEGER}")
+    if not 0 <= generation <= MAX_INTEGER:
+        raise ProjectionError(f"'generation' is {generation}, not in 0..{MAX_INTEGER}")
     updated_at = _field(document, "updated_at", str)
     if _RFC3339.fullmatch(updated_at) is None or not _valid_time(updated_at):
         raise ProjectionError(f"'updated_at' is {updated_at!r}, not an RFC 3339 date-time")
@@ -193,8 +194,8 @@ def _cpu_list(document: dict[str, Any], name: str) -> CPUSet:
 def _id_list(document: dict[str, Any], name: str) -> tuple[int, ...]:
     values = _field(document, name, list)
     for value in values:
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_INTEGER:
-            raise ProjectionError(f"{name!r} holds {value!r}, not an integer in 0..{_MAX_INTEGER}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INTEGER:
+            raise ProjectionError(f"{name!r} holds {value!r}, not an integer in 0..{MAX_INTEGER}")
     return tuple(sorted(set(values)))
 
 

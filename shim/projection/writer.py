@@ -37,7 +37,15 @@ from typing import Final
 from shim.cpuset import CPUSet
 from shim.fileio import write_and_sync
 from shim.mountinfo import parse_mountinfo
-from shim.projection import CPUS_FILE, STATE_FILE, Pool, Projection, ProjectionError, parse
+from shim.projection import (
+    CPUS_FILE,
+    MAX_INTEGER,
+    STATE_FILE,
+    Pool,
+    Projection,
+    ProjectionError,
+    parse,
+)
 from shim.projection.content import describe, render, rfc3339, same_state
 from shim.topology import Topology
 
@@ -290,6 +298,11 @@ def _update(
         if not created:
             modified_ns = max(modified_ns, os.fstat(dir_fd).st_mtime_ns)
         generation = max(now_ns // 1000, modified_ns // 1000 + 1, floor)
+    if generation > MAX_INTEGER:
+        # Only after a file damaged to hold the largest there is: a generation no reader
+        # takes would stop every subscriber for good; starting again from the clock stops
+        # none.
+        generation = now_ns // 1000
     written = _Known.of(replace(wanted, generation=generation, updated_at=rfc3339(now_ns)))
     for name, data in written.files.items():  # in render's order: cpuset.json last
         _replace(dir_fd, name, data)

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager, suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import shim.projection.writer as writer_module
 from shim.cpuset import CPUSet
 from shim.projection import (
     CPUS_FILE,
+    MAX_INTEGER,
     STATE_FILE,
     Pool,
     Projection,
@@ -466,6 +468,23 @@ async def test_generations_never_repeat_after_damage_with_the_same_writer(
     for path in [directory, *directory.iterdir()]:
         os.utime(path, ns=(0, 0))
     assert await project(writer, "4") == max(written) + 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("new_writer", [False, True], ids=["same writer", "new writer"])
+async def test_a_file_at_the_largest_generation_is_followed_by_one_readers_take(
+    tmp_path: Path, new_writer: bool
+) -> None:
+    writer = ProjectionWriter(tmp_path)
+    await project(writer, "1")
+    directory = writer.directory("pod-1", "app")
+    largest = replace(read(directory), generation=MAX_INTEGER)
+    (directory / STATE_FILE).write_bytes(dict(render(largest))[STATE_FILE])
+    assert read(directory).generation == MAX_INTEGER  # one the readers take
+    if new_writer:
+        writer = ProjectionWriter(tmp_path)
+    generation = await project(writer, "2")
+    assert read(directory).generation == generation <= MAX_INTEGER
 
 
 @pytest.mark.anyio
