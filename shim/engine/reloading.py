@@ -82,34 +82,31 @@ _DIRECTORY_BACK = IN_CREATE | IN_MOVED_TO
 
 def _content(path: str) -> bytes | None:
     """The file's bytes through its symlinks; None when it cannot be read or is not a
-    regular file. Read on the event loop: it must never block there (a FIFO put at the
-    path would, until a writer came)."""
+    regular file (:func:`_read_config` says why)."""
+    content = _read_config(path)
+    return content if isinstance(content, bytes) else None
+
+
+def _read_config(path: str) -> bytes | str:
+    """The file's bytes through its symlinks, or why they cannot be had (the refusal's
+    words). Read on the event loop: it must never block there (a FIFO put at the path
+    would, until a writer came), so it is opened non-blocking and taken only when it is a
+    regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
+    except OSError as exc:
+        return f"cannot read the config file: {exc.strerror or exc}"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+            return "cannot read the config file: not a regular file"
         chunks = []
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)
         return b"".join(chunks)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _why_unreadable(path: str) -> str:
-    """What a config file ``_content`` could not read is, for the refusal."""
-    try:
-        found = os.stat(path)
     except OSError as exc:
         return f"cannot read the config file: {exc.strerror or exc}"
-    if not stat.S_ISREG(found.st_mode):
-        return "cannot read the config file: not a regular file"
-    return "cannot read the config file"
+    finally:
+        os.close(fd)
 
 
 def _is_link(path: str) -> bool:
@@ -277,12 +274,14 @@ class ConfigReloader:
         """Read the file again and apply what changed; refuse a bad file."""
         if self._stopped:
             return
-        self._last_read, self._read_once = _content(self.path), True
+        content = _read_config(self.path)
+        self._last_read = content if isinstance(content, bytes) else None
+        self._read_once = True
         try:
-            if self._last_read is None:
+            if not isinstance(content, bytes):
                 # Read without blocking, as the path may be anything (a FIFO would hold a
                 # worker thread, and with it every later reload, until a writer came).
-                raise ConfigError(Path(self.path), _why_unreadable(self.path))
+                raise ConfigError(Path(self.path), content)
             # A worker thread still: a key's check may ask the system (socketGroup's group).
             new = await asyncio.to_thread(reload_options, self.options, self._last_read)
         except ConfigError as exc:

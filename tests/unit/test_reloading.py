@@ -461,6 +461,30 @@ def test_a_fifo_at_the_config_path_is_not_waited_for(tmp_path: Path) -> None:
     assert without_waiting_on(fifo, lambda: _content(str(fifo))) is None
 
 
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [
+        ("/proc/self/mem", "Input/output error"),  # a regular file whose read fails
+        ("/nonexistent/config.toml", "No such file or directory"),
+        ("/dev/null", "not a regular file"),
+    ],
+)
+async def test_a_config_file_that_cannot_be_read_is_refused_saying_why(
+    r: Reloading, caplog: pytest.LogCaptureFixture, target: str, reason: str
+) -> None:
+    link = r.path.with_name(".config.toml.new")
+    os.symlink(target, link)
+    os.replace(link, r.path)
+    with caplog.at_level(logging.ERROR):
+        await r.reloaded("config_errors")
+    (refusal,) = [
+        record.__dict__["fields"]
+        for record in caplog.records
+        if record.getMessage() == "config file refused; the running config stays"
+    ]
+    assert refusal["error"] == f"{r.path}: cannot read the config file: {reason}"
+
+
 async def test_a_fifo_renamed_over_the_config_is_refused_and_later_edits_are_read(
     r: Reloading,
 ) -> None:
