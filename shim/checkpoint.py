@@ -176,7 +176,7 @@ def hold_directory(directory: Path) -> int:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     if made:
         # Its name in its parent survives a power cut with the first checkpoint in it.
-        _fsync_directory(directory.parent)
+        fsync_directory(directory.parent)
     fd = os.open(
         directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
     )
@@ -213,7 +213,7 @@ def write_atomically(
         temporary.unlink(missing_ok=True)
         raise
     if sync_directory:
-        _fsync_directory(directory)
+        fsync_directory(directory)
 
 
 def padded(data: bytes) -> bytes:
@@ -269,7 +269,7 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
             # Without it the next write makes a new spare; state.json is written already.
             os.replace(previous, spare)
     # Raised here, the new state may or may not be on disk after a power cut.
-    _fsync_directory(directory)
+    fsync_directory(directory)
     return content
 
 
@@ -303,7 +303,7 @@ def _clear(path: Path) -> None:
         path.unlink()
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)

@@ -30,7 +30,7 @@ from typing import Any, Final, NamedTuple
 
 from shim import cgroups
 from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
-from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError
+from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, fsync_directory
 from shim.cpuset import CPUSet
 from shim.engine.core import Engine
 from shim.engine.sweeping import sweep
@@ -424,7 +424,12 @@ class Watcher:
             return
         directory = self.engine.checkpoint.path.parent
         try:
+            made = not directory.exists()
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if made:
+                # Its name in its parent survives a power cut with the checkpoint written in
+                # it next, as at start-up.
+                fsync_directory(directory.parent)
         except OSError as exc:
             # A file where the directory was, a read-only file system: the state check that
             # follows still runs, and says what it finds.

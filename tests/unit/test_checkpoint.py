@@ -585,13 +585,13 @@ def test_a_new_state_directory_is_made_durable_in_its_parent(
     """The first start makes the directory: its parent is flushed, or a power cut soon
     after could lose the directory with the checkpoint written into it."""
     synced: list[Path] = []
-    real = checkpoint_module._fsync_directory
+    real = checkpoint_module.fsync_directory
 
     def recording(directory: Path) -> None:
         synced.append(directory)
         real(directory)
 
-    monkeypatch.setattr(checkpoint_module, "_fsync_directory", recording)
+    monkeypatch.setattr(checkpoint_module, "fsync_directory", recording)
     state_dir = tmp_path / "var" / "cpushim"
     os.close(hold_directory(state_dir))
     assert synced == [state_dir.parent]

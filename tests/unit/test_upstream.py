@@ -54,7 +54,7 @@ async def test_a_connection_closed_at_once_is_unavailable(closes_at_once: str) -
 
 
 @pytest.mark.anyio
-async def test_the_wait_for_the_runtime_goes_on_through_connections_closed_at_once(
+async def test_the_wait_for_the_runtime_ends_with_its_own_error_on_connections_closed_at_once(
     closes_at_once: str,
 ) -> None:
     channel = RuntimeChannel(closes_at_once)

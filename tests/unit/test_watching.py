@@ -19,7 +19,7 @@ import pytest
 from grpclib.const import Status as GrpcStatus
 
 from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
-from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, hold_directory
+from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, fsync_directory, hold_directory
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions, watching
@@ -481,6 +481,21 @@ async def test_a_state_directory_another_process_took_meanwhile_is_told_of_once(
             os.close(hold_directory(w.env.state_dir))
     finally:
         checkpoint.release()
+
+
+async def test_a_state_directory_made_again_is_made_durable_in_its_parent(
+    w: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[Path] = []
+
+    def recording(directory: Path) -> None:
+        synced.append(directory)
+        fsync_directory(directory)
+
+    monkeypatch.setattr(watching, "fsync_directory", recording)
+    w.env.state_dir.rename(w.env.state_dir.with_name("moved-away"))
+    await until(lambda: (w.env.state_dir / "state.json").exists(), "state made again")
+    assert synced == [w.env.state_dir.parent]
 
 
 async def test_a_deleted_state_file_is_rewritten(w: Watched) -> None:
