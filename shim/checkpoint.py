@@ -172,13 +172,11 @@ def hold_directory(directory: Path) -> int:
     the process ends, however it ends); returns the descriptor to keep open. Two cpushims on
     one checkpoint would write over each other (through the same spare), so the second one
     refuses to start."""
-    made = not directory.exists()
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if made:
-        # Its name in its parent survives a power cut with the first checkpoint in it.
-        fsync_directory(directory.parent)
+    make_directory(directory)
+    # Read-only: its close is no IN_CLOSE_WRITE, so a watch of the directory can tell a try
+    # to take it from another process's writes.
     fd = os.open(
-        directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        directory / LOCK_FILE, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
     )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -190,13 +188,31 @@ def hold_directory(directory: Path) -> int:
     return fd
 
 
+def make_directory(directory: Path) -> None:
+    """Make the state directory (and its parents) unless it is there; one made is flushed
+    into its parent, so that its name survives a power cut with the checkpoint in it."""
+    try:
+        try:
+            directory.mkdir(mode=0o700)
+        except FileNotFoundError:
+            directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700)
+    except FileExistsError:
+        if not directory.is_dir():
+            raise NotADirectoryError(
+                errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory)
+            ) from None
+        return
+    fsync_directory(directory.parent)
+
+
 def write_atomically(
     path: Path, data: bytes, mode: int = 0o600, *, sync_directory: bool = True
 ) -> None:
     """Replace ``path`` by a new file: write a temporary one, fsync it, rename it, and (unless
     told not to) fsync the directory so that the new name survives a power cut."""
     directory = path.parent
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_directory(directory)
     # A name of its own per write, so two writes in flight never share a temporary file.
     fd, name = tempfile.mkstemp(
         prefix=_temporary_prefix(path), suffix=_TEMPORARY_SUFFIX, dir=directory
@@ -228,7 +244,7 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
     (then it holds the new state, not yet sure to survive a power cut)."""
     content = padded(data)
     directory = path.parent
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_directory(directory)
     spare = _spare_of(path)
     previous = directory / f".{path.name}.previous"
     with contextlib.suppress(FileNotFoundError):

@@ -352,12 +352,12 @@ async def _serve_one(
     healthy: Callable[[], str | None],
 ) -> None:
     async with asyncio.timeout(_READ_TIMEOUT):
-        request_line = await _read_head(reader)
-    if request_line is None:
-        _respond(writer, 400, _TEXT, b"request head too large\n")
-        return
+        request_line, whole = await _read_head(reader)
     parts = request_line.split()
     head_only = parts[:1] == [b"HEAD"]
+    if not whole:
+        _respond(writer, 400, _TEXT, b"request head too large\n", head_only=head_only)
+        return
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         _respond(writer, 400, _TEXT, b"bad request line\n", head_only=head_only)
         return
@@ -381,27 +381,28 @@ async def _serve_one(
         await writer.drain()
 
 
-async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
-    """A request's first line, its header lines read and dropped; None when the head is
-    larger than ``_MAX_REQUEST_HEAD``. Lines may end in a bare LF, as RFC 9112 lets a
-    server take them (``printf 'GET /healthz HTTP/1.0\\n\\n' | nc``), and empty lines
-    before the request line are skipped. IncompleteReadError when the client stops early."""
+async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
+    """A request's first line, its header lines read and dropped, and whether the head was
+    whole (False: larger than ``_MAX_REQUEST_HEAD``, the line as far as it was read). Lines
+    may end in a bare LF, as RFC 9112 lets a server take them (``printf 'GET /healthz
+    HTTP/1.0\\n\\n' | nc``), and empty lines before the request line are skipped.
+    IncompleteReadError when the client stops early."""
     request_line = b""
     size = 0
     while True:
         try:
             line = await reader.readline()
         except ValueError:  # longer than the reader's own limit
-            return None
+            return request_line, False
         if not line.endswith(b"\n"):
             raise asyncio.IncompleteReadError(line, None)
         size += len(line)
         if size > _MAX_REQUEST_HEAD:
-            return None
+            return request_line or line[:16], False
         line = line.rstrip(b"\r\n")
         if not line:
             if request_line:
-                return request_line
+                return request_line, True
         elif not request_line:
             request_line = line
 

@@ -30,9 +30,10 @@ from typing import Any, Final, NamedTuple
 
 from shim import cgroups
 from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
-from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, fsync_directory
+from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, make_directory
 from shim.cpuset import CPUSet
 from shim.engine.core import Engine
+from shim.engine.retrying import retry_until_done
 from shim.engine.sweeping import sweep
 from shim.engine.tracked import Phase, Tracked
 from shim.fileio import identity, read_file
@@ -45,6 +46,7 @@ from shim.inotify import (
     IN_MODIFY,
     IN_MOVE_SELF,
     IN_MOVED_FROM,
+    IN_MOVED_TO,
     Event,
     Inotify,
     Subscription,
@@ -56,6 +58,10 @@ log = logging.getLogger(__name__)
 DEFAULT_RESYNC_PERIOD = 300.0
 
 _GONE_EVENTS = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
+# The state directory's .lock gone, replaced, or let go by a holder that opened it to write
+# (cpushim opens it read-only: its own tries to take it, which open and close it, must not
+# ask for the next try).
+_LOCK_EVENTS = IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_CLOSE_WRITE
 
 
 class Coalescer:
@@ -107,6 +113,8 @@ class Watcher:
         self._state_identity: tuple[int, int] | None = None
         # The .lock another process held when this one tried to take it again (told once).
         self._contended_lock: tuple[int, int] | None = None
+        # Tries to take the state directory's lock again while another process holds it.
+        self._lock_retry: asyncio.Task[None] | None = None
         self._timer: asyncio.Task[None] | None = None
         # Called at the start of every full look (the config reloader reads its file again:
         # an edit whose event an overflow dropped is applied then).
@@ -142,10 +150,11 @@ class Watcher:
 
     async def stop(self) -> None:
         self._stopped = True
-        if self._timer is not None:
-            self._timer.cancel()
-            await asyncio.gather(self._timer, return_exceptions=True)
-            self._timer = None
+        for task in (self._timer, self._lock_retry):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._timer = self._lock_retry = None
         self.engine.watcher = None
         self.engine.sweeper = None
         for container_id in list(self._pidfds):
@@ -424,12 +433,7 @@ class Watcher:
             return
         directory = self.engine.checkpoint.path.parent
         try:
-            made = not directory.exists()
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if made:
-                # Its name in its parent survives a power cut with the checkpoint written in
-                # it next, as at start-up.
-                fsync_directory(directory.parent)
+            make_directory(directory)
         except OSError as exc:
             # A file where the directory was, a read-only file system: the state check that
             # follows still runs, and says what it finds.
@@ -450,9 +454,7 @@ class Watcher:
                 self.jobs.request("state-dir", self._restore_state_dir)
             elif event.name == self.engine.checkpoint.path.name:
                 self.jobs.request("state", self.check_state)
-            elif event.name == LOCK_FILE and event.mask & (IN_DELETE | IN_MOVED_FROM):
-                # Only its going: every try to take a lock opens and closes the file, and a
-                # close that asked for another try would loop while another process holds it.
+            elif event.name == LOCK_FILE and event.mask & _LOCK_EVENTS:
                 self.jobs.request("state-lock", self._hold_state_dir_again)
 
         try:
@@ -472,6 +474,17 @@ class Watcher:
                 extra={"fields": {"path": str(directory), "error": str(exc)}},
             )
 
+    def _watch_state_dir_there_now(self) -> None:
+        """Watch the state directory at its path now. One removed or replaced while the
+        events that would have told it were lost (an overflow), or kept from going by a file
+        still open in it, leaves the watch on a directory no longer there."""
+        directory = self.engine.checkpoint.path.parent
+        if self._state_watch is not None and identity(directory) != self._state_identity:
+            self.inotify.unsubscribe(self._state_watch)
+            self._state_watch = None
+        if self._state_watch is None:
+            self._watch_state_dir()
+
     async def _restore_state_dir(self) -> None:
         if self._state_watch is None:
             self._watch_state_dir()
@@ -480,7 +493,27 @@ class Watcher:
 
     async def _hold_state_dir_again(self) -> None:
         """Take the lock of a state directory (or a ``.lock``) made again: the one held is on
-        a file that is gone, and a second cpushim started now would not be refused."""
+        a file that is gone, and a second cpushim started now would not be refused. While
+        another process holds it, tried again with a growing wait."""
+        # The lock held on the old .lock keeps the removed directory from going, so no event
+        # says it went: the watch is moved to the directory there now.
+        self._watch_state_dir_there_now()
+        if self._take_state_lock() or self._lock_retry is not None or self._stopped:
+            return
+        self._lock_retry = self.engine._spawn(self._retry_state_lock())
+
+    async def _retry_state_lock(self) -> None:
+        async def attempt() -> bool:
+            return self._stopped or self._take_state_lock()
+
+        try:
+            await retry_until_done(attempt, self.engine.options.retry_delay, self.engine._draining)
+        finally:
+            self._lock_retry = None
+
+    def _take_state_lock(self) -> bool:
+        """Take the state directory's lock again if it needs it: False while another process
+        holds it (told of once for each of its lock files)."""
         checkpoint = self.engine.checkpoint
         try:
             if checkpoint.hold_again():
@@ -492,7 +525,7 @@ class Watcher:
         except StateDirectoryInUseError as exc:
             contended = identity(checkpoint.directory / LOCK_FILE)
             if contended is not None and contended == self._contended_lock:
-                return  # told already, at the first look that met this lock
+                return False  # told already
             self._contended_lock = contended
             self.counters["watch_errors"] += 1
             log.error(
@@ -500,6 +533,7 @@ class Watcher:
                 " other's cpusets; stop the other",
                 extra={"fields": {"error": str(exc)}},
             )
+            return False
         except OSError as exc:
             self.counters["watch_errors"] += 1
             log.warning(
@@ -508,6 +542,7 @@ class Watcher:
                     "fields": {"path": str(self.engine.checkpoint.directory), "error": str(exc)}
                 },
             )
+        return True
 
     async def check_state(self) -> None:
         """Rewrite ``state.json`` from memory when it is not what cpushim last wrote."""
@@ -584,14 +619,6 @@ class Watcher:
             self.watch(tracked, look_on_failure=False)
 
     async def _look_at_state(self) -> None:
-        directory = self.engine.checkpoint.path.parent
-        if self._state_watch is not None and identity(directory) != self._state_identity:
-            # Removed or replaced while the events that would have told it were lost (an
-            # overflow): the watch is on a directory that is no longer there.
-            self.inotify.unsubscribe(self._state_watch)
-            self._state_watch = None
-        if self._state_watch is None:
-            self._watch_state_dir()
         await self._hold_state_dir_again()
         await self.check_state()
 

@@ -194,7 +194,7 @@ def test_directory_that_is_a_file(tmp_path: Path) -> None:
     blocker = tmp_path / "state"
     blocker.write_bytes(b"not a directory")
     file = CheckpointFile(blocker)
-    with pytest.raises(FileExistsError, match="File exists"):
+    with pytest.raises(NotADirectoryError, match="Not a directory"):
         file.save_sync(ONE)
     assert blocker.read_bytes() == b"not a directory"
     assert names(tmp_path) == ["state"]

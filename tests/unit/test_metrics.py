@@ -254,6 +254,14 @@ async def test_a_request_head_too_large_is_refused(served: Served) -> None:
     assert answer.endswith(b"request head too large\n")
 
 
+async def test_a_head_request_too_large_is_refused_without_a_body(served: Served) -> None:
+    headers = b"".join(b"X-Filler-%d: %s\r\n" % (n, b"x" * 100) for n in range(100))
+    answer = await raw_exchange(served, b"HEAD /metrics HTTP/1.1\r\n" + headers + b"\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert body == b""
+
+
 async def test_a_blank_request_line_is_refused(served: Served) -> None:
     answer = await raw_exchange(served, b"   \r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 400 ")

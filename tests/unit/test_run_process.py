@@ -441,5 +441,5 @@ def test_a_state_directory_that_cannot_be_used_is_named_with_its_setting(
     [error] = [e for e in log_events(log) if e["level"] == "error"]
     assert error["error"] == (
         f"cannot use the state directory {listen.parent / 'state'} (stateDir, --state-dir):"
-        " File exists"
+        " Not a directory"
     )

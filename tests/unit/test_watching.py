@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from grpclib.const import Status as GrpcStatus
 
+import shim.checkpoint as checkpoint_module
 from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
 from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, fsync_directory, hold_directory
 from shim.cpuset import CPUSet
@@ -26,6 +27,7 @@ from shim.engine import EngineOptions, watching
 from shim.engine.moves import MoveResult
 from shim.engine.tracked import Tracked
 from shim.engine.watching import Coalescer, Look, Watcher, _look
+from shim.fileio import identity
 from shim.inotify import FILE_CHANGES, Event
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
@@ -483,8 +485,9 @@ async def test_a_state_directory_another_process_took_meanwhile_is_told_of_once(
         checkpoint.release()
 
 
+@pytest.mark.parametrize("first", ["the directory's watch", "the state file's rewrite"])
 async def test_a_state_directory_made_again_is_made_durable_in_its_parent(
-    w: Watched, monkeypatch: pytest.MonkeyPatch
+    w: Watched, monkeypatch: pytest.MonkeyPatch, first: str
 ) -> None:
     synced: list[Path] = []
 
@@ -492,10 +495,81 @@ async def test_a_state_directory_made_again_is_made_durable_in_its_parent(
         synced.append(directory)
         fsync_directory(directory)
 
-    monkeypatch.setattr(watching, "fsync_directory", recording)
-    w.env.state_dir.rename(w.env.state_dir.with_name("moved-away"))
+    monkeypatch.setattr(checkpoint_module, "fsync_directory", recording)
+    if first == "the directory's watch":
+        w.env.state_dir.rename(w.env.state_dir.with_name("moved-away"))
+    else:
+        # rm -rf: state.json's deletion asks for its rewrite before the directory's goes.
+        checkpoint = w.env.engine.checkpoint
+
+        async def inline_save(state: CPUState) -> None:
+            checkpoint.save_sync(state)
+
+        monkeypatch.setattr(checkpoint, "save", inline_save)
+        shutil.rmtree(w.env.state_dir)
+        await w.watcher.check_state()
     await until(lambda: (w.env.state_dir / "state.json").exists(), "state made again")
-    assert synced == [w.env.state_dir.parent]
+    await w.settled()
+    assert w.env.state_dir.parent in synced
+
+
+async def test_a_lock_file_renamed_over_the_held_one_is_taken_again(w: Watched) -> None:
+    checkpoint = w.env.engine.checkpoint
+    checkpoint.hold()
+    try:
+        fresh = w.env.state_dir / ".lock.new"
+        fresh.write_bytes(b"")
+        os.replace(fresh, w.env.state_dir / LOCK_FILE)
+        await events_seen_up_to_now(w.watcher, w.env.state_dir, "sentinel")
+        with pytest.raises(StateDirectoryInUseError):
+            os.close(hold_directory(w.env.state_dir))
+    finally:
+        checkpoint.release()
+
+
+async def test_a_lock_another_process_lets_go_is_taken_without_a_full_look(w: Watched) -> None:
+    w.env.engine.options = replace(w.env.engine.options, retry_delay=0.01)
+    checkpoint = w.env.engine.checkpoint
+    checkpoint.hold()
+    try:
+        (w.env.state_dir / LOCK_FILE).unlink()
+        other = hold_directory(w.env.state_dir)  # before the loop runs the watcher
+        try:
+            await until(lambda: w.counters["watch_errors"] == 1, "told")
+        finally:
+            os.close(other)  # the other process ends
+        await until(lambda: w.watcher._lock_retry is None, "taken by a later try")
+        with pytest.raises(StateDirectoryInUseError):
+            os.close(hold_directory(w.env.state_dir))
+        assert w.counters["full_resyncs"] == 0
+    finally:
+        checkpoint.release()
+
+
+async def test_a_state_directory_made_again_while_another_holds_it_is_watched(
+    w: Watched,
+) -> None:
+    # The lock still held on the old .lock keeps the removed directory from going: no event
+    # says it went, and the watch must move to the directory there now all the same.
+    checkpoint = w.env.engine.checkpoint
+    checkpoint.hold()
+    try:
+        shutil.rmtree(w.env.state_dir)
+        other = hold_directory(w.env.state_dir)
+        try:
+            await until(lambda: w.counters["watch_errors"] >= 1, "told")
+            await until(
+                lambda: w.watcher._state_identity == identity(w.env.state_dir),
+                "the directory there now watched",
+            )
+            await until(lambda: (w.env.state_dir / "state.json").exists(), "state rewritten")
+            await w.settled()
+            (w.env.state_dir / "state.json").write_bytes(b"{not json")
+            await until(lambda: w.counters["state_rewrites"] >= 2, "its state file watched")
+        finally:
+            os.close(other)
+    finally:
+        checkpoint.release()
 
 
 async def test_a_deleted_state_file_is_rewritten(w: Watched) -> None:
