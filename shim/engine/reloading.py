@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, key_line, reload_options
 from shim.engine.resync import adopt_sharing
-from shim.fileio import identity
+from shim.fileio import identity, read_regular_file
 from shim.inotify import (
     IN_CLOSE_WRITE,
     IN_CREATE,
@@ -90,23 +90,11 @@ def _content(path: str) -> bytes | None:
 def _read_config(path: str) -> bytes | str:
     """The file's bytes through its symlinks, or why they cannot be had (the refusal's
     words). Read on the event loop: it must never block there (a FIFO put at the path
-    would, until a writer came), so it is opened non-blocking and taken only when it is a
-    regular file."""
+    would, until a writer came), so only a regular file is read, opened non-blocking."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_regular_file(path)
     except OSError as exc:
         return f"cannot read the config file: {exc.strerror or exc}"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return "cannot read the config file: not a regular file"
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except OSError as exc:
-        return f"cannot read the config file: {exc.strerror or exc}"
-    finally:
-        os.close(fd)
 
 
 def _is_link(path: str) -> bool:

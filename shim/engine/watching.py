@@ -451,7 +451,7 @@ class Watcher:
                     # name: dropped, so that the directory made again there gets its own.
                     self.inotify.unsubscribe(self._state_watch)
                 self._state_watch = None
-                self.jobs.request("state-dir", self._restore_state_dir)
+                self.jobs.request("state-dir", self._look_at_state)
             elif event.name == self.engine.checkpoint.path.name:
                 self.jobs.request("state", self.check_state)
             elif event.name == LOCK_FILE and event.mask & _LOCK_EVENTS:
@@ -485,9 +485,9 @@ class Watcher:
         if self._state_watch is None:
             self._watch_state_dir()
 
-    async def _restore_state_dir(self) -> None:
-        if self._state_watch is None:
-            self._watch_state_dir()
+    async def _look_at_state(self) -> None:
+        """The state directory watched and held as it is now, and its file as last written:
+        after the directory went, and at every full look."""
         await self._hold_state_dir_again()
         await self.check_state()
 
@@ -617,10 +617,6 @@ class Watcher:
         running = tracked.phase is Phase.RUNNING and tracked.cgroup is not None
         if running and tracked.id not in self._containers:
             self.watch(tracked, look_on_failure=False)
-
-    async def _look_at_state(self) -> None:
-        await self._hold_state_dir_again()
-        await self.check_state()
 
     async def look_at_created(self, tracked: Tracked) -> None:
         """A container cpushim saw made and never saw started: one another CRI client started
