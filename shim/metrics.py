@@ -135,6 +135,10 @@ ENGINE_COUNTERS: dict[str, str] = {
     "runtime_record_errors": (
         "Cpusets written to a cgroup that the runtime refused to record (retried later)"
     ),
+    "systemd_records_at_once": (
+        "Shrinks of a cpuset systemd holds a larger copy of (cgroup v2, systemd driver),"
+        " recorded with the runtime before cpushim went on instead of later"
+    ),
     "stale_records_reapplied": (
         "Drift repairs of the cpuset the runtime's record held from before a move not yet"
         " told to it, applied again by systemd (a daemon-reload)"

@@ -126,17 +126,69 @@ class Mover:
         if self.writes_directly(tracked, mems, quota):
             async with tracked.write_lock:
                 if self._write_cgroup(tracked, cpus):
+                    if self.systemd_holds_more(tracked, cpus):
+                        return await self._record_now(tracked, cpus)
                     return MoveResult(ok=True)
         return await self.update_through_runtime(tracked, cpus, mems, quota)
 
     def write_now(self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None) -> bool:
         """Move the container by a write of its cgroup without suspending, when it moves that
-        way and no write of its cpuset is under way; False when it must be moved with
-        :meth:`move` instead. Not taking the lock is safe: nothing runs between the check
-        and the write, and whoever takes the lock next reads ``tracked.applied`` afresh."""
-        if tracked.write_lock.locked() or not self.writes_directly(tracked, mems, quota):
+        way, no write of its cpuset is under way and the move needs no record at once;
+        False when it must be moved with :meth:`move` instead. Not taking the lock is safe:
+        nothing runs between the check and the write, and whoever takes the lock next reads
+        ``tracked.applied`` afresh."""
+        if (
+            tracked.write_lock.locked()
+            or not self.writes_directly(tracked, mems, quota)
+            or self.systemd_holds_more(tracked, cpus)
+        ):
             return False
         return self._write_cgroup(tracked, cpus)
+
+    def systemd_keeps_cpuset(self, tracked: Tracked) -> bool:
+        """Whether systemd holds a copy of the container's cpuset (``AllowedCPUs``), which it
+        writes into the cgroup whenever it applies the unit (at every daemon-reload, and
+        when it realizes the unit again for its own reasons): on cgroup v2, for a container
+        in a scope of its own (containerd's form under the systemd driver). runc sets that
+        copy at every update. Under the cgroupfs driver no unit holds it."""
+        return (
+            self.layout is not None
+            and self.layout.version is CgroupVersion.V2
+            and tracked.cgroup is not None
+            and tracked.cgroup.name.endswith(".scope")
+        )
+
+    def systemd_holds_more(self, tracked: Tracked, cpus: CPUSet) -> bool:
+        """Whether systemd's copy of the cpuset may hold CPUs outside ``cpus``: a shrink
+        written only into the cgroup would then be undone whenever systemd applies the unit
+        again, and a shared container would run on CPUs just given out exclusively. Such a
+        move is told to the runtime (and so to systemd) at once, before the caller goes on;
+        a move that only grows the set is told later, as under the cgroupfs driver (a copy
+        left behind can then take CPUs away from the container for a moment, never hand it
+        another's). The copy is the runtime's record, unknown after a refused update (runc
+        may have told systemd before it failed)."""
+        if not self.systemd_keeps_cpuset(tracked):
+            return False
+        return tracked.recorded is None or not tracked.recorded.issubset(cpus)
+
+    async def _record_now(self, tracked: Tracked, cpus: CPUSet) -> MoveResult:
+        """Tell the runtime of a cpuset just written into the cgroup (the write lock held).
+        The cgroup holds it whatever the runtime says: a refusal is counted and logged, and
+        the record is left to the delayed one already planned, which tries again."""
+        reply = await self.runtime.unary(
+            UnaryCall(
+                rq.UPDATE_CONTAINER_RESOURCES, (), rq.update_request(tracked.id, cpus), self.timeout
+            )
+        )
+        if reply.status is Status.NOT_FOUND:
+            return MoveResult(ok=False, gone=True)
+        if reply.status is Status.OK:
+            tracked.recorded = cpus
+            self.counters["runtime_records"] += 1
+            self.counters["systemd_records_at_once"] += 1
+        else:
+            self._record_refused(tracked, cpus, reply, retry_in_s=self.record_delay)
+        return MoveResult(ok=True)
 
     def write_tree(self, tracked: Tracked, name: str, values: CPUSet) -> None:
         """Write a container's cgroup file ``name`` (``cpuset.cpus``, ``cpuset.mems``); under
@@ -223,6 +275,7 @@ class Mover:
             self.refused_after_tree_write(tracked, cpus, mems, quota, reply)
             return MoveResult(ok=False, moved=True)
         self.counters["cpuset_update_errors"] += 1
+        tracked.recorded = None  # as in _record_refused
         log.warning(
             "could not move a container",
             extra={
@@ -333,6 +386,8 @@ class Mover:
     ) -> None:
         """Count and log a refused record of a cpuset the cgroup already holds."""
         self.counters["runtime_record_errors"] += 1
+        # runc may have told systemd before it failed: what the record holds is unknown.
+        tracked.recorded = None
         fields = {
             "container_id": tracked.id,
             "cpus": str(cpus),

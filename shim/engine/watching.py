@@ -395,7 +395,7 @@ class Watcher:
         and the runtime is told the first time."""
         held = {cpus} if tracked.recorded is None else {cpus, tracked.recorded}
         return (
-            self._systemd_keeps_cpuset(tracked)
+            self.engine.mover.systemd_keeps_cpuset(tracked)
             and found != cpus
             and found in {cgroups.systemd_byte_reversed(c) for c in held}
             and not self.engine._lost(tracked)
@@ -407,23 +407,10 @@ class Watcher:
         driver), which it writes again whenever it applies the unit (a daemon-reload). Put
         right like any other, but nobody else's write."""
         return (
-            self._systemd_keeps_cpuset(tracked)
+            self.engine.mover.systemd_keeps_cpuset(tracked)
             and found != cpus
             and found == tracked.recorded
             and not self.engine._lost(tracked)
-        )
-
-    def _systemd_keeps_cpuset(self, tracked: Tracked) -> bool:
-        """Whether systemd holds a copy of the container's cpuset (``AllowedCPUs``), which it
-        writes into the cgroup whenever it applies the unit: on cgroup v2, for a container in
-        a scope of its own (containerd's form under the systemd driver). Under the cgroupfs
-        driver no unit holds it, so whoever wrote such a set is someone else."""
-        layout = self.engine.mover.layout
-        return (
-            layout is not None
-            and layout.version is CgroupVersion.V2
-            and tracked.cgroup is not None
-            and tracked.cgroup.name.endswith(".scope")
         )
 
     # --- the state file ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ from grpclib.const import Status as GrpcStatus
 
 from shim.engine import EngineOptions, moves
 from tests.fake_runtime import FakeRuntime
-from tests.harness.containerd import wait_for
+from tests.harness.containerd import CgroupDriver, wait_for
 from tests.unit.engine_env import (
     FIRST_SINGLE,
     SHARED_AFTER_FIRST_SINGLE,
@@ -262,6 +262,95 @@ async def test_an_update_in_flight_is_never_overtaken_by_an_older_cpuset(tmp_pat
         assert env.kernel_cpus(shared_id) == "0-7"
         await env.engine.drain(5.0)
         assert env.cpus(shared_id) == "0-7"
+        env.channel.close()
+
+
+def position(fake: FakeRuntime, method: str, container_id: str = "") -> int:
+    """Where the last call of ``method`` (naming ``container_id``, when given) came."""
+    return max(
+        index
+        for index, (name, request) in enumerate(fake.calls)
+        if name == method and getattr(request, "container_id", "") == container_id
+    )
+
+
+@pytest.mark.parametrize(
+    ("version", "driver"), [(2, "systemd"), (2, "cgroupfs"), (1, "systemd"), (1, "cgroupfs")]
+)
+async def test_a_shrink_systemd_would_undo_is_recorded_before_the_pinned_container_exists(
+    tmp_path: Path, version: int, driver: CgroupDriver
+) -> None:
+    """On cgroup v2 with the systemd driver, systemd keeps a copy of each container's cpuset
+    (its scope's AllowedCPUs, which runc sets at every update) and writes it into the
+    cgroup whenever it applies the unit again. A shrink written into the cgroup alone left
+    that copy holding the CPUs just given out exclusively for the record delay: the shared
+    container could be put back on them (seen in the VM churn scenario). Such a shrink is
+    recorded before the pinned container is created; a grow, or a shrink the copy already
+    lies within, waits as it does everywhere else."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=version, cgroup_driver=driver
+    ) as fake:
+        env = await cgroup_env(tmp_path, fake, NEVER)
+        at_once = version == 2 and driver == "systemd"
+        shared_id = await start_located(env, "web")
+
+        first = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(first, "main", 1000)
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert updates_to(fake, shared_id) == ([SHARED_AFTER_FIRST_SINGLE] if at_once else [])
+        if at_once:
+            update = position(fake, "UpdateContainerResources", shared_id)
+            assert update < position(fake, "CreateContainer")
+            assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+
+        await env.kubelet.stop(pinned_id)  # a grow: recorded later
+        assert env.kernel_cpus(shared_id) == "0-7"
+        second = await env.kubelet.run_pod("db-2", "guaranteed")
+        await env.kubelet.start_new(second, "main", 1000)  # the same CPU: within the copy
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        third = await env.kubelet.run_pod("db-3", "guaranteed")
+        await env.kubelet.start_new(third, "main", 1000)  # past the copy again
+        last = env.kernel_cpus(shared_id)
+        assert last is not None
+        assert last != SHARED_AFTER_FIRST_SINGLE
+        expected = [SHARED_AFTER_FIRST_SINGLE, last] if at_once else []
+        assert updates_to(fake, shared_id) == expected
+        assert env.engine.counters["systemd_records_at_once"] == len(expected)
+
+        await env.engine.drain(5.0)
+        assert env.cpus(shared_id) == last
+        env.channel.close()
+
+
+async def test_after_a_refused_record_systemds_copy_is_taken_for_unknown(tmp_path: Path) -> None:
+    """runc may tell systemd before it fails: after a refused update the copy may hold the
+    refused set, so the next move is recorded at once even where the last record that went
+    through lies within it."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
+    ) as fake:
+        env = await cgroup_env(tmp_path, fake, NEVER)
+        shared_id = await start_located(env, "web")
+        first = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(first, "main", 1000)
+
+        fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+        second = await env.kubelet.run_pod("db-2", "guaranteed")
+        second_id = await env.kubelet.start_new(second, "main", 1000)
+        shrunk = env.kernel_cpus(shared_id)  # the cgroup holds it all the same
+        assert shrunk is not None
+        assert shrunk != SHARED_AFTER_FIRST_SINGLE
+        assert env.engine.counters["runtime_record_errors"] == 1
+
+        await env.kubelet.stop(second_id)  # back within the last record that went through
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert updates_to(fake, shared_id) == [
+            SHARED_AFTER_FIRST_SINGLE,
+            shrunk,
+            SHARED_AFTER_FIRST_SINGLE,
+        ]
+        assert env.engine.counters["systemd_records_at_once"] == 2
+        await env.engine.drain(5.0)
         env.channel.close()
 
 

@@ -231,15 +231,18 @@ async def test_a_cpuset_systemd_got_byte_reversed_from_runc_is_told_to_the_runti
 
 
 async def moved_before_its_record(w: Watched) -> tuple[str, CPUSet]:
-    """A shared container moved straight in its cgroup, the runtime not told yet: its id
-    and the cpuset the runtime's record (and systemd's copy) still holds."""
-    await w.started("db-0", "guaranteed", 1000)
+    """A shared container grown straight in its cgroup, the runtime not told yet (a shrink
+    that systemd's copy would undo is told at once): its id and the cpuset the runtime's
+    record (and systemd's copy) still holds."""
     shared_id = await w.started("web")
+    await w.started("db-0", "guaranteed", 1000)
+    pinned_id = await w.started("db-1", "guaranteed", 1000)
     tracked = w.env.engine.containers[shared_id]
     recorded = tracked.recorded
     assert recorded is not None
-    await w.started("db-1", "guaranteed", 1000)  # moves web; the runtime is told later
+    await w.env.kubelet.stop(pinned_id)  # grows web; the runtime is told later
     assert tracked.recorded == recorded
+    assert tracked.applied != recorded
     return shared_id, recorded
 
 
@@ -247,10 +250,10 @@ async def moved_before_its_record(w: Watched) -> tuple[str, CPUSet]:
 async def test_systemd_applying_the_runtimes_record_from_before_a_move_is_not_someone_else(
     w16: Watched, runc: str
 ) -> None:
-    """A shared container's move is written straight into its cgroup and told to the
+    """A shared container's grow is written straight into its cgroup and told to the
     runtime (and so to systemd, with the systemd driver) only after the record delay. A
     daemon-reload meanwhile has systemd write the set it holds into the cgroup: the one from
-    before the move, byte-reversed by an unfixed runc. It is put right like any other, but it
+    before the grow, byte-reversed by an unfixed runc. It is put right like any other, but it
     is not someone else's write, and the alert for those must not fire."""
     w = w16
     layout = w.env.engine.mover.layout

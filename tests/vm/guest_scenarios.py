@@ -361,6 +361,11 @@ def assert_invariants(node: Node) -> None:
     assert topology.reserved.issubset(pool)
     for name, cpus in shared.items():
         assert cpus == pool, f"shared {name} runs on {cpus}, the pool is {pool} ({exclusive})"
+        if topology.cgroup_driver == "systemd":
+            # systemd writes its copy into the cgroup whenever it applies the unit again: it
+            # may lag behind a grow, never hold a CPU given out exclusively.
+            held = systemd_record(node.running[name], "AllowedCPUs")
+            assert held.issubset(pool), f"systemd holds {held} for shared {name} ({exclusive})"
     assert node.checkpoint() == exclusive
 
 
