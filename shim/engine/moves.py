@@ -11,7 +11,8 @@ churning pods) is still recorded every ``record_max_delay`` seconds. An update i
 waited for before the next direct write, so an older cpuset can never overwrite a newer one.
 An update the runtime refuses is logged, counted (``runtime_record_errors``) and tried again
 after the record delay, a second at least, the wait doubling up to a minute while it keeps
-refusing.
+refusing. One record cannot wait: under cgroup v2 with the systemd driver, a shrink whose CPUs
+systemd's copy of the cpuset still holds is recorded at once (:meth:`Mover.systemd_holds_more`).
 
 Exclusive containers (whose mems and CFS quota move too) and containers that have not started
 (no cgroup yet) always go through the runtime.
