@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,13 +361,36 @@ def assert_invariants(node: Node) -> None:
     assert pool, "the shared pool is empty"
     assert topology.reserved.issubset(pool)
     for name, cpus in shared.items():
-        assert cpus == pool, f"shared {name} runs on {cpus}, the pool is {pool} ({exclusive})"
+        assert cpus == pool, (
+            f"shared {name} runs on {cpus}, the pool is {pool} ({exclusive}); "
+            + after_the_fact(node, node.running[name], pool)
+        )
         if topology.cgroup_driver == "systemd":
             # systemd writes its copy into the cgroup whenever it applies the unit again: it
             # may lag behind a grow, never hold a CPU given out exclusively.
             held = systemd_record(node.running[name], "AllowedCPUs")
             assert held.issubset(pool), f"systemd holds {held} for shared {name} ({exclusive})"
     assert node.checkpoint() == exclusive
+
+
+def after_the_fact(node: Node, running: Running, pool: CPUSet) -> str:
+    """For a shared container found off the pool: whether it comes back by itself (a write
+    that landed after cpushim's, which its watch then put right) or not (a move cpushim
+    never made), what systemd holds for it, and what cpushim logged of it."""
+    started = time.monotonic()
+    try:
+        wait_for(lambda: observe(running).cpus_allowed == pool, 10.0, "the pool")
+        outcome = f"back on the pool {time.monotonic() - started:.2f} s later"
+    except TimeoutError:
+        outcome = f"still on {observe(running).cpus_allowed} 10 s later"
+    if node.topology.cgroup_driver == "systemd":
+        outcome += f"; systemd holds {systemd_record(running, 'AllowedCPUs')}"
+    logged = [
+        line[:400]
+        for line in (node.process.log() if node.process is not None else "").splitlines()
+        if running.container_id in line
+    ]
+    return outcome + "; cpushim logged of it:\n" + "\n".join(logged[-20:])
 
 
 def refused(node: Node, name: str, cpus: int, pod: Sandbox) -> grpc.RpcError:
