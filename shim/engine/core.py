@@ -1091,6 +1091,10 @@ class Engine:
             elif written:
                 self.mover.refused_after_tree_write(tracked, cpus, mems, quota, reply)
                 self.project(tracked)
+            elif reply.status is not Status.NOT_FOUND:
+                # runc may have told systemd before it failed (or the reply was lost after it
+                # did): what the record holds is unknown, as after cpushim's own refusals.
+                tracked.recorded = None
         return reply
 
     def _note_cpu_resize(self, tracked: Tracked, resources: pb.LinuxContainerResources) -> None:

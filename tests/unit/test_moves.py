@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from grpclib.const import Status as GrpcStatus
 
+from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Status
 from shim.engine import EngineOptions, moves
 from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver, wait_for
@@ -436,3 +438,42 @@ def test_a_process_that_ended_is_told_from_one_that_runs() -> None:
     assert moves._process_ended(child.pid)  # reaped: gone
     assert not moves._process_ended(0)  # not known: taken as running
     assert not moves._process_ended(os.getpid())
+
+
+async def test_after_kubelets_refused_update_systemds_copy_is_taken_for_unknown(
+    tmp_path: Path,
+) -> None:
+    """kubelet's own UpdateContainerResources carries cpushim's cpuset to runc, which may tell
+    systemd before it fails, as for cpushim's own updates: after a refusal the copy may hold
+    the refused set, so the next shrink is recorded at once, even one back within the last
+    record that went through. Left as it was, that record said the shrink needed no record,
+    and the delayed one found nothing to tell (the cgroup equal to the stale record): systemd
+    kept the CPUs just pinned until the container next moved."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
+    ) as fake:
+        env = await cgroup_env(tmp_path, fake, NEVER)
+        shared_id = await start_located(env, "web")
+        first = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(first, "main", 1000)
+        await env.kubelet.stop(pinned_id)  # a grow: recorded later
+        assert env.kernel_cpus(shared_id) == "0-7"
+
+        fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN)
+        request = pb.UpdateContainerResourcesRequest(
+            container_id=shared_id,
+            linux=pb.LinuxContainerResources(cpu_shares=2, memory_limit_in_bytes=1 << 30),
+        )
+        reply = await env.kubelet.call("UpdateContainerResources", request.SerializeToString())
+        assert reply.status is not Status.OK
+        assert updates_to(fake, shared_id)[-1] == "0-7"  # what runc may have told systemd
+
+        second = await env.kubelet.run_pod("db-2", "guaranteed")
+        await env.kubelet.start_new(second, "main", 1000)  # the same CPU again
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert updates_to(fake, shared_id)[-1] == SHARED_AFTER_FIRST_SINGLE
+        assert env.engine.counters["systemd_records_at_once"] == 2
+        await env.engine.drain(5.0)
+        # Never told later either: the delayed record found the cgroup equal to the stale one.
+        assert updates_to(fake, shared_id)[-1] == SHARED_AFTER_FIRST_SINGLE
+        env.channel.close()
