@@ -191,6 +191,20 @@ class Mover:
             self._record_refused(tracked, cpus, reply, retry_in_s=self.record_delay)
         return MoveResult(ok=True)
 
+    async def record_what_systemd_would_undo(self, tracked: Tracked) -> None:
+        """Tell the runtime at once of the cpuset the cgroup holds when systemd's copy may
+        hold CPUs outside it (found so at start-up or in a sweep: written before a stop, or
+        by someone else, and not recorded), as :meth:`move` does for its own writes; the
+        rest is left to :meth:`record_later`."""
+        async with tracked.write_lock:
+            cpus = tracked.applied
+            if (
+                cpus is not None
+                and tracked.phase is Phase.RUNNING
+                and self.systemd_holds_more(tracked, cpus)
+            ):
+                await self._record_now(tracked, cpus)
+
     def write_tree(self, tracked: Tracked, name: str, values: CPUSet) -> None:
         """Write a container's cgroup file ``name`` (``cpuset.cpus``, ``cpuset.mems``); under
         cgroup v1, the cgroups it made below its own first (shim/child_cpusets.py), and under

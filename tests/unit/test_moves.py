@@ -477,3 +477,31 @@ async def test_after_kubelets_refused_update_systemds_copy_is_taken_for_unknown(
         # Never told later either: the delayed record found the cgroup equal to the stale one.
         assert updates_to(fake, shared_id)[-1] == SHARED_AFTER_FIRST_SINGLE
         env.channel.close()
+
+
+async def test_a_restart_records_at_once_a_shrink_systemds_copy_would_undo(
+    tmp_path: Path,
+) -> None:
+    """cpushim stopped (a crash) after a shrink reached the cgroup but not the runtime (its
+    record at once refused): the runtime's record, and so systemd's copy, still holds the
+    pinned CPU. The cgroup is where it should be, so resync does not move it; the record
+    must still be made before cpushim goes on, not a record delay later."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
+    ) as fake:
+        env = await cgroup_env(tmp_path, fake, NEVER)
+        shared_id = await start_located(env, "web")
+        fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+        first = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(first, "main", 1000)
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert env.cpus(shared_id) == "0-7"  # the runtime's record (and systemd's copy)
+        old = env.engine
+
+        engine = await env.restart()
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert engine.counters["systemd_records_at_once"] == 1
+        await engine.drain(5.0)
+        await old.drain(5.0)
+        env.channel.close()
