@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from grpclib.const import Status as GrpcStatus
 
+from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
 from shim.engine import EngineOptions, moves
@@ -353,6 +354,25 @@ async def test_after_a_refused_record_systemds_copy_is_taken_for_unknown(tmp_pat
         ]
         assert env.engine.counters["systemd_records_at_once"] == 2
         await env.engine.drain(5.0)
+        env.channel.close()
+
+
+async def test_a_refused_move_through_the_runtime_leaves_the_record_unknown(
+    tmp_path: Path,
+) -> None:
+    """As after a refused record: runc may have told systemd before it failed."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
+    ) as fake:
+        env = await cgroup_env(tmp_path, fake, NEVER)
+        tracked = env.engine.containers[await start_located(env, "web")]
+        assert tracked.recorded is not None
+        fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+        async with tracked.write_lock:
+            result = await env.engine.mover.update_locked(tracked, CPUSet.parse("0-3"), "", None)
+        assert not result.ok
+        assert tracked.recorded is None
+        assert env.engine.counters["cpuset_update_errors"] == 1
         env.channel.close()
 
 
