@@ -268,6 +268,17 @@ async def test_an_update_in_flight_is_never_overtaken_by_an_older_cpuset(tmp_pat
         env.channel.close()
 
 
+@pytest.fixture
+async def systemd_env(tmp_path: Path) -> AsyncIterator[Env]:
+    """Cgroup v2 with the systemd driver: systemd keeps a copy of each scope's cpuset."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
+    ) as fake:
+        environment = await cgroup_env(tmp_path, fake, NEVER)
+        yield environment
+        environment.channel.close()
+
+
 def position(fake: FakeRuntime, method: str, container_id: str = "") -> int:
     """Where the last call of ``method`` (naming ``container_id``, when given) came."""
     return max(
@@ -325,55 +336,47 @@ async def test_a_shrink_systemd_would_undo_is_recorded_before_the_pinned_contain
         env.channel.close()
 
 
-async def test_after_a_refused_record_systemds_copy_is_taken_for_unknown(tmp_path: Path) -> None:
+async def test_after_a_refused_record_systemds_copy_is_taken_for_unknown(systemd_env: Env) -> None:
     """runc may tell systemd before it fails: after a refused update the copy may hold the
     refused set, so the next move is recorded at once even where the last record that went
     through lies within it."""
-    async with FakeRuntime(
-        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
-    ) as fake:
-        env = await cgroup_env(tmp_path, fake, NEVER)
-        shared_id = await start_located(env, "web")
-        first = await env.kubelet.run_pod("db", "guaranteed")
-        await env.kubelet.start_new(first, "main", 1000)
+    env = systemd_env
+    shared_id = await start_located(env, "web")
+    first = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(first, "main", 1000)
 
-        fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
-        second = await env.kubelet.run_pod("db-2", "guaranteed")
-        second_id = await env.kubelet.start_new(second, "main", 1000)
-        shrunk = env.kernel_cpus(shared_id)  # the cgroup holds it all the same
-        assert shrunk is not None
-        assert shrunk != SHARED_AFTER_FIRST_SINGLE
-        assert env.engine.counters["runtime_record_errors"] == 1
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    second = await env.kubelet.run_pod("db-2", "guaranteed")
+    second_id = await env.kubelet.start_new(second, "main", 1000)
+    shrunk = env.kernel_cpus(shared_id)  # the cgroup holds it all the same
+    assert shrunk is not None
+    assert shrunk != SHARED_AFTER_FIRST_SINGLE
+    assert env.engine.counters["runtime_record_errors"] == 1
 
-        await env.kubelet.stop(second_id)  # back within the last record that went through
-        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
-        assert updates_to(fake, shared_id) == [
-            SHARED_AFTER_FIRST_SINGLE,
-            shrunk,
-            SHARED_AFTER_FIRST_SINGLE,
-        ]
-        assert env.engine.counters["systemd_records_at_once"] == 2
-        await env.engine.drain(5.0)
-        env.channel.close()
+    await env.kubelet.stop(second_id)  # back within the last record that went through
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert updates_to(env.fake, shared_id) == [
+        SHARED_AFTER_FIRST_SINGLE,
+        shrunk,
+        SHARED_AFTER_FIRST_SINGLE,
+    ]
+    assert env.engine.counters["systemd_records_at_once"] == 2
+    await env.engine.drain(5.0)
 
 
 async def test_a_refused_move_through_the_runtime_leaves_the_record_unknown(
-    tmp_path: Path,
+    systemd_env: Env,
 ) -> None:
     """As after a refused record: runc may have told systemd before it failed."""
-    async with FakeRuntime(
-        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
-    ) as fake:
-        env = await cgroup_env(tmp_path, fake, NEVER)
-        tracked = env.engine.containers[await start_located(env, "web")]
-        assert tracked.recorded is not None
-        fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
-        async with tracked.write_lock:
-            result = await env.engine.mover.update_locked(tracked, CPUSet.parse("0-3"), "", None)
-        assert not result.ok
-        assert tracked.recorded is None
-        assert env.engine.counters["cpuset_update_errors"] == 1
-        env.channel.close()
+    env = systemd_env
+    tracked = env.engine.containers[await start_located(env, "web")]
+    assert tracked.recorded is not None
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    async with tracked.write_lock:
+        result = await env.engine.mover.update_locked(tracked, CPUSet.parse("0-3"), "", None)
+    assert not result.ok
+    assert tracked.recorded is None
+    assert env.engine.counters["cpuset_update_errors"] == 1
 
 
 async def test_a_container_whose_cgroup_vanished_moves_through_the_runtime(env: Env) -> None:
@@ -461,7 +464,7 @@ def test_a_process_that_ended_is_told_from_one_that_runs() -> None:
 
 
 async def test_after_kubelets_refused_update_systemds_copy_is_taken_for_unknown(
-    tmp_path: Path,
+    systemd_env: Env,
 ) -> None:
     """kubelet's own UpdateContainerResources carries cpushim's cpuset to runc, which may tell
     systemd before it fails, as for cpushim's own updates: after a refusal the copy may hold
@@ -469,59 +472,51 @@ async def test_after_kubelets_refused_update_systemds_copy_is_taken_for_unknown(
     record that went through. Left as it was, that record said the shrink needed no record,
     and the delayed one found nothing to tell (the cgroup equal to the stale record): systemd
     kept the CPUs just pinned until the container next moved."""
-    async with FakeRuntime(
-        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
-    ) as fake:
-        env = await cgroup_env(tmp_path, fake, NEVER)
-        shared_id = await start_located(env, "web")
-        first = await env.kubelet.run_pod("db", "guaranteed")
-        pinned_id = await env.kubelet.start_new(first, "main", 1000)
-        await env.kubelet.stop(pinned_id)  # a grow: recorded later
-        assert env.kernel_cpus(shared_id) == "0-7"
+    env = systemd_env
+    shared_id = await start_located(env, "web")
+    first = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(first, "main", 1000)
+    await env.kubelet.stop(pinned_id)  # a grow: recorded later
+    assert env.kernel_cpus(shared_id) == "0-7"
 
-        fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN)
-        request = pb.UpdateContainerResourcesRequest(
-            container_id=shared_id,
-            linux=pb.LinuxContainerResources(cpu_shares=2, memory_limit_in_bytes=1 << 30),
-        )
-        reply = await env.kubelet.call("UpdateContainerResources", request.SerializeToString())
-        assert reply.status is not Status.OK
-        assert updates_to(fake, shared_id)[-1] == "0-7"  # what runc may have told systemd
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN)
+    request = pb.UpdateContainerResourcesRequest(
+        container_id=shared_id,
+        linux=pb.LinuxContainerResources(cpu_shares=2, memory_limit_in_bytes=1 << 30),
+    )
+    reply = await env.kubelet.call("UpdateContainerResources", request.SerializeToString())
+    assert reply.status is not Status.OK
+    assert updates_to(env.fake, shared_id)[-1] == "0-7"  # what runc may have told systemd
 
-        second = await env.kubelet.run_pod("db-2", "guaranteed")
-        await env.kubelet.start_new(second, "main", 1000)  # the same CPU again
-        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
-        assert updates_to(fake, shared_id)[-1] == SHARED_AFTER_FIRST_SINGLE
-        assert env.engine.counters["systemd_records_at_once"] == 2
-        await env.engine.drain(5.0)
-        # Never told later either: the delayed record found the cgroup equal to the stale one.
-        assert updates_to(fake, shared_id)[-1] == SHARED_AFTER_FIRST_SINGLE
-        env.channel.close()
+    second = await env.kubelet.run_pod("db-2", "guaranteed")
+    await env.kubelet.start_new(second, "main", 1000)  # the same CPU again
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert updates_to(env.fake, shared_id)[-1] == SHARED_AFTER_FIRST_SINGLE
+    assert env.engine.counters["systemd_records_at_once"] == 2
+    await env.engine.drain(5.0)
+    # Never told later either: the delayed record found the cgroup equal to the stale one.
+    assert updates_to(env.fake, shared_id)[-1] == SHARED_AFTER_FIRST_SINGLE
 
 
 async def test_a_restart_records_at_once_a_shrink_systemds_copy_would_undo(
-    tmp_path: Path,
+    systemd_env: Env,
 ) -> None:
     """cpushim stopped (a crash) after a shrink reached the cgroup but not the runtime (its
     record at once refused): the runtime's record, and so systemd's copy, still holds the
     pinned CPU. The cgroup is where it should be, so resync does not move it; the record
     must still be made before cpushim goes on, not a record delay later."""
-    async with FakeRuntime(
-        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
-    ) as fake:
-        env = await cgroup_env(tmp_path, fake, NEVER)
-        shared_id = await start_located(env, "web")
-        fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
-        first = await env.kubelet.run_pod("db", "guaranteed")
-        await env.kubelet.start_new(first, "main", 1000)
-        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
-        assert env.cpus(shared_id) == "0-7"  # the runtime's record (and systemd's copy)
-        old = env.engine
+    env = systemd_env
+    shared_id = await start_located(env, "web")
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    first = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(first, "main", 1000)
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert env.cpus(shared_id) == "0-7"  # the runtime's record (and systemd's copy)
+    old = env.engine
 
-        engine = await env.restart()
-        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
-        assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
-        assert engine.counters["systemd_records_at_once"] == 1
-        await engine.drain(5.0)
-        await old.drain(5.0)
-        env.channel.close()
+    engine = await env.restart()
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert engine.counters["systemd_records_at_once"] == 1
+    await engine.drain(5.0)
+    await old.drain(5.0)
