@@ -176,26 +176,33 @@ class Mover:
         """Tell the runtime of a cpuset just written into the cgroup (the write lock held).
         The cgroup holds it whatever the runtime says: a refusal is counted and logged, and
         the record is left to the delayed one already planned, which tries again."""
-        reply = await self.runtime.unary(
-            UnaryCall(
-                rq.UPDATE_CONTAINER_RESOURCES, (), rq.update_request(tracked.id, cpus), self.timeout
-            )
-        )
+        reply = await self._send_record(tracked, cpus)
         if reply.status is Status.NOT_FOUND:
             return MoveResult(ok=False, gone=True)
         if reply.status is Status.OK:
-            tracked.recorded = cpus
-            self.counters["runtime_records"] += 1
             self.counters["systemd_records_at_once"] += 1
         else:
             self._record_refused(tracked, cpus, reply, retry_in_s=self.record_delay)
         return MoveResult(ok=True)
 
-    async def record_what_systemd_would_undo(self, tracked: Tracked) -> None:
-        """Tell the runtime at once of the cpuset the cgroup holds when systemd's copy may
-        hold CPUs outside it (found so at start-up or in a sweep: written before a stop, or
-        by someone else, and not recorded), as :meth:`move` does for its own writes; the
-        rest is left to :meth:`record_later`."""
+    async def _send_record(self, tracked: Tracked, cpus: CPUSet) -> Reply:
+        """UpdateContainerResources with a cpuset the cgroup already holds (the write lock
+        held); on success it is the runtime's record."""
+        reply = await self.runtime.unary(
+            UnaryCall(
+                rq.UPDATE_CONTAINER_RESOURCES, (), rq.update_request(tracked.id, cpus), self.timeout
+            )
+        )
+        if reply.status is Status.OK:
+            tracked.recorded = cpus
+            self.counters["runtime_records"] += 1
+        return reply
+
+    async def record_behind(self, tracked: Tracked) -> None:
+        """Tell the runtime of a cpuset the cgroup holds and its record does not (found so
+        at start-up or in a sweep: written before a stop, or by someone else): at once when
+        systemd's copy may hold CPUs outside it, as :meth:`move` does for its own writes,
+        else after the record delay (:meth:`record_later`)."""
         async with tracked.write_lock:
             cpus = tracked.applied
             if (
@@ -204,6 +211,8 @@ class Mover:
                 and self.systemd_holds_more(tracked, cpus)
             ):
                 await self._record_now(tracked, cpus)
+        if tracked.applied != tracked.recorded:
+            self.record_later(tracked)
 
     def write_tree(self, tracked: Tracked, name: str, values: CPUSet) -> None:
         """Write a container's cgroup file ``name`` (``cpuset.cpus``, ``cpuset.mems``); under
@@ -371,10 +380,7 @@ class Mover:
                     cpus = tracked.applied
                     if cpus is None or cpus == tracked.recorded:
                         return
-                    request = rq.update_request(tracked.id, cpus)
-                    reply = await self.runtime.unary(
-                        UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
-                    )
+                    reply = await self._send_record(tracked, cpus)
                     if reply.status is Status.NOT_FOUND:
                         return  # gone: nothing left to record
                     if reply.status is not Status.OK:
@@ -390,8 +396,6 @@ class Mover:
                         retry_at = loop.time() + delay
                         continue
                     refusals = 0
-                    tracked.recorded = cpus
-                    self.counters["runtime_records"] += 1
                 behind_since = loop.time()
         finally:
             self._recorders.pop(tracked.id, None)

@@ -120,9 +120,7 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
         for tracked in engine.containers.values():
             if tracked.cgroup is not None and tracked.applied != tracked.recorded:
                 # Written straight into the cgroup before a stop; the runtime never heard.
-                await engine.mover.record_what_systemd_would_undo(tracked)
-                if tracked.applied != tracked.recorded:
-                    engine.mover.record_later(tracked)
+                await engine.mover.record_behind(tracked)
             engine.project(tracked)
     if engine.projector is not None:
         keep = {t.key for t in engine.containers.values()} | set(engine.state.assignments)

@@ -152,9 +152,7 @@ async def _take_in(
             if moved is None:
                 continue  # removed while it was moved: the runtime no longer knows it
             if moved.cgroup is not None and moved.applied != moved.recorded:
-                await engine.mover.record_what_systemd_would_undo(moved)
-                if moved.applied != moved.recorded:
-                    engine.mover.record_later(moved)
+                await engine.mover.record_behind(moved)
             engine.project(moved)
             if moved.phase is Phase.RUNNING and engine.watcher is not None:
                 engine.watcher.watch(moved)
