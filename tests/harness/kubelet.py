@@ -42,6 +42,9 @@ BESTEFFORT_OOM_SCORE_ADJ = 1000
 
 DEFAULT_TIMEOUT = 30.0
 
+# What containerd 1.6 answers, for a moment, about a container killed from outside.
+CONTAINERD_CATCHING_UP = ("still running", "ttrpc: closed")
+
 _ResponseT = TypeVar("_ResponseT", bound=Message)
 
 
@@ -374,9 +377,7 @@ class KubeletClient:
         the pod's cgroup last (also for a pod another client ran)."""
         cgroup = "" if sandbox_id in self._sandboxes else self._sandbox_cgroup(sandbox_id)
         for container in self.list_containers(sandbox_id=sandbox_id).containers:
-            if container.state == pb.CONTAINER_RUNNING:
-                self.stop_container(container.id, timeout=0)
-            self._remove_stopped(container.id)
+            self._stop_and_remove(container.id, container.state == pb.CONTAINER_RUNNING)
         self.stop_pod_sandbox(sandbox_id)
         self.remove_pod_sandbox(sandbox_id)
         if cgroup:
@@ -395,19 +396,29 @@ class KubeletClient:
             return ""
         return path if path.startswith("/") or path.count(":") == 2 else ""
 
-    def _remove_stopped(self, container_id: str, budget: float = 10.0) -> None:
-        """RemoveContainer, stopping again while containerd says the container still runs:
-        after a kill from outside, containerd 1.6 lists the container as exited a moment before
-        its own task bookkeeping agrees (kubelet retries the same way, on its next sync)."""
+    def _stop_and_remove(self, container_id: str, running: bool, budget: float = 10.0) -> None:
+        """StopContainer (if listed running) and RemoveContainer, both again while containerd
+        is still catching up with a kill from outside, as kubelet retries on its next sync.
+
+        containerd 1.6 lists such a container as exited a moment before its own task
+        bookkeeping agrees ("still running"), and a StopContainer that meets its exit handler
+        deleting the task fails on the shim's closed connection ("ttrpc: closed",
+        containerd/containerd#11505). Any other error, or one past ``budget``, is raised.
+        """
         deadline = time.monotonic() + budget
+        stop = running
         while True:
             try:
+                if stop:
+                    self.stop_container(container_id, timeout=0)
                 self.remove_container(container_id)
                 return
             except grpc.RpcError as error:
-                if "still running" not in (error.details() or "") or time.monotonic() > deadline:
+                details = error.details() or ""
+                catching_up = any(sign in details for sign in CONTAINERD_CATCHING_UP)
+                if not catching_up or time.monotonic() > deadline:
                     raise
-            self.stop_container(container_id, timeout=0)
+            stop = True
             time.sleep(0.05)
 
     def teardown_all(self) -> list[str]:
