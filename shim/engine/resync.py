@@ -282,6 +282,11 @@ async def _containers(
                 f" {status_reply.status_message}"
             )
         response = pb.ContainerStatusResponse.FromString(status_reply.messages[0])
+        if response.status.state == pb.CONTAINER_EXITED:
+            # Exited since it was listed: taken as listed, it would hold or even be given
+            # CPUs, tracked as created, until a full look found it out.
+            exited.append((item.pod_sandbox_id, item.metadata.name))
+            continue
         live[item.id] = live_container(item.id, item.pod_sandbox_id, item.metadata, response)
     return live, exited
 

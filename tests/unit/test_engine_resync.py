@@ -3,6 +3,7 @@ nodes, when the checkpoint and the runtime disagree or the checkpoint is rebuilt
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -23,6 +24,7 @@ from tests.unit.engine_env import (
     env,
     second_of_two_released,
     static_policy,
+    until,
 )
 
 pytestmark = pytest.mark.anyio
@@ -148,6 +150,30 @@ async def test_a_created_container_not_started_keeps_its_cpus(env: Env) -> None:
     key = ContainerKey(pod.uid, "main")
     assert env.engine.state.assignments[key].container_id == container_id
     assert env.cpus(container_id) == FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_a_container_that_exits_while_start_up_reads_its_status_holds_no_cpus(
+    env: Env,
+) -> None:
+    """The runtime's list says running, its ContainerStatus a moment later says exited: the
+    container is exited (as a sweep takes it), so its CPUs go back, and it is not taken for
+    one created and never started."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    asked = len(env.fake.calls_of("ContainerStatus"))
+    gate = env.fake.gate("ContainerStatus")
+    restarting = asyncio.create_task(env.restart())
+    await until(
+        lambda: len(env.fake.calls_of("ContainerStatus")) > asked, "start-up asks for its status"
+    )
+    env.fake.exit_container(container_id, 0)
+    env.fake.ungate("ContainerStatus")
+    gate.set()
+    await restarting
+    assert env.engine.state.assignments == {}
+    assert env.saved() == {}
+    assert container_id not in env.engine.containers
     assert_consistent(env)
 
 
