@@ -210,6 +210,9 @@ async def _sandboxes(engine: Engine) -> tuple[dict[str, Pod], set[str]]:
                 f" {status_reply.status_message}"
             )
         status = pb.PodSandboxStatusResponse.FromString(status_reply.messages[0])
+        if status.status.state != pb.SANDBOX_READY:
+            # Stopped since it was listed: a container left created in it never runs.
+            stopped.add(item.id)
         pods[item.id] = Pod.from_config(item.id, sandbox_config(item, status))
     return pods, stopped
 

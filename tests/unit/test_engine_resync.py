@@ -11,6 +11,7 @@ from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import Status
 from shim.engine.resync import adopt_sharing
 from shim.policy.none import NonePolicy
 from shim.state import ContainerKey, CPUState
@@ -174,6 +175,30 @@ async def test_a_container_that_exits_while_start_up_reads_its_status_holds_no_c
     assert env.engine.state.assignments == {}
     assert env.saved() == {}
     assert container_id not in env.engine.containers
+    assert_consistent(env)
+
+
+async def test_a_sandbox_that_stops_while_start_up_reads_its_status_takes_no_cpus(
+    env: Env,
+) -> None:
+    """The same for a sandbox: one the list says ready and its status stopped starts no
+    container, so the one left created in it gives its CPUs back."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    reply = await env.kubelet.create(pod, "main", 1000)
+    assert reply.status is Status.OK
+    await env.engine.checkpoint_written()
+    asked = len(env.fake.calls_of("PodSandboxStatus"))
+    gate = env.fake.gate("PodSandboxStatus")
+    restarting = asyncio.create_task(env.restart())
+    await until(
+        lambda: len(env.fake.calls_of("PodSandboxStatus")) > asked, "start-up asks for its status"
+    )
+    env.fake.sandboxes[pod.sandbox_id].state = pb.SANDBOX_NOTREADY
+    env.fake.ungate("PodSandboxStatus")
+    gate.set()
+    await restarting
+    assert env.engine.state.assignments == {}
+    assert env.saved() == {}
     assert_consistent(env)
 
 
