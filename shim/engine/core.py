@@ -771,6 +771,11 @@ class Engine:
         # where the forwarded reply stands (Engine._dispatch), rather than rolling back
         # the CPUs of a container that exists.
         if not recorded and not record(reply):
+            fields = {
+                "container": str(key),
+                "cpus": str(cpus),
+                "error": f"{reply.status.name}: {reply.status_message}",
+            }
             if forward.sent and reply.unanswered:
                 # The request went out and no answer came back (kubelet's or the runtime's
                 # connection was lost, the stream was reset, the wait gave up): the runtime
@@ -781,16 +786,7 @@ class Engine:
                 self.counters["unknown_create_outcomes"] += 1
                 # The sweep finds the container if the runtime made it, and gives it the id.
                 self._sweep_soon()
-                log.warning(
-                    "create outcome unknown; its CPUs stay held",
-                    extra={
-                        "fields": {
-                            "container": str(key),
-                            "cpus": str(cpus),
-                            "error": f"{reply.status.name}: {reply.status_message}",
-                        }
-                    },
-                )
+                log.warning("create outcome unknown; its CPUs stay held", extra={"fields": fields})
                 return reply
             if held is not None and not held.container_id and cpus == held.cpus:
                 # An earlier create of this container went unanswered and this retry was
@@ -799,16 +795,13 @@ class Engine:
                 await self._record(self.state.assign(key, held, self.policy))
                 log.warning(
                     "create failed; its CPUs stay held for an earlier unanswered create",
-                    extra={"fields": {"container": str(key), "cpus": str(cpus)}},
+                    extra={"fields": fields},
                 )
                 return reply
             # Not a pinning error: the CPUs were there, the runtime failed the create
             # (kubelet's counter, too, counts only what its policy could not allocate).
             self.counters["failed_exclusive_creates"] += 1
-            log.info(
-                "create failed; CPUs returned",
-                extra={"fields": {"container": str(key), "cpus": str(cpus)}},
-            )
+            log.info("create failed; CPUs returned", extra={"fields": fields})
             await self._release([key])
         return reply
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -98,16 +99,24 @@ async def test_a_create_whose_client_went_away_keeps_its_cpus_through_the_relay(
 
 
 async def test_a_create_the_runtime_refuses_gives_its_cpus_back_whatever_the_code(
-    env: Env,
+    env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An error the runtime sent, even UNAVAILABLE or DEADLINE_EXCEEDED, is its answer: no
-    container was made, and the CPUs go back."""
+    container was made, and the CPUs go back. The log says why, beside what went back."""
     pod = await env.kubelet.run_pod("db", "guaranteed")
     for status in (GrpcStatus.UNAVAILABLE, GrpcStatus.DEADLINE_EXCEEDED, GrpcStatus.INTERNAL):
+        caplog.clear()
         env.fake.fail_next("CreateContainer", status, "runtime says no")
-        reply = await env.kubelet.create(pod, "main", 1000)
+        with caplog.at_level(logging.INFO, logger="shim.engine.core"):
+            reply = await env.kubelet.create(pod, "main", 1000)
         assert reply.status.name == status.name
         assert env.engine.state.assignments == {}
+        [told] = [r for r in caplog.records if "create failed" in r.getMessage()]
+        assert told.__dict__["fields"] == {
+            "container": str(ContainerKey(pod.uid, "main")),
+            "cpus": str(FIRST_SINGLE),
+            "error": f"{status.name}: runtime says no",
+        }
     assert env.engine.counters["failed_exclusive_creates"] == 3
     assert env.engine.counters["unknown_create_outcomes"] == 0
     assert_consistent(env)
