@@ -32,6 +32,7 @@ SETTINGS_MAX_FRAME_SIZE: Final = 0x5
 
 DEFAULT_WINDOW: Final = 65_535
 DEFAULT_MAX_FRAME: Final = 16_384
+MAX_FRAME_SIZE: Final = 2**24 - 1
 MAX_WINDOW: Final = 2**31 - 1
 
 # Error codes (RFC 9113 §7).
@@ -105,9 +106,22 @@ def data_payload(flags: int, payload: bytes | bytearray | memoryview) -> bytes:
 
 
 def parse_settings(payload: bytes | bytearray | memoryview) -> list[tuple[int, int]]:
+    """The (key, value) pairs of a SETTINGS payload; FrameError for a value out of its range
+    (RFC 9113 6.5.2) among those the relay acts on itself: a MAX_FRAME_SIZE of 0 would have
+    every frame it writes cut into empty pieces for ever."""
     if len(payload) % 6:
         raise FrameError("SETTINGS payload is not a multiple of 6", FRAME_SIZE_ERROR)
-    return [_SETTING.unpack_from(payload, i) for i in range(0, len(payload), 6)]
+    settings = [_SETTING.unpack_from(payload, i) for i in range(0, len(payload), 6)]
+    for key, value in settings:
+        if key == SETTINGS_MAX_FRAME_SIZE and not DEFAULT_MAX_FRAME <= value <= MAX_FRAME_SIZE:
+            raise FrameError(
+                f"SETTINGS_MAX_FRAME_SIZE of {value}, outside {DEFAULT_MAX_FRAME}..{MAX_FRAME_SIZE}"
+            )
+        if key == SETTINGS_INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
+            raise FrameError(
+                f"SETTINGS_INITIAL_WINDOW_SIZE of {value}, above {MAX_WINDOW}", FLOW_CONTROL_ERROR
+            )
+    return settings
 
 
 def settings_frame(settings: list[tuple[int, int]]) -> bytes:

@@ -681,3 +681,36 @@ def test_an_endless_header_block_from_the_client_fails_the_connection(
     failures = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
     assert failures
     assert "a header block longer than 4096 bytes" in failures[0].reason
+
+
+BAD_SETTINGS = {
+    "MAX_FRAME_SIZE 0": ((fr.SETTINGS_MAX_FRAME_SIZE, 0), fr.PROTOCOL_ERROR),
+    "MAX_FRAME_SIZE below 16 KiB": ((fr.SETTINGS_MAX_FRAME_SIZE, 16_383), fr.PROTOCOL_ERROR),
+    "MAX_FRAME_SIZE above 2^24-1": ((fr.SETTINGS_MAX_FRAME_SIZE, 2**24), fr.PROTOCOL_ERROR),
+    "INITIAL_WINDOW_SIZE above 2^31-1": (
+        (fr.SETTINGS_INITIAL_WINDOW_SIZE, 2**31),
+        fr.FLOW_CONTROL_ERROR,
+    ),
+}
+
+
+@pytest.mark.parametrize("side", ["client", "runtime"])
+@pytest.mark.parametrize("case", sorted(BAD_SETTINGS))
+def test_a_setting_out_of_its_range_fails_the_connection(side: str, case: str) -> None:
+    """RFC 9113 6.5.2. A client's MAX_FRAME_SIZE of 0 once made every frame the relay wrote
+    to it (a reply, the UNAVAILABLE trailers when the runtime went) loop for ever."""
+    setting, code = BAD_SETTINGS[case]
+    pair = make_pair()
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(sid, request_headers(SPLICED))
+    pair.pump()
+    pair.splice.take_output()
+    if side == "client":
+        pair.splice.from_client(fr.settings_frame([setting]))
+    else:
+        pair.splice.from_upstream(fr.settings_frame([setting]))
+    failures = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    assert failures
+    to_client, to_upstream = pair.splice.take_output()
+    assert_goaways_blame(side, to_client, to_upstream, code)
+    pair.splice.upstream_lost("closed")  # writes nothing more, and returns
