@@ -305,6 +305,7 @@ class Splice:
         # A header block split over CONTINUATION frames, held until complete.
         self._client_block: tuple[int, int, list[bytes], bytearray] | None = None
         self._upstream_block: tuple[int, list[bytes]] | None = None
+        self._upstream_block_bytes = 0
 
         # Flow control towards the client (what the relay may still write to it).
         self._client_window = fr.DEFAULT_WINDOW
@@ -950,6 +951,11 @@ class Splice:
             if self._upstream_block is None or self._upstream_block[0] != sid:
                 raise fr.FrameError("CONTINUATION without an open header block")
             self._upstream_block[1].append(raw)
+            self._upstream_block_bytes += len(raw) - fr.FRAME_HEADER_LEN
+            if self._upstream_block_bytes > MAX_HEADER_LIST:
+                # Kept whole until its end, as the client's: an endless block would take
+                # all memory.
+                raise fr.FrameError(f"a header block longer than {MAX_HEADER_LIST} bytes")
             if not flags & fr.FLAG_END_HEADERS:
                 return
             raws = self._upstream_block[1]
@@ -958,6 +964,7 @@ class Splice:
         else:
             if not flags & fr.FLAG_END_HEADERS:
                 self._upstream_block = (sid, [raw])
+                self._upstream_block_bytes = len(raw) - fr.FRAME_HEADER_LEN
                 return
             raws, first_flags = [raw], flags
         if sid in self._relayed_by_upstream:

@@ -714,3 +714,23 @@ def test_a_setting_out_of_its_range_fails_the_connection(side: str, case: str) -
     to_client, to_upstream = pair.splice.take_output()
     assert_goaways_blame(side, to_client, to_upstream, code)
     pair.splice.upstream_lost("closed")  # writes nothing more, and returns
+
+
+def test_an_endless_header_block_from_the_runtime_fails_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The runtime's header blocks are kept whole until their END_HEADERS too."""
+    import shim.cri.splice as splice_module
+
+    monkeypatch.setattr(splice_module, "MAX_HEADER_LIST", 4096)
+    pair = make_pair()
+    sid = send_request(pair, SPLICED, grpc_body(b"x"))
+    pair.splice.take_output()
+    pair.splice.from_upstream(fr.frame(fr.HEADERS, 0, sid, b"\x88"))
+    for _ in range(5):
+        pair.splice.from_upstream(fr.frame(fr.CONTINUATION, 0, sid, b"\x00" * 1000))
+    failures = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    assert failures
+    assert "a header block longer than 4096 bytes" in failures[0].reason
+    to_client, to_upstream = pair.splice.take_output()
+    assert_goaways_blame("runtime", to_client, to_upstream, fr.PROTOCOL_ERROR)
