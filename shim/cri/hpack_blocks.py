@@ -31,6 +31,10 @@ _huffman_names: dict[bytes, bytes] = {}
 # Trailer blocks repeat (one per status and message), so the status of each is looked up.
 _status_cache: dict[bytes, int | None] = {}
 _STATUS_CACHE_SIZE = 1024
+# The longest key either cache keeps: a CRI path or a plain status is a few dozen bytes, and
+# a peer's ever new long values (up to a whole header block each) must not stay for as long
+# as the cache does.
+_CACHED_KEY_MAX = 512
 
 
 class HeaderBlockError(Exception):
@@ -173,7 +177,7 @@ class RequestBlockReader:
                 if path is None:
                     value = decode_huffman(block[start:stop]) if huffman else block[start:stop]
                     path = value.decode("ascii", "replace")
-                    if len(self._path_cache) < 4096:
+                    if len(self._path_cache) < 4096 and len(raw) <= _CACHED_KEY_MAX:
                         self._path_cache[raw] = path
                 return path
             if not is_pseudo:
@@ -193,7 +197,7 @@ def grpc_status(block: bytes) -> int | None:
         status = _scan_status(block)
     except (HeaderBlockError, IndexError, hpack.HPACKDecodingError):
         status = None
-    if len(_status_cache) < _STATUS_CACHE_SIZE:
+    if len(_status_cache) < _STATUS_CACHE_SIZE and len(block) <= _CACHED_KEY_MAX:
         _status_cache[block] = status
     return status
 

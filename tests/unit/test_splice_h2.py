@@ -734,3 +734,23 @@ def test_an_endless_header_block_from_the_runtime_fails_the_connection(
     assert "a header block longer than 4096 bytes" in failures[0].reason
     to_client, to_upstream = pair.splice.take_output()
     assert_goaways_blame("runtime", to_client, to_upstream, fr.PROTOCOL_ERROR)
+
+
+def test_the_caches_keyed_by_a_peers_bytes_keep_no_large_entries() -> None:
+    """The :path and grpc-status caches live as long as a connection (the status cache as
+    long as cpushim): a peer sending ever new large values must not fill them with those."""
+    from shim.cri import hpack_blocks
+    from shim.cri.hpack_blocks import RequestBlockReader, encode_block, grpc_status
+
+    reader = RequestBlockReader()
+    reader.path(b"\x20" + encode_block([(b":path", b"/first")]))  # table size 0 applied
+    assert reader.stateless
+    for i in range(20):
+        path = b"/%d" % i + b"p" * 100_000
+        assert reader.path(encode_block([(b":method", b"POST"), (b":path", path)])) == path.decode()
+        status = encode_block([(b"grpc-status", b"2"), (b"grpc-message", b"%d" % i * 50_000)])
+        assert grpc_status(status) == 2
+    assert sum(map(len, reader._path_cache)) < 100_000
+    assert sum(map(len, hpack_blocks._status_cache)) < 100_000
+    assert reader.path(encode_block([(b":path", SPLICED.encode())])) == SPLICED
+    assert reader._path_cache  # a real call's path is still cached
