@@ -322,6 +322,7 @@ class Splice:
         self._upstream_initial_window = fr.DEFAULT_WINDOW
         self._upstream_credit_to_keep = 0  # upstream credit owed for bytes the relay wrote
         self._held_for_upstream: deque[tuple[bytes, int]] = deque()
+        self._held_for_upstream_bytes = 0
         self._amending: dict[int, _Outgoing] = {}
 
         self.open_streams: dict[int, bool] = {}  # spliced stream -> response started
@@ -425,10 +426,19 @@ class Splice:
                             # Only after the relay wrote requests of its own: the client's
                             # view of the upstream's window exceeds the real one until the
                             # upstream returns credit for them.
+                            held_bytes = self._held_for_upstream_bytes + length
+                            if held_bytes > self._upstream_window + self._upstream_credit_to_keep:
+                                # More than the client was given: the runtime never saw these
+                                # bytes, so no credit would ever come to let them go.
+                                raise fr.FrameError(
+                                    "DATA beyond the runtime's connection flow-control window",
+                                    fr.FLOW_CONTROL_ERROR,
+                                )
                             _forward(self._out_upstream, buf, span, pos)
                             self._held_for_upstream.append(
                                 (bytes(memoryview(buf)[pos:end]), length)
                             )
+                            self._held_for_upstream_bytes = held_bytes
                             span = end
                         else:
                             self._upstream_window -= length
@@ -738,6 +748,7 @@ class Splice:
         while held and held[0][1] <= self._upstream_window:
             chunk, length = held.popleft()
             self._upstream_window -= length
+            self._held_for_upstream_bytes -= length
             self._out_upstream.append(chunk)
         for sid, outgoing in list(self._amending.items()):
             self._pump_upstream(sid, outgoing)
@@ -1176,6 +1187,7 @@ class Splice:
         self._following.clear()
         self._amending.clear()
         self._held_for_upstream.clear()
+        self._held_for_upstream_bytes = 0
         for sid in [sid for sid, stream in self._local.items() if stream.upstream_open]:
             # Answered UNAVAILABLE below with the other calls open upstream.
             self._upstream_ended_held(sid)

@@ -14,13 +14,21 @@ import pytest
 from shim.cri import frames as fr
 from shim.cri.calls import Reply, Status
 from shim.cri.hpack_blocks import encode_block
-from shim.cri.splice import CallAborted, CallCancelled, CallCompleted, CallReceived
+from shim.cri.splice import (
+    CallAborted,
+    CallCancelled,
+    CallCompleted,
+    CallReceived,
+    ConnectionFailed,
+)
 from tests.unit.test_splice_h2 import (
     INTERCEPTED,
     SPLICED,
     Pair,
+    goaway_codes,
     grpc_body,
     make_pair,
+    request_headers,
     respond,
     send_request,
 )
@@ -395,3 +403,40 @@ def test_a_runtimes_trailers_and_reset_crossing_the_relays_answer_keep_it() -> N
     assert not events_on(pair.client_events, sid, h2.events.StreamReset)
     assert pair.received(pair.client_events, sid) == grpc_body(b"x" * 80_000)
     assert events_on(pair.client_events, sid, h2.events.StreamEnded)
+
+
+def raw_data(sid: int, size: int) -> bytes:
+    return fr.frame(fr.DATA, 0, sid, b"d" * size)
+
+
+@pytest.mark.parametrize("relay_wrote", [0, 60_000])
+def test_client_data_beyond_the_runtimes_window_fails_instead_of_piling_up(
+    relay_wrote: int,
+) -> None:
+    """What the client may send is the window it was given, the relay's own bytes included;
+    a client that sends more (as no peer may) was once held here, without limit, waiting for
+    credit the runtime, which never saw those bytes, would never give."""
+    pair = make_pair(amended=True)
+    pair.auto_ack = False  # the runtime reads nothing: no credit comes back
+    if relay_wrote:
+        sid = held_call(pair)
+        assert pair.splice.forward_request(sid, grpc_body(b"a" * (relay_wrote - 5)))
+        pair.pump()
+    spliced = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(spliced, request_headers(SPLICED))
+    pair.pump()
+    allowed = pair.client.outbound_flow_control_window  # the client's view, all its own
+    assert allowed == pair.splice._upstream_window + pair.splice._upstream_credit_to_keep
+    sent = 0
+    while sent < allowed:
+        step = min(fr.DEFAULT_MAX_FRAME, allowed - sent)
+        pair.splice.from_client(raw_data(spliced, step))
+        sent += step
+    assert not [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    pair.splice.take_output()
+    pair.splice.from_client(raw_data(spliced, 1))  # one byte more than it was given
+    (failed,) = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    assert "flow-control window" in failed.reason
+    to_client, _ = pair.splice.take_output()
+    assert goaway_codes(to_client) == [fr.FLOW_CONTROL_ERROR]
+    assert sum(length for _, length in pair.splice._held_for_upstream) <= allowed
