@@ -283,6 +283,9 @@ class ClientConnection(asyncio.Protocol):
         self._client_reads = 0
         self._client_reads_at_arm = 0
         self._closed = False
+        # Writes back up: to the client (it reads nothing), to the runtime (the same).
+        self._client_full = False
+        self._upstream_full = False
         self._blocks_self_contained = False
         self.unavailable_reason = ""  # why the runtime could not be reached, if it could not
 
@@ -346,12 +349,28 @@ class ClientConnection(asyncio.Protocol):
         self.server._connection_closed(self)
 
     def pause_writing(self) -> None:
+        self._client_full = True
         if self.upstream is not None:
             self.upstream.pause_reading()
+        self._steer_client_reading()
 
     def resume_writing(self) -> None:
+        self._client_full = False
         if self.upstream is not None:
             self.upstream.resume_reading()
+        self._steer_client_reading()
+
+    def _steer_client_reading(self) -> None:
+        """Read from the client unless what it sends cannot go anywhere: the runtime reads
+        nothing, or, with no runtime connection, the client itself reads nothing. The relay
+        then answers its PINGs, SETTINGS and calls itself, and a client that sends those and
+        reads nothing would have the answers queued here without limit."""
+        if self.client is None:
+            return
+        if self._upstream_full or (self._client_full and self.upstream is None):
+            self.client.pause_reading()
+        else:
+            self.client.resume_reading()
 
     # upstream side
     def upstream_data(self, data: bytes) -> None:
@@ -360,11 +379,11 @@ class ClientConnection(asyncio.Protocol):
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
-        if self.client is not None:
-            # A runtime that stopped reading paused the client's reading (pause_writing):
-            # nothing would resume it now, and the client's credit for the replies still
-            # to go would never be read.
-            self.client.resume_reading()
+        # A runtime that stopped reading paused the client's reading (pause_writing):
+        # nothing would resume it now, and the client's credit for the replies still to go
+        # would never be read.
+        self._upstream_full = False
+        self._steer_client_reading()
         if self._closed or self._finishing or self._aborting:
             return  # closed by this side
         reason = str(exc) if exc else "connection closed by the runtime"
@@ -713,9 +732,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.owner.upstream_lost(exc)
 
     def pause_writing(self) -> None:
-        if self.owner.client is not None:
-            self.owner.client.pause_reading()
+        self.owner._upstream_full = True
+        self.owner._steer_client_reading()
 
     def resume_writing(self) -> None:
-        if self.owner.client is not None:
-            self.owner.client.resume_reading()
+        self.owner._upstream_full = False
+        self.owner._steer_client_reading()

@@ -421,3 +421,29 @@ async def test_losing_a_runtime_that_had_paused_the_client_resumes_its_reading()
     assert peers.to_client.reading_paused
     peers.connection.upstream_lost(ConnectionResetError("runtime gone"))
     assert not peers.to_client.reading_paused
+
+
+@pytest.mark.anyio
+async def test_a_client_that_reads_nothing_is_not_read_only_when_the_relay_answers_it() -> None:
+    """With a runtime connection, what the client sends goes on to the runtime, which
+    answers at its own pace: the client is read on (a protocol error it sends is still
+    seen). Without one, the relay answers everything itself, and a client that reads nothing
+    is read no more until it reads."""
+    server = RelayServer(
+        listen="unix:///nonexistent/relay.sock",
+        runtime_endpoint="unix:///nonexistent/runtime.sock",
+        interceptor=PassthroughInterceptor(frozenset()),
+    )
+    peers = Peers(server)
+    connection = peers.connection
+    connection.pause_writing()  # the client reads nothing
+    assert peers.to_runtime.reading_paused
+    assert not peers.to_client.reading_paused
+    UpstreamConnection(connection).pause_writing()  # nor does the runtime
+    assert peers.to_client.reading_paused
+    UpstreamConnection(connection).resume_writing()
+    assert not peers.to_client.reading_paused
+    connection.upstream_lost(ConnectionResetError("runtime gone"))
+    assert peers.to_client.reading_paused  # only the relay is left to answer it
+    connection.resume_writing()  # the client reads again
+    assert not peers.to_client.reading_paused

@@ -562,6 +562,50 @@ def test_a_client_that_stops_reading_is_dropped_when_its_connection_fails(
     assert "runtime connection lost" not in caplog.text
 
 
+def test_a_client_that_reads_nothing_cannot_make_the_relay_buffer_its_answers() -> None:
+    """The relay answers some frames itself: PINGs and SETTINGS when the runtime cannot be
+    reached, credit for a request it consumes. A client that sends those and reads nothing
+    once had the answers queued in the relay without limit; reading from it now stops while
+    its writes back up, as grpc-go's server does (an HTTP/2 "ping flood")."""
+    import select
+
+    loop = LoopThread()
+    try:
+        with short_tmpdir() as workdir:
+            relay = RelayServer(
+                listen=f"unix://{workdir}/cri.sock",
+                runtime_endpoint=f"unix://{workdir}/absent.sock",  # no runtime
+                interceptor=PassthroughInterceptor(),
+            )
+            loop.run(relay.start())
+            with socket.socket(socket.AF_UNIX) as raw:
+                raw.connect(f"{workdir}/cri.sock")
+                raw.sendall(fr.PREFACE + fr.settings_frame([]))
+                raw.setblocking(False)
+                pings = fr.frame(fr.PING, 0, 0, b"\0" * 8) * 4096
+                total, sent = 8 * 2**20, 0
+                while sent < total:
+                    try:
+                        sent += raw.send(pings)
+                    except BlockingIOError:
+                        # The relay reads nothing more while the client reads nothing.
+                        if not select.select([], [raw], [], 1.0)[1]:
+                            break
+
+                async def queued() -> int:
+                    return sum(
+                        c.client.get_write_buffer_size()
+                        for c in relay.connections
+                        if c.client is not None
+                    )
+
+                assert sent < total
+                assert loop.run(queued()) < 2**20
+            loop.run(relay.shutdown(0.2))
+    finally:
+        loop.stop()
+
+
 def test_runtime_crash_fails_fast_then_recovers() -> None:
     loop = LoopThread()
     runtime: subprocess.Popen[str] | None = None
