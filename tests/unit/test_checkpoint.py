@@ -26,6 +26,7 @@ from shim.checkpoint import (
     write_atomically,
 )
 from shim.cpuset import CPUSet
+from shim.engine.resync import RECOVERY_HINT
 from shim.policy.static import StaticPolicy
 from shim.state import Assignment, CheckpointError, ContainerKey, CPUState, encode_checkpoint
 from tests.harness.crash import interrupted_checkpoint_write
@@ -597,3 +598,11 @@ def test_a_new_state_directory_is_made_durable_in_its_parent(
     assert synced == [state_dir.parent]
     os.close(hold_directory(state_dir))  # there already: nothing to flush
     assert synced == [state_dir.parent]
+
+
+def test_the_operations_guide_shows_the_refusal_cpushim_logs() -> None:
+    """docs/operations.md quotes the line an unusable checkpoint stops start-up with: an
+    operator matches it against the journal, so its way out must be the one logged."""
+    guide = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    section = guide[guide.index("## Recover from a bad checkpoint") :]
+    assert f"the checkpoint is unusable: ... {RECOVERY_HINT}" in section
