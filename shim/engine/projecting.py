@@ -155,6 +155,9 @@ class Projector:
         return not self._behind()
 
     async def _write(self, key: ContainerKey, cpuset: Cpuset) -> bool:
+        # Until this write succeeds the directory may hold neither the last cpuset nor this
+        # one (``cpus`` renamed, ``cpuset.json`` not): a move back to the last must write too.
+        self._written.pop(key, None)
         try:
             generation = await self.writer.write(
                 key.pod_uid,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import shim.projection.writer as writer_module
 from shim import cgroups
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
@@ -21,7 +23,7 @@ from shim.engine import EngineOptions, ProjectionSettings
 from shim.engine import requests as rq
 from shim.engine.projecting import Cpuset, Projector
 from shim.engine.watching import Watcher
-from shim.projection import Projection, read
+from shim.projection import CPUS_FILE, STATE_FILE, Projection, read
 from shim.projection.writer import ProjectionWriter
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
@@ -412,3 +414,49 @@ async def test_a_pod_forgotten_while_its_projection_is_written_is_forgotten_whol
     await projector.forget_pod("pod-1")
     assert not (tmp_path / "projection" / "pod-1").exists()
     assert projector.written(key) is None
+
+
+@pytest.mark.anyio
+async def test_a_write_that_failed_half_way_is_not_taken_for_the_old_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that failed after ``cpus`` was renamed left the directory holding neither the
+    old state nor the new one: a move back to the old cpuset must still write it, or ``cpus``
+    names CPUs the container does not have, beside a ``cpuset.json`` that says otherwise."""
+    writer = ProjectionWriter(tmp_path / "projection", inline=True)
+    draining = asyncio.Event()
+    projector = Projector(
+        writer,
+        TOPOLOGY,
+        Path("/run/cpushim"),
+        Counter(),
+        asyncio.get_running_loop().create_task,
+        draining=draining,
+        retry_delay=NEVER,  # only the move back may mend it
+    )
+    key = ContainerKey("pod-1", "app")
+    before = Cpuset(CPUSet.parse("0-7"), "", exclusive=False)
+    assert await projector.prepare(key, before) is not None
+    directory = tmp_path / "projection" / "pod-1" / "app"
+    real_replace = writer_module._replace
+    failed: list[str] = []
+
+    def replace_but_not_the_state(dir_fd: int, name: str, data: bytes) -> None:
+        if name == STATE_FILE and not failed:  # the tmpfs filled up after ``cpus``
+            failed.append(name)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_replace(dir_fd, name, data)
+
+    monkeypatch.setattr(writer_module, "_replace", replace_but_not_the_state)
+    try:
+        projector.update(key, Cpuset(CPUSet.parse("0-3"), "", exclusive=False))  # a move
+        await projector.settle()
+        assert failed
+        assert (directory / CPUS_FILE).read_text() == "0-3\n"
+        projector.update(key, before)  # and back, before the retry came
+        await projector.settle()
+        assert (directory / CPUS_FILE).read_text() == "0-7\n"
+        assert read(directory).cpus == "0-7"
+    finally:
+        draining.set()
+        await projector.settle()
