@@ -506,6 +506,21 @@ async def test_every_metric_in_the_operations_guide_is_exported(env: Env) -> Non
     assert not missing, f"docs/operations.md names metrics cpushim does not export: {missing}"
 
 
+async def test_every_exported_metric_is_in_the_operations_guide(env: Env) -> None:
+    guide = (SHIM.parent / "docs" / "operations.md").read_text()
+    named = set(re.findall(r"`((?:cpu_manager|cpushim)_\w+)(?:\{[^}]*\})?`", guide))
+    metrics = Metrics(env.engine)
+    metrics.state_loaded = True
+    metrics.relay.call_finished(VERSION, 0, 0.001)
+    families = text_string_to_metric_families(metrics.render().decode())
+    # A counter family is named without its _total; the guide names the samples.
+    exported = {
+        f"{family.name}_total" if family.type == "counter" else family.name for family in families
+    }
+    missing = exported - named
+    assert not missing, f"docs/operations.md does not describe these metrics: {sorted(missing)}"
+
+
 async def test_a_silent_client_does_not_hold_up_the_shutdown(env: Env) -> None:
     """From Python 3.12 a closed server's wait_closed waits for its connections, and one that
     sent nothing is kept for the read timeout (10 s): the shutdown must not wait for it."""
