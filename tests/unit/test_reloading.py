@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import select
 import shutil
 import threading
@@ -15,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from shim.config import reload_options
+from shim.config import KEYS, reload_options
 from shim.cpuset import CPUSet
 from shim.cri.calls import Status
 from shim.engine import EngineOptions
-from shim.engine.reloading import ConfigReloader, _content
+from shim.engine.reloading import LIVE_FIELDS, POLICY_FIELDS, ConfigReloader, _content
 from shim.engine.watching import Watcher
 from shim.policy import CPUPolicy
 from shim.run import RunOptions, build_policy
@@ -710,3 +711,13 @@ async def test_a_failed_adoption_still_applies_the_rest_of_the_reload(
         assert r.env.engine.counters["internal_errors"] == 1
     finally:
         root.setLevel(level)
+
+
+def test_the_operations_guide_lists_the_keys_a_reload_applies() -> None:
+    """docs/operations.md's list of what an edit changes without a restart is the reloader's:
+    every other key is named in ``need_restart``."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    start = guide.index("cpushim watches the file and applies edits while it runs")
+    listed = guide[start : guide.index("It logs `config reloaded`", start)]
+    named = set(re.findall(r"`(\w+)`", listed)) & {key.name for key in KEYS}
+    assert named == {key.name for key in KEYS if key.field in POLICY_FIELDS | LIVE_FIELDS}
