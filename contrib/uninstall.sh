@@ -8,7 +8,9 @@
 # /etc/systemd/system/multi-user.target.wants/cpushim.service, /usr/bin/cpushim when it is a
 # symlink, and the virtualenv /opt/cpushim; then `systemctl daemon-reload` when systemd runs.
 # /etc/cpushim/config.toml is kept, since it holds the node's settings (a later install keeps
-# it too); --purge removes /etc/cpushim and the checkpoint directory /var/lib/cpushim as well.
+# it too), and so are the unit's local settings (/etc/systemd/system/cpushim.service.d, from
+# `systemctl edit cpushim`); --purge removes both, and the checkpoint directory
+# /var/lib/cpushim as well.
 # /run/cpushim is never touched: running containers have bind mounts of its projection
 # directories, and it goes away at the next boot.
 #
@@ -18,7 +20,8 @@
 #
 #   --root DIR       uninstall from under DIR instead of / (default: $DESTDIR, else /);
 #                    systemctl is never run then
-#   --purge          also remove /etc/cpushim (the config) and /var/lib/cpushim (the checkpoint)
+#   --purge          also remove /etc/cpushim (the config), the unit's local settings
+#                    (/etc/systemd/system/cpushim.service.d) and /var/lib/cpushim (the checkpoint)
 #   --no-systemctl   do not run systemctl daemon-reload (default: run it when the root is /
 #                    and systemd is running)
 set -euo pipefail
