@@ -50,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="a TOML file with a key for each flag below; flags override it",
     )
-    _option(run, "listen", help="socket kubelet connects to")
-    _option(run, "runtimeEndpoint", help="containerd's socket")
+    _option(run, "listen", help="socket kubelet connects to (default unix:///run/cpushim/cri.sock)")
+    _option(
+        run,
+        "runtimeEndpoint",
+        help="containerd's socket (default unix:///run/containerd/containerd.sock)",
+    )
     _option(run, "imageEndpoint", help="image service socket (default: the runtime's)")
     _option(run, "socketGroup", help="group owning the listen socket")
     _option(
@@ -64,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         run,
         "shutdownGrace",
         metavar="SECONDS",
-        help="how long calls in flight may take to finish on SIGTERM (default 10; a second"
-        " signal ends the wait)",
+        help="how long calls in flight may take to finish on SIGTERM or SIGINT (default 10;"
+        " a second signal ends the wait)",
     )
     policy = run.add_argument_group("CPU allocation")
     _option(
@@ -156,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         run,
         "eventLoop",
         choices=EVENT_LOOPS,
-        help="event loop implementation; auto picks uvloop when it is installed",
+        help="event loop implementation; auto (default) picks uvloop when it is installed",
     )
     _option(run, "logLevel", choices=LOG_LEVELS, help="(default info)")
     add_status_commands(sub)

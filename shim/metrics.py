@@ -126,7 +126,10 @@ ENGINE_COUNTERS: dict[str, str] = {
     "unread_requests": (
         "Followed calls answered OK whose request could not be read (the watchers catch up)"
     ),
-    "internal_errors": "Intercepted calls whose handling failed with an unexpected error",
+    "internal_errors": (
+        "Unexpected errors in cpushim's own work: an intercepted call's decision, the work"
+        " after a followed call, an adoption after a reload, a part of a full look"
+    ),
     "periodic_resyncs": "Safety-net resyncs started by the resync period timer",
     "process_exits_seen": "Container processes seen exiting (on a pidfd)",
     "projection_errors": "Failures to write or clean up projection directories",
@@ -144,7 +147,10 @@ ENGINE_COUNTERS: dict[str, str] = {
         " told to it, applied again by systemd (a daemon-reload)"
     ),
     "state_rewrites": "Times the state file on disk was found changed and rewritten",
-    "watch_errors": "inotify watches that could not be placed",
+    "watch_errors": (
+        "inotify watches that could not be placed, and state directories made again that"
+        " could not be made or locked"
+    ),
 }
 
 # CRI call latencies: fast listing calls take well under a millisecond through the relay, image

@@ -1,5 +1,7 @@
-"""The ``none`` policy: intercept the container lifecycle calls, check that each request
-decodes, and forward it unchanged. It is the interception point later policies fill in."""
+"""The container lifecycle calls the engine intercepts (``LIFECYCLE_PATHS``), the check that
+a request decodes (``check_request``), and an interceptor that does only that and forwards
+every call unchanged, which the relay's tests run behind. kubelet's ``none`` policy is the
+engine with ``shim.policy.none``, not this."""
 
 from __future__ import annotations
 
