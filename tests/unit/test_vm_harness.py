@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import lzma
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from shim.kube import QOSClass, pod_cgroup
 from tests.harness.kubelet import QoSClass, pod_cgroup_parent
 from tests.vm import machine
 from tests.vm.assets import AssetError, cpio_newc, extract_vmlinux
+from tests.vm.guest_scenarios import Node
 from tests.vm.topologies import TOPOLOGIES, Topology
 
 P = CPUSet.parse
@@ -151,3 +153,35 @@ def test_a_churn_seed_is_asked_for_by_the_environment(monkeypatch: pytest.Monkey
     monkeypatch.setenv(machine.CHURN_SEED_VARIABLE, "abc")
     with pytest.raises(ValueError, match="CPUSHIM_VM_CHURN_SEED='abc'"):
         machine.churn_seed_asked()
+
+
+class _ListedSandbox:
+    def __init__(self, sandbox_id: str, name: str) -> None:
+        self.id = sandbox_id
+        self.metadata = type("Metadata", (), {"name": name})()
+
+
+class _RuntimeWithPods:
+    """What a scenario's client sees: the runtime's pods, and the ones torn down."""
+
+    def __init__(self, *sandboxes: _ListedSandbox) -> None:
+        self.sandboxes = list(sandboxes)
+        self.torn_down: list[str] = []
+
+    def list_pod_sandbox(self) -> object:
+        return type("Listing", (), {"items": list(self.sandboxes)})()
+
+    def teardown_pod(self, sandbox_id: str) -> None:
+        self.torn_down.append(sandbox_id)
+
+
+def test_a_scenario_starts_without_the_pods_an_earlier_one_left(tmp_path: Path) -> None:
+    """A scenario cut short by its time limit may leave pods running: the next one tears them
+    down first (their CPUs would count as the shared pool's in its invariants), but never the
+    pods it runs itself."""
+    node = Node(containerd=None, directory=tmp_path, topology=TOPOLOGIES["flat-8"])  # type: ignore[arg-type]
+    runtime = _RuntimeWithPods(_ListedSandbox("left", "churn-pinned"), _ListedSandbox("own", "x"))
+    node.client = runtime  # type: ignore[assignment]
+    node.pods = [_ListedSandbox("own", "x")]  # type: ignore[list-item]
+    node.clear_leftovers()
+    assert runtime.torn_down == ["left"]
