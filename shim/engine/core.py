@@ -911,9 +911,19 @@ class Engine:
         if self.projector is None:
             return
         target = str(self.projector.mount_path)
-        if any(_at_or_under(m.container_path, target) for m in request.config.mounts):
+        mounts = request.config.mounts
+        if any(_at_or_under(m.container_path, target) for m in mounts):
             log.warning(
                 "the container already mounts something at the projection's path; not projected",
+                extra={"fields": {"container": str(key), "path": target}},
+            )
+            return
+        if any(m.readonly and _at_or_under(target, m.container_path) for m in mounts):
+            # The runtime would have to make the mount point inside that read-only volume,
+            # and the container would not start at all (runc: "read-only file system").
+            log.warning(
+                "the container mounts a read-only volume above the projection's path;"
+                " not projected",
                 extra={"fields": {"container": str(key), "path": target}},
             )
             return

@@ -303,6 +303,38 @@ async def test_a_mount_kubelet_already_has_at_the_path_is_left_alone(env: Env, p
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/run", "/run/", "//run", "run", "/run/."])
+async def test_a_read_only_volume_above_the_path_is_left_alone(
+    env: Env, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mount point made inside a read-only volume fails the container's start (runc:
+    "read-only file system"): the container is created as kubelet asked, without the
+    projection, and the log says why."""
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    request = env.kubelet.create_request(pod, "main")
+    own = pb.Mount(container_path=path, host_path="/srv/elsewhere", readonly=True)
+    request.config.mounts.append(own)
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    assert mounts_of(env, container_id) == [own]
+    assert any("read-only volume above" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.anyio
+async def test_a_writable_volume_above_the_path_keeps_the_projection(env: Env) -> None:
+    """The runtime makes the mount point in a writable volume (an emptyDir at /run)."""
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    request = env.kubelet.create_request(pod, "main")
+    own = pb.Mount(container_path="/run", host_path="/srv/elsewhere")
+    request.config.mounts.append(own)
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    assert [m.container_path for m in mounts_of(env, container_id)] == ["/run", str(MOUNT)]
+
+
+@pytest.mark.anyio
 async def test_a_mount_beside_the_path_does_not_stop_the_projection(env: Env) -> None:
     pod = await env.kubelet.run_pod("web", "besteffort")
     request = env.kubelet.create_request(pod, "main")
