@@ -14,11 +14,13 @@ from pathlib import Path
 import anyio
 import pytest
 
+from shim.cri import runtime_v1_pb2 as pb
 from shim.projection import Projection, read, watch
 from tests.e2e.conftest import Shim
 from tests.e2e.pods import assert_kernel, start_pinned, start_pod
 from tests.harness.containerd import projection_dir_for, wait_for
-from tests.harness.kubelet import KubeletClient
+from tests.harness.images import TEST_IMAGE
+from tests.harness.kubelet import ONE_CPU, WORKLOAD, KubeletClient, new_pod_uid
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
@@ -112,3 +114,28 @@ def test_removing_the_pod_removes_its_projection(
     kubelet.teardown_pod(pod.id)
     # Removed once kubelet has RemovePodSandbox's reply.
     wait_for(lambda: not directory.parent.exists(), CHANGE_TIMEOUT, "the pod projection removed")
+
+
+def test_a_container_with_a_read_only_volume_above_the_mount_point_starts(
+    shim: Shim, via: Callable[[], KubeletClient], tmp_path: Path
+) -> None:
+    """runc cannot make /run/cpushim inside a read-only volume at /run: the container is
+    created without the projection and runs, pinned as any other."""
+    shim.start()
+    kubelet = via()
+    volume = tmp_path / "run-volume"
+    volume.mkdir()
+    sandbox = kubelet.run_pod_sandbox("ro-run", "default", new_pod_uid(), "guaranteed")
+    container_id = kubelet.create_container(
+        sandbox,
+        "main",
+        TEST_IMAGE,
+        WORKLOAD,
+        resources=ONE_CPU,
+        volumes=[pb.Mount(container_path="/run", host_path=str(volume), readonly=True)],
+    )
+    kubelet.start_container(container_id)
+    assert_kernel(kubelet.kernel_cpus(container_id), "1")
+    listed = kubelet.exec_sync(container_id, ["ls", "/run"])
+    assert listed.exit_code == 0, listed
+    assert listed.stdout == b"", "the projection is mounted inside the read-only volume"

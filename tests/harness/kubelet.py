@@ -463,11 +463,13 @@ class KubeletClient:
         timeout: float | None = None,
         cpuset_cpus: str = "",
         cpuset_mems: str = "",
+        volumes: Sequence[pb.Mount] = (),
     ) -> str:
         """CreateContainer as kubelet sends it; returns the container id. ``cpuset_cpus``: what
         kubelet's own static CPU manager policy would put in the request for an exclusive
         container (cpushim's tests leave it to cpushim); ``cpuset_mems``: the NUMA nodes its
-        Static memory manager policy chose for a Guaranteed container."""
+        Static memory manager policy chose for a Guaranteed container; ``volumes``: the pod's
+        volume mounts, before kubelet's termination log."""
         # kubelet's EnsureImageExists: the image must be present (no pulls here).
         status = self.image_status(image)
         if not status.HasField("image"):
@@ -495,11 +497,12 @@ class KubeletClient:
             args=list(args),
             envs=[pb.KeyValue(key=k, value=v) for k, v in sorted((envs or {}).items())],
             mounts=[
+                *volumes,
                 pb.Mount(
                     container_path="/dev/termination-log",
                     host_path=str(termination_log),
                     propagation=pb.PROPAGATION_PRIVATE,
-                )
+                ),
             ],
             labels={
                 "io.kubernetes.container.name": name,
