@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shim.cpuset import CPUSet
 from shim.policy.options import StaticPolicyOptions
-from shim.policy.take import take_by_topology
+from shim.policy.take import take_by_topology, take_distributed
 from shim.topology import Topology
 
 __all__ = ["ReservedCPUsError", "reserved_cpus"]
@@ -31,6 +31,8 @@ def reserved_cpus(
     the system's CPUs at the bottom of the map (CPU 0 and its siblings), even where a best fit
     would pick an emptier socket. Isolated CPUs are left out when the rest can cover the
     count: reserved CPUs run system daemons, and isolated CPUs are kept for exclusive use.
+    Under distribute-cpus-across-cores or distribute-cpus-across-numa the count is taken as
+    kubelet takes it, with that option's allocator.
     """
     if (cpus is None) == (count is None):
         raise ReservedCPUsError("give either an explicit reserved CPU list or a count, not both")
@@ -62,6 +64,12 @@ def reserved_cpus(
     if options is not None and options.distribute_cpus_across_cores:
         spread = StaticPolicyOptions(distribute_cpus_across_cores=True)
         return take_by_topology(topology, pool, count, options=spread)
+    if options is not None and options.distribute_cpus_across_numa:
+        # kubelet takes the count with the policy's takeByTopology, which under this option
+        # spreads it over NUMA nodes (in whole cores under full-pcpus-only): a count larger
+        # than a node is shared out, not a whole node and a bit of the next.
+        group = topology.cpus_per_core if options.full_pcpus_only else 1
+        return take_distributed(topology, pool, count, group=group)
     return lowest_cores_first(topology, pool, count)
 
 

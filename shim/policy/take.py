@@ -14,7 +14,7 @@ from shim.cpuset import CPUSet
 from shim.policy.options import StaticPolicyOptions
 from shim.topology import Topology, whole_cores_mask
 
-__all__ = ["AllocationError", "SMTAlignmentError", "take_by_topology"]
+__all__ = ["AllocationError", "SMTAlignmentError", "take_by_topology", "take_distributed"]
 
 _DEFAULT_OPTIONS = StaticPolicyOptions()
 
@@ -84,6 +84,17 @@ def take_by_topology(
             f" ({per_core} CPUs per core, full-pcpus-only)"
         )
     return CPUSet.from_mask(mask)
+
+
+def take_distributed(
+    topology: Topology, available: CPUSet, count: int, *, group: int = 1
+) -> CPUSet:
+    """distribute-cpus-across-numa's choice without take_by_topology's checks: ``count`` CPUs
+    over the fewest NUMA nodes, in ``group``-sized chunks (packed when ``count`` is not a
+    multiple of ``group``). For the reserved set, which kubelet takes this way with no
+    full-pcpus-only check. The caller makes sure ``available`` holds ``count`` online CPUs."""
+    avail = available.mask & topology.online.mask
+    return CPUSet.from_mask(_take_distributed(topology, avail, count, group, spread=False))
 
 
 def _dedupe(ids: Iterable[int]) -> list[int]:

@@ -662,6 +662,28 @@ def test_reserved_count_follows_distribute_cpus_across_cores() -> None:
     assert StaticPolicy.create(XEON, reserved_count=2).reserved == P("0,24")
 
 
+@pytest.mark.parametrize(
+    ("options", "count", "expected"),
+    [
+        (NUMA, 12, "0-2,5-7,20-22,25-27"),
+        (NUMA_FULL, 12, "0-2,5-7,20-22,25-27"),
+        # Not a multiple of the SMT level: takeByTopologyNUMADistributed falls back to packed
+        # (no SMT alignment check for the reserved set).
+        (NUMA_FULL, 13, "0-6,20-25"),
+        # Within one NUMA node it is the packed choice.
+        (NUMA, 3, "0-1,20"),
+    ],
+)
+def test_reserved_count_follows_distribute_cpus_across_numa(
+    options: StaticPolicyOptions, count: int, expected: str
+) -> None:
+    # kubelet's newStaticPolicy takes the reserved count with the policy's takeByTopology,
+    # which under distribute-cpus-across-numa is takeByTopologyNUMADistributed: 12 CPUs on
+    # nodes of 10 go 6 + 6 over nodes 0 and 1 (as "numa: 12 over two nodes" above), not a
+    # whole node and a core.
+    assert str(reserved_cpus(FOUR_NUMA, count=count, options=options)) == expected
+
+
 @pytest.mark.parametrize(("available", "count"), [("47", 3), ("47", 4), ("", 2)])
 def test_full_pcpus_only_shortage_is_an_smt_alignment_error(available: str, count: int) -> None:
     # kubelet's enforceSMTAlignment runs before allocation: a non-multiple, or more than the
