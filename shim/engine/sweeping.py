@@ -158,12 +158,17 @@ async def _take_in(
                 engine.watcher.watch(moved)
     finally:
         engine.lock.release()
-    # A StartContainer answered while the lock was held found it untracked: looked up.
+    # A StartContainer answered while the lock was held found it untracked, and one that
+    # ended since the runtime was asked has no cgroup to watch: looked up.
     for container_id in taken:
-        created = engine.containers.get(container_id)
+        looked = engine.containers.get(container_id)
         watcher = engine.watcher  # None once cpushim stops
-        if created is not None and created.phase is Phase.CREATED and watcher is not None:
-            await watcher.look_at_created(created)
+        if looked is None or watcher is None:
+            continue
+        if looked.phase is Phase.CREATED:
+            await watcher.look_at_created(looked)
+        elif looked.phase is Phase.RUNNING and looked.cgroup is None:
+            await watcher.look_at_unlocated(looked)
     log.warning(
         "took in containers the runtime made without cpushim",
         extra={

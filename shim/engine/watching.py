@@ -605,6 +605,17 @@ class Watcher:
         if running and tracked.id not in self._containers:
             self.watch(tracked, look_on_failure=False)
 
+    async def look_at_unlocated(self, tracked: Tracked) -> None:
+        """A running container whose cgroup was not there when a sweep took it in (the
+        sweep asks the runtime before it takes the lock, and a container stopped meanwhile
+        has lost its cgroup by then): with nothing to watch, only a look tells its end, and
+        the CPUs it was given would wait for the next full look."""
+        found = await self.engine.mover.find(tracked)
+        if found.ended:
+            await self.engine.container_exited(tracked.id)
+        elif found.cgroup is not None:
+            self.watch(tracked)  # not if stopped or removed through cpushim meanwhile
+
     async def look_at_created(self, tracked: Tracked) -> None:
         """A container cpushim saw made and never saw started: one another CRI client started
         (taken in by a sweep, or at start-up, while created) runs with nothing watching it,

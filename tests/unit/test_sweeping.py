@@ -873,3 +873,34 @@ async def test_an_attempt_left_created_beside_a_later_one_is_not_taken_in(env: E
     statuses = len(env.fake.calls_of("ContainerStatus"))
     await sweep(env.engine)
     assert len(env.fake.calls_of("ContainerStatus")) == statuses
+
+
+async def test_a_container_that_ends_while_the_sweep_waits_for_the_lock_gives_its_cpus_back(
+    with_cgroups: tuple[Env, Watcher],
+) -> None:
+    """A create whose answer was lost made its container; the sweep asks the runtime about
+    it (running) before it takes the lock, and the container is stopped meanwhile (kubelet
+    finds it by its labels, or it exits by itself) and its cgroup goes. Taken in on what the
+    runtime said before, it holds the CPUs kept for it with no cgroup to watch: it is looked
+    up at once, and its CPUs go back, not at the next full look (never, with no period)."""
+    env, _ = with_cgroups
+    env.engine.sweeper = None  # this test's sweep only
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    orphan = await create_with_reply_lost(env, pod, 1000)
+    start = pb.StartContainerRequest(container_id=orphan).SerializeToString()
+    await env.channel.unary(UnaryCall(rq.START_CONTAINER, (), start, 10.0))
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].container_id == ""
+    await env.engine.lock.acquire()  # a decision under way
+    running = asyncio.create_task(sweep(env.engine))
+    await until(lambda: bool(env.fake.calls_of("ContainerStatus")), "the sweep's question")
+    stop = pb.StopContainerRequest(container_id=orphan).SerializeToString()
+    await env.channel.unary(UnaryCall(rq.STOP_CONTAINER, (), stop, 10.0))
+    cgroup = env.fake.cgroup_dir(orphan)
+    assert cgroup is not None
+    assert not cgroup.exists()  # it went with the process
+    env.engine.lock.release()
+    await running
+    await until(lambda: env.engine.state.assignments == {}, "its CPUs back", 2.0)
+    assert env.engine.containers[orphan].phase.value == "exited"
+    assert env.engine.counters["exits_seen"] == 1
+    assert_consistent(env)
