@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
@@ -143,8 +144,14 @@ class Watcher:
         self.engine.sweeper = self.sweep_soon
         self._watch_state_dir()
         for tracked in list(self.engine.containers.values()):
-            if tracked.phase is Phase.RUNNING and tracked.cgroup is not None:
+            if tracked.phase is not Phase.RUNNING:
+                continue
+            if tracked.cgroup is not None:
                 self.watch(tracked)
+            else:
+                # Ended between the start-up's look at the runtime and its look for the
+                # cgroup, it would hold its CPUs until the first full look.
+                self.jobs.request(tracked.id, partial(self.look_at_unlocated, tracked))
         if self.resync_period > 0:
             self._timer = asyncio.get_running_loop().create_task(self._periodically())
 
@@ -606,10 +613,10 @@ class Watcher:
             self.watch(tracked, look_on_failure=False)
 
     async def look_at_unlocated(self, tracked: Tracked) -> None:
-        """A running container whose cgroup was not there when a sweep took it in (the
-        sweep asks the runtime before it takes the lock, and a container stopped meanwhile
-        has lost its cgroup by then): with nothing to watch, only a look tells its end, and
-        the CPUs it was given would wait for the next full look."""
+        """A running container whose cgroup was not there when a sweep took it in, or at
+        start-up (both ask the runtime first, and a container stopped meanwhile has lost its
+        cgroup by then): with nothing to watch, only a look tells its end, and the CPUs it
+        was given would wait for the next full look."""
         found = await self.engine.mover.find(tracked)
         if found.ended:
             await self.engine.container_exited(tracked.id)

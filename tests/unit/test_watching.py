@@ -405,6 +405,31 @@ async def test_after_a_restart_a_v2_cgroup_without_a_cpuset_is_still_watched(
             await restart_and_see_the_exit(w.env, pinned_id)
 
 
+async def test_a_container_found_without_its_cgroup_at_start_up_is_looked_up(
+    tmp_path: Path,
+) -> None:
+    """A container that ends between the start-up's ContainerStatus and its look for the
+    cgroup is tracked as running with no cgroup: with nothing to watch, its CPUs waited for
+    the first full look (never, with no period). The watcher's start looks it up."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        async for w in watched_env(tmp_path, fake):
+            pinned_id = await w.started("db", "guaranteed", 1000)
+            await restart_after_an_unseen_end(w.env, pinned_id)
+
+
+async def restart_after_an_unseen_end(env: Env, pinned_id: str) -> None:
+    engine = await env.restart()
+    env.fake.exit_container(pinned_id)
+    engine.containers[pinned_id].cgroup = None  # as the start-up leaves it if the cgroup went
+    watcher = Watcher(engine, resync_period=0)
+    watcher.start()
+    try:
+        await until(lambda: engine.state.holding(pinned_id) is None, "released")
+        assert engine.counters["exits_seen"] == 1
+    finally:
+        await watcher.stop()
+
+
 async def restart_and_see_the_exit(env: Env, pinned_id: str) -> None:
     engine = await env.restart()
     tracked = engine.containers[pinned_id]
