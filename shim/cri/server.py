@@ -11,7 +11,8 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 from shim.cri.calls import Reply, Status, UnaryCall, frame_message
@@ -36,6 +37,19 @@ from shim.cri.upstream import (
 )
 
 log = logging.getLogger(__name__)
+
+# asyncio's socket transport from Python 3.12 sends a list with sendmsg and, unlike write(),
+# never pauses its protocol however much it buffers: a peer that reads nothing would have the
+# relay buffer its frames without limit. Such a transport gets them joined, through write().
+_WRITELINES_SKIPS_FLOW_CONTROL = sys.version_info >= (3, 12)
+
+
+def send_frames(transport: asyncio.WriteTransport, chunks: Sequence[bytes]) -> None:
+    """Write ``chunks`` in order, the transport's flow control (pause_writing) kept."""
+    if _WRITELINES_SKIPS_FLOW_CONTROL and type(transport).__module__ == "asyncio.selector_events":
+        transport.write(b"".join(chunks))
+    else:
+        transport.writelines(chunks)
 
 
 class Interceptor(Protocol):
@@ -434,14 +448,14 @@ class ClientConnection(asyncio.Protocol):
         to_client, to_upstream = self.splice.take_output()
         # A closing transport must not be written to (Python 3.13 fails on it).
         if to_upstream and self.upstream is not None and not self.upstream.is_closing():
-            self.upstream.writelines(to_upstream)
+            send_frames(self.upstream, to_upstream)
         if (
             to_client
             and self.client is not None
             and not self.client.is_closing()
             and not self._finishing
         ):
-            self.client.writelines(to_client)
+            send_frames(self.client, to_client)
         if failed:
             self.abort()
         elif self._shutting_down and self.splice.idle:
