@@ -68,8 +68,7 @@ def reserved_cpus(
         # kubelet takes the count with the policy's takeByTopology, which under this option
         # spreads it over NUMA nodes (in whole cores under full-pcpus-only): a count larger
         # than a node is shared out, not a whole node and a bit of the next.
-        group = topology.cpus_per_core if options.full_pcpus_only else 1
-        return take_distributed(topology, pool, count, group=group)
+        return take_distributed(topology, pool, count, options)
     return lowest_cores_first(topology, pool, count)
 
 

@@ -68,8 +68,7 @@ def take_by_topology(
 
     spread = options.distribute_cpus_across_cores
     if options.distribute_cpus_across_numa:
-        group = per_core if options.full_pcpus_only else 1
-        mask = _take_distributed(topology, avail, count, group, spread)
+        mask = _take_distributed(topology, avail, count, _numa_group(topology, options), spread)
     else:
         mask = _take_packed(
             topology, avail, count, spread, options.prefer_align_cpus_by_uncorecache
@@ -87,14 +86,21 @@ def take_by_topology(
 
 
 def take_distributed(
-    topology: Topology, available: CPUSet, count: int, *, group: int = 1
+    topology: Topology, available: CPUSet, count: int, options: StaticPolicyOptions
 ) -> CPUSet:
     """distribute-cpus-across-numa's choice without take_by_topology's checks: ``count`` CPUs
-    over the fewest NUMA nodes, in ``group``-sized chunks (packed when ``count`` is not a
-    multiple of ``group``). For the reserved set, which kubelet takes this way with no
-    full-pcpus-only check. The caller makes sure ``available`` holds ``count`` online CPUs."""
+    over the fewest NUMA nodes, in whole cores under full-pcpus-only (packed when ``count``
+    is not a multiple of the core size). For the reserved set, which kubelet takes this way
+    with no full-pcpus-only check. The caller makes sure ``available`` holds ``count``
+    online CPUs."""
     avail = available.mask & topology.online.mask
+    group = _numa_group(topology, options)
     return CPUSet.from_mask(_take_distributed(topology, avail, count, group, spread=False))
+
+
+def _numa_group(topology: Topology, options: StaticPolicyOptions) -> int:
+    """The chunk distribute-cpus-across-numa shares out: a whole core under full-pcpus-only."""
+    return topology.cpus_per_core if options.full_pcpus_only else 1
 
 
 def _dedupe(ids: Iterable[int]) -> list[int]:
