@@ -1052,10 +1052,15 @@ class Engine:
             pb.RemoveContainerRequest.FromString(request).container_id
         )
         async with self.lock:
-            self.untrack(container_id)
-            key = self.state.holding(container_id)
-            if key is not None:
-                await self._release([key])
+            await self._forget_removed(container_id)
+
+    async def _forget_removed(self, container_id: str) -> None:
+        """Under the lock: the runtime no longer has the container, so no call will name it
+        again; it is untracked, and any CPUs it holds go back."""
+        self.untrack(container_id)
+        key = self.state.holding(container_id)
+        if key is not None:
+            await self._release([key])
 
     def _container_removed_now(self, request: bytes, response: bytes | None) -> Pending | None:
         container_id = self._container_id(
@@ -1073,7 +1078,26 @@ class Engine:
         tracked = self.containers.get(self._container_id(request.container_id))
         if tracked is None:
             return await forward()
-        async with self.lock, tracked.write_lock:
+        async with self.lock:
+            reply = await self._update_tracked(tracked, request, forward)
+            if reply.status is Status.NOT_FOUND and request.container_id == tracked.id:
+                # Removed on the runtime without cpushim: no call from kubelet will name it
+                # again, and its CPUs would stay held until a sweep found it gone. Only when
+                # named in full, as kubelet names it: that a prefix was not resolved to one
+                # container need not mean this one is gone.
+                log.info(
+                    "an updated container is gone from the runtime; forgotten",
+                    extra={"fields": {"container_id": tracked.id, "container": str(tracked.key)}},
+                )
+                await self._forget_removed(tracked.id)
+        return reply
+
+    async def _update_tracked(
+        self, tracked: Tracked, request: pb.UpdateContainerResourcesRequest, forward: Forward
+    ) -> Reply:
+        """Forward an update of a tracked container with cpushim's cpuset written into it
+        (the engine lock is held)."""
+        async with tracked.write_lock:
             self._note_cpu_resize(tracked, request.linux)
             cpus, mems, quota = self._desired(tracked)
             if request.linux.cpu_quota > 0:

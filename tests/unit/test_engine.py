@@ -850,6 +850,25 @@ async def test_a_pinned_container_found_gone_by_a_move_gives_its_cpus_back(env: 
     assert_consistent(env)
 
 
+async def test_a_pinned_container_an_update_finds_gone_gives_its_cpus_back(env: Env) -> None:
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    pod = await kubelet.run_pod("db", "guaranteed")
+    gone_id = await kubelet.start_new(pod, "main", 1000)
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    del env.fake.containers[gone_id]  # removed straight on the runtime
+    reply = await kubelet.call("UpdateContainerResources", kubelet_resize(gone_id, 1000))
+    assert reply.status is Status.NOT_FOUND  # the runtime's answer, passed on
+    assert gone_id not in env.engine.containers
+    assert env.engine.state.assignments == {}
+    assert env.saved() == {}
+    assert env.cpus(shared_id) == str(ALL)
+    # Remembered as its CPUs, as any release: a next attempt gets them back.
+    key = ContainerKey(pod.uid, "main")
+    assert env.engine.state.released == {key: CPUSet.parse(FIRST_SINGLE)}
+    assert_consistent(env)
+
+
 # --- restarts --------------------------------------------------------------------------------
 
 
