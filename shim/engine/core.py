@@ -512,22 +512,27 @@ class Engine:
             if problem is not None:
                 self.counters["bad_names"] += 1
                 return Reply.error(Status.INVALID_ARGUMENT, f"cpushim: pod {pod.label}: {problem}")
+        count = plan.exclusive if self.policy.name != "none" else None
+        memory_nodes = None
+        if count is not None:
+            try:
+                memory_nodes = kubelet_memory_nodes(request.config.linux.resources)
+            except MemoryNodesError as exc:
+                self.counters["bad_memory_nodes"] += 1
+                return Reply.error(
+                    Status.INVALID_ARGUMENT,
+                    f"cpushim: pod {pod.label} container {meta.name}: {exc}",
+                )
+        # Every refusal of the request itself comes before this, so a refused create changes
+        # nothing: the earlier attempt marked exited would no longer be watched, and its
+        # exit, if cpushim has not seen it yet, would never give its CPUs back.
         for tracked in self.containers.values():
             if tracked.key == key:
                 # kubelet makes the next attempt only once the previous one has exited.
                 self._mark_exited(tracked)
-        if plan.exclusive is None or self.policy.name == "none":
+        if count is None:
             return await self._create_shared(forward, request, pod, key, plan)
-        try:
-            memory_nodes = kubelet_memory_nodes(request.config.linux.resources)
-        except MemoryNodesError as exc:
-            self.counters["bad_memory_nodes"] += 1
-            return Reply.error(
-                Status.INVALID_ARGUMENT, f"cpushim: pod {pod.label} container {meta.name}: {exc}"
-            )
-        return await self._create_exclusive(
-            forward, request, pod, key, plan, plan.exclusive, memory_nodes
-        )
+        return await self._create_exclusive(forward, request, pod, key, plan, count, memory_nodes)
 
     async def _shows_pod_level_resources(self, pod: Pod, key: ContainerKey, whole: bool) -> bool:
         """Whether this create, beside the pod's live containers that ask for exclusive CPUs,

@@ -14,6 +14,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
 from shim.engine.resync import adopt_sharing
+from shim.engine.tracked import Phase
 from shim.pods import ANNOTATION_ISOLATED, MemoryNodesError, kubelet_memory_nodes
 from shim.policy.none import NonePolicy
 from shim.policy.static import StaticPolicy
@@ -310,4 +311,21 @@ async def test_a_container_adopted_again_at_a_reload_keeps_kubelets_nodes(env: E
     assert await adopt_sharing(env.engine) == [key]
     assert env.engine.state.assignments[key].mems == CPUSet.parse("0-1")
     assert env.fake.containers[container_id].resources.cpuset_mems == "0-1"
+    assert_consistent(env)
+
+
+async def test_memory_nodes_refused_leave_the_earlier_attempt_as_it_was(env: Env) -> None:
+    """A refused create changes nothing: the earlier attempt, which cpushim has not seen
+    exit yet, is still watched, so its exit gives its CPUs back when it comes."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    first = await env.kubelet.start_new(pod, "main", 1000)
+    request = env.kubelet.create_request(pod, "main", 1000, attempt=1)
+    request.config.linux.resources.cpuset_mems = "one"
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.INVALID_ARGUMENT
+    assert env.engine.containers[first].phase is Phase.RUNNING
+    env.fake.exit_container(first, 1)
+    await env.engine.container_exited(first)  # what the watcher calls when it sees the exit
+    assert env.engine.state.assignments == {}
+    assert env.saved() == {}
     assert_consistent(env)
