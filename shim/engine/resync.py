@@ -478,7 +478,15 @@ def _reconcile(
                     waiting.add(adopted_key)
                     continue
             else:
-                cpus = _adopted_cpus(engine, state, container, count, plan, memory_nodes)
+                cpus = _adopted_cpus(
+                    engine,
+                    state,
+                    container,
+                    count,
+                    plan,
+                    memory_nodes,
+                    released=state.released.get(adopted_key),
+                )
             if cpus is None:
                 report.refused.append(str(adopted_key))
                 continue
@@ -553,29 +561,32 @@ def _adopted_cpus(
     plan: ContainerPlan,
     memory_nodes: CPUSet | None,
     *,
+    released: CPUSet | None = None,
     quiet: bool = False,
 ) -> CPUSet | None:
-    """The container's current cpuset when it is a valid free choice, else a new allocation
-    (from ``memory_nodes`` as far as it can); None (the container shares) when the policy
-    cannot satisfy it, logged and counted unless ``quiet``."""
+    """The container's current cpuset when it is a valid free choice, else ``released``
+    (the CPUs its key held last) when the policy would hand them out now, as a create's
+    next attempt gets them back, else a new allocation (from ``memory_nodes`` as far as it
+    can); None (the container shares) when the policy cannot satisfy it, logged and counted
+    unless ``quiet``."""
     current, request, refusal = _current_refusal(
         engine, state, container, count, plan, memory_nodes
     )
     if refusal is None:
         return current
-    if quiet:
-        try:
-            return engine.policy.allocate(state.exclusive(), request)
-        except AllocationError:
-            return None
-    if current:
+    if current and not quiet:
         log.info(
             "a running container's cpuset is not kept",
             extra={"fields": {"container_id": container.id, "reason": refusal}},
         )
+    exclusive = state.exclusive()
+    if released is not None and engine.policy.refusal(exclusive, request, released) is None:
+        return released
     try:
-        return engine.policy.allocate(state.exclusive(), request)
+        return engine.policy.allocate(exclusive, request)
     except AllocationError as exc:
+        if quiet:
+            return None
         engine.counters["adoptions_refused"] += 1
         log.error(
             "a running container cannot get its exclusive CPUs; it shares",
@@ -617,7 +628,14 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
                 mems = _kubelet_mems(engine, container)
             # A refusal is told once per container: this runs at every full look.
             cpus = _adopted_cpus(
-                engine, state, container, plan.exclusive, plan, mems, quiet=tracked.adoption_refused
+                engine,
+                state,
+                container,
+                plan.exclusive,
+                plan,
+                mems,
+                released=state.released.get(tracked.key),
+                quiet=tracked.adoption_refused,
             )
             if cpus is None:
                 tracked.adoption_refused = True

@@ -359,6 +359,21 @@ async def test_released_cpus_of_pods_removed_while_cpushim_was_down_are_forgotte
     }
 
 
+async def test_a_container_adopted_at_a_restart_gets_back_the_cpus_its_key_released(
+    env: Env,
+) -> None:
+    second = await second_of_two_released(env)
+    # Its next attempt, made straight on the runtime while cpushim was down: no cpuset.
+    request = env.kubelet.create_request(second, "main", 1000, attempt=1)
+    again = env.fake.add_container(second.sandbox_id, request.config)
+    await env.restart()
+    assert env.cpus(again) == "1"  # not the allocator's choice, 4
+    key = ContainerKey(second.uid, "main")
+    assert env.engine.state.assignments[key].container_id == again
+    assert key not in env.engine.state.released
+    assert_consistent(env)
+
+
 # --- a live re-plan adopts as start-up does ---------------------------------------------------
 
 
@@ -476,4 +491,17 @@ async def test_a_roll_back_starts_on_a_newer_versions_checkpoint(
     assert str(held.cpus) == FIRST_SINGLE
     await env.engine.checkpoint_written()
     assert env.saved()[pod.uid] == {"main": FIRST_SINGLE}
+    assert_consistent(env)
+
+
+async def test_a_container_adopted_at_a_reload_gets_back_the_cpus_its_key_released(
+    env: Env,
+) -> None:
+    second = await second_of_two_released(env)
+    await env.engine.change_policy(NonePolicy(TOPOLOGY))
+    again = await env.kubelet.start_new(second, "main", 1000, attempt=1)
+    assert env.cpus(again) == "0-7"
+    await env.engine.change_policy(static_policy("0"))
+    assert await adopt_sharing(env.engine) == [ContainerKey(second.uid, "main")]
+    assert env.cpus(again) == "1"  # not the allocator's choice, 4
     assert_consistent(env)
