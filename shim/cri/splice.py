@@ -317,6 +317,7 @@ class Splice:
         self._upstream_frame_limit = fr.DEFAULT_MAX_FRAME
         self._credit_to_keep = 0  # client credit owed for bytes the relay itself wrote
         self._held_for_client: deque[tuple[bytes, int]] = deque()
+        self._held_for_client_bytes = 0
         # Flow control towards the upstream, for the amended requests the relay writes.
         self._upstream_window = fr.DEFAULT_WINDOW
         self._upstream_initial_window = fr.DEFAULT_WINDOW
@@ -818,8 +819,17 @@ class Splice:
                         if length:
                             self._out_upstream.append(fr.window_update(0, length))
                     elif held or length > self._client_window:
+                        held_bytes = self._held_for_client_bytes + length
+                        if held_bytes > self._client_window + self._credit_to_keep:
+                            # More than the client gave the runtime: the client never saw
+                            # these bytes, so no credit would ever come to let them go.
+                            raise fr.FrameError(
+                                "DATA beyond the client's connection flow-control window",
+                                fr.FLOW_CONTROL_ERROR,
+                            )
                         _forward(self._out_client, buf, span, pos)
                         held.append((bytes(memoryview(buf)[pos:end]), length))
+                        self._held_for_client_bytes = held_bytes
                         span = end
                     else:
                         self._client_window -= length
@@ -945,6 +955,7 @@ class Splice:
         """Write in order behind anything held for lack of client window."""
         if self._held_for_client or data_length > self._client_window:
             self._held_for_client.append((chunk, data_length))
+            self._held_for_client_bytes += data_length
         else:
             self._client_window -= data_length
             self._out_client.append(chunk)
@@ -954,6 +965,7 @@ class Splice:
         while held and held[0][1] <= self._client_window:
             chunk, length = held.popleft()
             self._client_window -= length
+            self._held_for_client_bytes -= length
             self._out_client.append(chunk)
 
     def _upstream_header_frame(self, ftype: int, flags: int, sid: int, raw: bytes) -> None:

@@ -388,6 +388,38 @@ def test_a_runtime_reset_does_not_overtake_a_reply_that_waits_for_client_credit(
     assert kinds == [fr.HEADERS, fr.DATA, fr.HEADERS, fr.RST_STREAM]
 
 
+@pytest.mark.parametrize("relay_wrote", [False, True])
+def test_runtime_data_beyond_the_clients_window_fails_instead_of_piling_up(
+    relay_wrote: bool,
+) -> None:
+    """What the runtime may send is the window the client gave it, the credit the relay keeps
+    for its own replies included; a runtime that sends more (as no peer may) was once held
+    here, without limit, waiting for credit the client, which never saw those bytes, would
+    never give."""
+    pair = make_pair()
+    pair.auto_ack = False  # the client reads nothing: no credit comes back
+    if relay_wrote:
+        client_window_nearly_spent(pair)
+    spliced = send_request(pair, SPLICED, grpc_body(b"list"))
+    reply_headers(pair, spliced)
+    pair.pump()
+    allowed = pair.server.outbound_flow_control_window  # the runtime's view
+    assert allowed == pair.splice._client_window + pair.splice._credit_to_keep
+    sent = 0
+    while sent < allowed:
+        step = min(fr.DEFAULT_MAX_FRAME, allowed - sent)
+        pair.splice.from_upstream(fr.frame(fr.DATA, 0, spliced, b"d" * step))
+        sent += step
+    assert not [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    pair.splice.take_output()
+    pair.splice.from_upstream(fr.frame(fr.DATA, 0, spliced, b"d"))  # one byte more
+    (failed,) = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    assert "DATA beyond the client's connection flow-control window" in failed.reason
+    to_client, to_upstream = pair.splice.take_output()
+    assert_goaways_blame("runtime", to_client, to_upstream, fr.FLOW_CONTROL_ERROR)
+    assert sum(length for _, length in pair.splice._held_for_client) <= allowed
+
+
 def test_a_path_that_does_not_decode_fails_the_connection_with_goaway() -> None:
     pair = make_pair()
     send_request(pair, SPLICED, grpc_body(b"x"))
