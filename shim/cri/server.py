@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
 import grp
 import logging
 import os
@@ -50,6 +51,21 @@ def send_frames(transport: asyncio.WriteTransport, chunks: Sequence[bytes]) -> N
         transport.write(b"".join(chunks))
     else:
         transport.writelines(chunks)
+
+
+def connect_unix(path: str) -> socket.socket:
+    """A non-blocking socket connected to ``path``. A Unix socket's connect never waits:
+    when the listener's backlog is full it fails at once with EAGAIN, which asyncio's own
+    connect (unlike uvloop's) takes for a connection in progress, handing back a socket that
+    is not connected. So there is nothing for a timeout to bound either."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class Interceptor(Protocol):
@@ -314,15 +330,20 @@ class ClientConnection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         try:
             transport, _ = await loop.create_unix_connection(
-                lambda: UpstreamConnection(self), self.server.runtime_path
+                lambda: UpstreamConnection(self), sock=connect_unix(self.server.runtime_path)
             )
         except OSError as exc:
             if self._closed or self._finishing:
                 return  # no call of this connection's will be answered now
-            self.unavailable_reason = f"{self.server.runtime.endpoint}: {exc.strerror or exc}"
+            hint = ""
+            if exc.errno == errno.EAGAIN:
+                hint = " (listen backlog full: the runtime accepts no connections)"
+            self.unavailable_reason = f"{self.server.runtime.endpoint}: {exc.strerror or exc}{hint}"
             log.warning(
                 "runtime unreachable; answering this connection's calls with UNAVAILABLE",
-                extra={"fields": {"runtime": self.server.runtime.endpoint, "error": str(exc)}},
+                extra={
+                    "fields": {"runtime": self.server.runtime.endpoint, "error": f"{exc}{hint}"}
+                },
             )
             self.splice.serve_without_upstream()
         else:

@@ -606,6 +606,50 @@ def test_a_client_that_reads_nothing_cannot_make_the_relay_buffer_its_answers() 
         loop.stop()
 
 
+def test_a_runtime_that_accepts_nothing_is_answered_unavailable_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stuck runtime whose listen backlog is full: a Unix socket's connect never waits, it
+    fails at once (EAGAIN), and each call is answered UNAVAILABLE with the reason. asyncio's
+    own connect took EAGAIN for a connection in progress and gave the relay a socket that was
+    not connected: the client then got a bare GOAWAY, not even SETTINGS first."""
+    caplog.set_level(logging.WARNING, logger="shim.cri.server")
+    loop = LoopThread()
+    try:
+        with (
+            short_tmpdir() as workdir,
+            socket.socket(socket.AF_UNIX) as stuck,
+            contextlib.ExitStack() as queued,
+        ):
+            stuck.bind(f"{workdir}/runtime.sock")
+            stuck.listen(0)  # and never accepts
+            for _ in range(64):
+                waiting = queued.enter_context(socket.socket(socket.AF_UNIX))
+                waiting.setblocking(False)
+                try:
+                    waiting.connect(f"{workdir}/runtime.sock")
+                except BlockingIOError:
+                    break
+            else:
+                raise AssertionError("the listen backlog never filled")
+            relay = RelayServer(
+                listen=f"unix://{workdir}/cri.sock",
+                runtime_endpoint=f"unix://{workdir}/runtime.sock",
+                interceptor=PassthroughInterceptor(),
+            )
+            loop.run(relay.start())
+            with grpc.insecure_channel(f"unix://{workdir}/cri.sock") as ch:
+                for path in (SPLICED, TERMINATED):
+                    down = failure(ch, path, b"echo:stuck", timeout=10)
+                    assert down.code() == grpc.StatusCode.UNAVAILABLE, down.details()
+                    assert "cpushim: runtime" in down.details()
+                    assert "listen backlog full" in down.details()
+            loop.run(relay.shutdown(2.0))
+    finally:
+        loop.stop()
+    assert "runtime unreachable" in caplog.text
+
+
 def test_runtime_crash_fails_fast_then_recovers() -> None:
     loop = LoopThread()
     runtime: subprocess.Popen[str] | None = None
