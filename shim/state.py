@@ -350,7 +350,15 @@ def decode_checkpoint(data: bytes) -> CPUState:
     body = document.get("body")
     if not isinstance(body, dict):
         raise CheckpointError("it has no body")
-    if document.get("checksum") != _checksum(body):
+    try:
+        checksum = _checksum(body)
+    except orjson.JSONEncodeError as exc:
+        # orjson reads 1024 levels but writes only 255: a body between the two decodes, and
+        # is no file cpushim wrote (its own hold objects four deep).
+        raise CheckpointError(
+            f"its body is nested too deeply to check against its checksum ({exc}): it was edited"
+        ) from exc
+    if document.get("checksum") != checksum:
         raise CheckpointError("its checksum does not match its body: it was edited or truncated")
     try:
         return _state_of(body)

@@ -100,6 +100,11 @@ def test_load_of_a_missing_file(tmp_path: Path) -> None:
     assert names(tmp_path) == []  # loading creates nothing
 
 
+def nested_body(depth: int) -> bytes:
+    """A checkpoint whose body holds lists ``depth`` deep: no file cpushim writes."""
+    return b'{"version": 1, "checksum": "", "body": {"x": %s%s}}' % (b"[" * depth, b"]" * depth)
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -108,8 +113,12 @@ def test_load_of_a_missing_file(tmp_path: Path) -> None:
         (b"[]", "it is not a JSON object"),
         (encode_checkpoint(ONE).replace(b'"1,9"', b'"1,10"'), "its checksum does not match"),
         (encode_checkpoint(ONE)[:-40], "it is not JSON"),
+        # Deeper than orjson writes (255 levels), so its checksum cannot be computed.
+        (nested_body(300), "its body is nested too deeply"),
+        # Deeper than orjson reads (1024 levels).
+        (nested_body(2000), "it is not JSON"),
     ],
-    ids=["empty", "cut short", "array", "edited", "truncated"],
+    ids=["empty", "cut short", "array", "edited", "truncated", "deep", "deeper"],
 )
 def test_load_of_a_corrupt_file_names_the_path(tmp_path: Path, data: bytes, message: str) -> None:
     file = CheckpointFile(tmp_path)
