@@ -243,11 +243,17 @@ class Watcher:
             for subscription in subscriptions:
                 self.inotify.unsubscribe(subscription)
             self.counters["watch_errors"] += 1
+            # The cgroup may be gone already: a full look finds out. Within one, no other
+            # follows at once: a kernel out of watches would refuse it too, look after look.
+            then = (
+                "looking at everything once"
+                if look_on_failure
+                else "the next full look tries again"
+            )
             log.warning(
-                "cannot watch a container's cgroup; looking at everything once",
+                f"cannot watch a container's cgroup; {then}",
                 extra={"fields": {"container_id": container_id, "error": str(exc)}},
             )
-            # The cgroup may be gone already: the full look finds out.
             if look_on_failure:
                 self.jobs.request("full-resync", self.look_everywhere)
             return False

@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from grpclib.const import Status as GrpcStatus
@@ -28,7 +29,7 @@ from shim.engine.moves import MoveResult
 from shim.engine.tracked import Tracked
 from shim.engine.watching import Coalescer, Look, Watcher, _look
 from shim.fileio import identity
-from shim.inotify import FILE_CHANGES, Event
+from shim.inotify import FILE_CHANGES, Event, WatchError
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeRuntime
@@ -866,6 +867,34 @@ async def test_a_watch_that_cannot_be_placed_leads_to_a_full_look(w: Watched) ->
 
     await until(lambda: w.env.engine.state.holding(pinned_id) is None, "released")
     assert w.counters["watch_errors"] == 1
+
+
+async def test_a_full_look_that_cannot_place_a_watch_starts_no_other(
+    w: Watched, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared_id = await w.started("web")
+    cgroup = w.env.engine.containers[shared_id].cgroup
+    assert cgroup is not None
+    w.watcher.unwatch(shared_id)
+    subscribe = w.watcher.inotify.subscribe
+
+    def out_of_watches(path: str, mask: int, callback: Any) -> Any:
+        if path.startswith(str(cgroup.parent)):
+            raise WatchError(errno.ENOSPC, "no space left on device", path)
+        return subscribe(path, mask, callback)
+
+    monkeypatch.setattr(w.watcher.inotify, "subscribe", out_of_watches)
+    await w.watcher.look_everywhere()
+    await w.settled()
+    assert w.counters["watch_errors"] == 1
+    # Another look at once would fail the same way (the kernel is out of watches), and so on.
+    assert w.counters["full_resyncs"] == 1
+    assert "cannot watch a container's cgroup; the next full look tries again" in caplog.text
+    assert "looking at everything once" not in caplog.text
+
+    monkeypatch.setattr(w.watcher.inotify, "subscribe", subscribe)
+    await w.watcher.look_everywhere()
+    assert shared_id in w.watcher._containers
 
 
 async def test_the_periodic_look_repairs_what_no_event_told(tmp_path: Path) -> None:
