@@ -17,7 +17,9 @@ going back.
 It runs at every full look of the watcher and soon after a fail-open create, a lost answer or
 a failed recording. A create on its way (the runtime may have made the container, cpushim not
 recorded it yet) would look unknown: the sweep takes the lock only when no create is on its
-way.
+way. One that could not list the runtime, or that creates kept from the lock, says so
+(``SweepReport.unfinished``), and the watcher sweeps again after a while: the full looks may
+be off (``resyncPeriod`` 0), and what it found would run on any CPU meanwhile.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from shim.state import ContainerKey, CPUState
 log = logging.getLogger(__name__)
 
 # How long a sweep waits for the creates on their way to be recorded before it gives up
-# until the next full look.
+# (until a later sweep).
 SETTLE_TIMEOUT = 10.0
 
 
@@ -61,6 +63,9 @@ class SweepReport:
     tracked: list[str] = field(default_factory=list)
     # Keys given exclusive CPUs by the adoption that follows.
     adopted_exclusive: list[ContainerKey] = field(default_factory=list)
+    # The runtime's untracked containers may be left for a later sweep: it could not be
+    # listed, or creates kept coming.
+    unfinished: bool = False
 
 
 async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepReport:
@@ -68,12 +73,14 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
     that cpushim does not track, then give the containers that share and ask for exclusive
     CPUs theirs where there is room (one taken in now, or one whose adoption found no room
     or could not be written before). A runtime that cannot be listed now leaves everything
-    as it is (the next full look tries again)."""
+    as it is (the report says it is unfinished)."""
     report = SweepReport()
     if engine.learnt_sandboxes:
         await _forget_removed(engine)
     listing = await _listing(engine)
-    if listing is not None:
+    if listing is None:
+        report.unfinished = True
+    else:
         if listing.gone:
             await _forget_gone(engine, listing.gone)
         if listing.unknown:
@@ -81,7 +88,11 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
             # decision back.
             found, pods = await _found(engine, listing.unknown)
             if found:
-                report.tracked = await _take_in(engine, found, pods, settle)
+                taken = await _take_in(engine, found, pods, settle)
+                if taken is None:
+                    report.unfinished = True
+                else:
+                    report.tracked = taken
             if report.tracked:
                 # One removed while this waited for the lock was taken in all the same:
                 # the next sweep's listing finds it gone, soon rather than a period later.
@@ -117,16 +128,16 @@ def _worth_adopting(engine: Engine, waiting: list[Tracked]) -> bool:
 
 async def _take_in(
     engine: Engine, found: list[LiveContainer], pods: dict[str, Pod], settle: float
-) -> list[str]:
+) -> list[str] | None:
     """The containers of ``found`` (their pods in ``pods`` when cpushim did not know them)
-    taken in (tracked, moved, watched), by id."""
+    taken in (tracked, moved, watched), by id; None when creates kept coming."""
     taken: list[str] = []
     if not await _lock_between_creates(engine, settle):
         log.info(
-            "creates kept coming; the runtime's untracked containers wait for the next full look",
+            "creates kept coming; the runtime's untracked containers wait for a later sweep",
             extra={"fields": {"containers": sorted(c.id for c in found)}},
         )
-        return taken
+        return None
     try:
         # Recorded since they were listed: a create that was on its way.
         found = [container for container in found if container.id not in engine.containers]

@@ -116,12 +116,16 @@ class Watcher:
         self._contended_lock: tuple[int, int] | None = None
         # Tries to take the state directory's lock again while another process holds it.
         self._lock_retry: asyncio.Task[None] | None = None
+        # Sweeps again after one that left the runtime's containers unlooked at.
+        self._sweep_retry: asyncio.Task[None] | None = None
         self._timer: asyncio.Task[None] | None = None
         # Called at the start of every full look (the config reloader reads its file again:
         # an edit whose event an overflow dropped is applied then).
         self.full_look_hooks: list[Callable[[], None]] = []
         # Set by stop(): a job or a reload still finishing places no watch and no timer.
         self._stopped = False
+        # The same, for the waits of the retries that stop() does not cancel.
+        self._stopping = asyncio.Event()
         # Repairs' runtime updates at once, as for moves: systemd's daemon-reload rewrites
         # every container's cpuset together, and each update forks a runc.
         self._repair_updates = asyncio.Semaphore(engine.options.update_concurrency)
@@ -157,6 +161,7 @@ class Watcher:
 
     async def stop(self) -> None:
         self._stopped = True
+        self._stopping.set()
         for task in (self._timer, self._lock_retry):
             if task is not None:
                 task.cancel()
@@ -199,7 +204,34 @@ class Watcher:
             self.jobs.request("sweep", self._sweep)
 
     async def _sweep(self) -> None:
-        await sweep(self.engine)
+        if (await sweep(self.engine)).unfinished:
+            self._sweep_again_later()
+
+    def _sweep_again_later(self) -> None:
+        """Sweep again after ``retry_delay``, doubling the wait up to a minute, until a
+        sweep is not left unfinished (the runtime lists, creates pause): what it found runs
+        on any CPU, or holds CPUs with no id, and with ``resyncPeriod`` 0 no full look
+        would ever come."""
+        if self._sweep_retry is None and not self._stopped:
+            self._sweep_retry = self.engine._spawn(self._retry_sweep())
+
+    async def _retry_sweep(self) -> None:
+        async def attempt() -> bool:
+            if self._stopped or self.engine._draining.is_set():
+                return True
+            try:
+                return not (await sweep(self.engine)).unfinished
+            except Exception:
+                # A defect, not a busy runtime: trying again would fail the same way.
+                log.exception("watch job failed", extra={"fields": {"job": "sweep"}})
+                return True
+
+        try:
+            # Not cancelled by stop(): a sweep cut half-way could leave a container taken in
+            # and not moved.
+            await retry_until_done(attempt, self.engine.options.retry_delay, self._stopping)
+        finally:
+            self._sweep_retry = None
 
     # --- containers -------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.upstream import ChannelForward, ReplySeen, RuntimeChannel
-from shim.engine import EngineOptions
+from shim.engine import EngineOptions, watching
 from shim.engine import requests as rq
 from shim.engine.sweeping import sweep
 from shim.engine.watching import Watcher
@@ -411,6 +412,68 @@ async def test_a_lost_shared_create_is_swept_right_after(watched: tuple[Env, Wat
     pod = await env.kubelet.run_pod("web", "burstable")
     orphan = await create_with_reply_lost(env, pod, 500)
     await until(lambda: orphan in env.engine.containers, "the lost shared create swept", 2.0)
+
+
+async def test_a_sweep_creates_kept_from_the_lock_tries_again_without_a_full_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With resyncPeriod 0 no full look comes: a sweep that gave up while creates kept
+    coming must try again by itself, or the container it found runs on any CPU until a
+    restart."""
+    monkeypatch.setattr(watching, "sweep", functools.partial(sweep, settle=0.05))
+    async with (
+        FakeRuntime() as fake,
+        with_watcher(tmp_path, fake, options=EngineOptions(retry_delay=0.01)) as (env, watcher),
+    ):
+        pod = await env.kubelet.run_pod("web", "besteffort")
+        request = env.kubelet.create_request(pod, "main").SerializeToString()
+        call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+        forward = ReplyHeld(env.channel, call)
+        create = asyncio.create_task(env.engine.handle(call, forward))
+        await until(lambda: bool(env.fake.containers), "the runtime made the container")
+        outsider = made_outside(env, pod, "other")
+        listed = len(env.fake.calls_of("ListContainers"))
+        watcher.sweep_soon()
+        await until(
+            lambda: len(env.fake.calls_of("ListContainers")) >= listed + 2,
+            "a sweep that gave up, then another",
+        )
+        assert outsider not in env.engine.containers
+        forward.release.set()
+        assert (await create).status is Status.OK
+        await until(lambda: outsider in env.engine.containers, "taken in by a later sweep")
+        assert env.engine.counters["full_resyncs"] == 0
+
+
+async def test_a_sweep_that_cannot_list_tries_again_without_a_full_look(tmp_path: Path) -> None:
+    """A lost create's answer (containerd restarting) asks for a sweep at once, when the
+    runtime may not list yet: with resyncPeriod 0 no full look would take its container in."""
+    async with (
+        FakeRuntime() as fake,
+        with_watcher(tmp_path, fake, options=EngineOptions(retry_delay=0.01)) as (env, watcher),
+    ):
+        pod = await env.kubelet.run_pod("tools", "besteffort")
+        outsider = made_outside(env, pod, "debug")
+        env.fake.fail_next("ListContainers", GrpcStatus.UNAVAILABLE, "restarting", count=2)
+        watcher.sweep_soon()
+        await until(lambda: outsider in env.engine.containers, "taken in by a later sweep")
+        assert len(env.fake.calls_of("ListContainers")) >= 3
+        assert env.engine.counters["full_resyncs"] == 0
+
+
+async def test_a_stopped_watcher_sweeps_no_more(tmp_path: Path) -> None:
+    async with (
+        FakeRuntime() as fake,
+        with_watcher(tmp_path, fake, options=EngineOptions(retry_delay=3600)) as (env, watcher),
+    ):
+        env.fake.fail_next("ListContainers", GrpcStatus.UNAVAILABLE, "restarting")
+        listed = len(env.fake.calls_of("ListContainers"))
+        watcher.sweep_soon()
+        await until(lambda: watcher._sweep_retry is not None, "a sweep to try again")
+        await watcher.stop()
+        # Its hour-long wait ends with the watcher, and no sweep follows.
+        await until(lambda: watcher._sweep_retry is None, "the retry ended")
+        assert len(env.fake.calls_of("ListContainers")) == listed + 1
 
 
 async def test_a_refusal_at_start_up_is_not_counted_again_by_the_sweeps(env: Env) -> None:
