@@ -2,8 +2,10 @@
 
 A write is: write a temporary file beside it, fsync it, rename it over ``state.json``, fsync
 the directory. A crash at any point leaves either the old checkpoint or the new one, never a
-mix, and once ``save`` returns the new one survives a power cut. The whole sequence runs in one
-worker thread so the event loop keeps relaying calls meanwhile.
+mix, and once ``save`` returns the new one survives a power cut. When only the directory's
+fsync fails, the new file is in place but may not survive one: the save fails all the same
+(DirectorySyncError), and ``last_written`` holds the new bytes, which are cpushim's own. The
+whole sequence runs in one worker thread so the event loop keeps relaying calls meanwhile.
 
 The temporary file is a spare kept beside ``state.json`` (``.state.json.spare``): the inode the
 previous write replaced. Its contents are overwritten in place, and the file is padded with
@@ -54,6 +56,20 @@ def _temporary_names(path: Path) -> re.Pattern[str]:
     return re.compile(
         re.escape(_temporary_prefix(path)) + "[A-Za-z0-9_]+" + re.escape(_TEMPORARY_SUFFIX)
     )
+
+
+class DirectorySyncError(OSError):
+    """The new file is in place (``written`` holds its bytes), but the fsync of its directory
+    failed: whether it survives a power cut is not known."""
+
+    def __init__(self, cause: OSError, directory: Path, written: bytes) -> None:
+        super().__init__(
+            cause.errno,
+            f"{cause.strerror}: the new file is in place, but may not survive a power cut"
+            " (fsync of its directory failed)",
+            str(directory),
+        )
+        self.written = written
 
 
 class CheckpointFile:
@@ -113,13 +129,28 @@ class CheckpointFile:
             raise CheckpointError(f"{self.path}: {exc}") from exc
 
     def save_sync(self, state: CPUState) -> None:
-        self.last_written = self._write(encode_checkpoint(state))
+        try:
+            self.last_written = self._write(encode_checkpoint(state))
+        except DirectorySyncError as exc:
+            self._renamed(exc, state)
+            raise
         self.writes += 1
         self.saved = state
 
     async def save(self, state: CPUState) -> None:
-        self.last_written = await asyncio.to_thread(self._write, encode_checkpoint(state))
+        try:
+            self.last_written = await asyncio.to_thread(self._write, encode_checkpoint(state))
+        except DirectorySyncError as exc:
+            self._renamed(exc, state)
+            raise
         self.writes += 1
+        self.saved = state
+
+    def _renamed(self, failure: DirectorySyncError, state: CPUState) -> None:
+        # The file holds the new bytes whatever the fsync said: the watcher of the state
+        # file must know them for cpushim's own, or it would take them for someone else's
+        # and rewrite them (failing the same way while the disk does).
+        self.last_written = failure.written
         self.saved = state
 
     def _write(self, data: bytes) -> bytes:
@@ -210,7 +241,8 @@ def write_atomically(
     path: Path, data: bytes, mode: int = 0o600, *, sync_directory: bool = True
 ) -> None:
     """Replace ``path`` by a new file: write a temporary one, fsync it, rename it, and (unless
-    told not to) fsync the directory so that the new name survives a power cut."""
+    told not to) fsync the directory so that the new name survives a power cut
+    (DirectorySyncError when only that fails)."""
     directory = path.parent
     make_directory(directory)
     # A name of its own per write, so two writes in flight never share a temporary file.
@@ -229,7 +261,7 @@ def write_atomically(
         temporary.unlink(missing_ok=True)
         raise
     if sync_directory:
-        fsync_directory(directory)
+        _sync_renamed(directory, data)
 
 
 def padded(data: bytes) -> bytes:
@@ -240,8 +272,9 @@ def padded(data: bytes) -> bytes:
 def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
     """Replace ``path`` with ``data`` padded to whole blocks, through the spare beside it (see
     the module's notes); returns the bytes the file now holds. OSError when it cannot be
-    written: ``path`` is left as it was, unless only the final fsync of the directory failed
-    (then it holds the new state, not yet sure to survive a power cut)."""
+    written: ``path`` is left as it was, unless only the final fsync of the directory failed:
+    then DirectorySyncError, and ``path`` holds the new bytes (the error's ``written``), not
+    sure to survive a power cut."""
     content = padded(data)
     directory = path.parent
     make_directory(directory)
@@ -284,9 +317,16 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
         with contextlib.suppress(OSError):
             # Without it the next write makes a new spare; state.json is written already.
             os.replace(previous, spare)
-    # Raised here, the new state may or may not be on disk after a power cut.
-    fsync_directory(directory)
+    _sync_renamed(directory, content)
     return content
+
+
+def _sync_renamed(directory: Path, written: bytes) -> None:
+    """fsync the directory a file holding ``written`` was just renamed into."""
+    try:
+        fsync_directory(directory)
+    except OSError as exc:
+        raise DirectorySyncError(exc, directory, written) from exc
 
 
 def _open_spare(spare: Path, mode: int) -> int | None:

@@ -1231,7 +1231,9 @@ class Engine:
 
     async def _commit(self, state: CPUState) -> None:
         """Persist ``state``, then make it the engine's: a failed write changes nothing (the
-        caller has not acted on the decision yet and fails the call)."""
+        caller has not acted on the decision yet and fails the call). One that failed only
+        at the directory's fsync leaves the file holding ``state``, as a crash before acting
+        would: the next write replaces it, and a start squares it with the runtime."""
         if state == self.state:
             return
         await self.checkpoint.save(state)

@@ -589,6 +589,33 @@ def test_a_spare_the_disk_refuses_fails_no_write(
     assert spare.exists()
 
 
+@pytest.mark.parametrize("how", ["through the spare", "without a spare", "without hard links"])
+@pytest.mark.anyio
+async def test_a_failed_fsync_of_the_directory_leaves_the_new_file_known_as_cpushims_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The rename is done when the directory's fsync fails: the file holds the new state, and
+    the watcher of the state file must take it for cpushim's own write, not someone else's.
+    The save still fails: whether the new state survives a power cut is not known."""
+    file = CheckpointFile(tmp_path)
+    await file.save(ONE)
+    if how == "without a spare":
+        (tmp_path / SPARE).unlink()
+    elif how == "without hard links":
+        monkeypatch.setattr(os, "link", raise_on_call(os.link, 1, errno.EPERM))
+    real = checkpoint_module.fsync_directory
+    monkeypatch.setattr(checkpoint_module, "fsync_directory", raise_on_call(real, 1, errno.EIO))
+    with pytest.raises(OSError, match=re.escape(os.strerror(errno.EIO))) as raised:
+        await file.save(TWO)
+    monkeypatch.undo()
+    assert raised.value.errno == errno.EIO
+    assert "power cut" in str(raised.value)
+    assert file.load() == TWO
+    assert file.last_written == file.path.read_bytes()
+    assert file.saved == TWO
+    assert file.writes == 1  # not counted as a write done
+
+
 def test_a_new_state_directory_is_made_durable_in_its_parent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -712,6 +712,45 @@ async def test_cpushims_own_state_writes_are_not_rewritten(w: Watched) -> None:
     assert w.counters["state_rewrites"] == 0
 
 
+async def test_a_write_whose_directory_fsync_failed_is_not_taken_for_someone_elses(
+    w: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new file is renamed into place before the directory's fsync fails: it is
+    cpushim's own, so the failure is counted as a checkpoint error, not as a state edited
+    by someone else to be rewritten (which would fail the same way, and go round)."""
+    engine = w.env.engine
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    container_id = await w.env.kubelet.start_new(pod, "main", 1000)
+    await w.settled()
+    real_sync = checkpoint_module.fsync_directory
+    failed: list[Path] = []
+
+    def sync_fails(directory: Path) -> None:
+        if not failed:
+            failed.append(directory)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_sync(directory)
+
+    real_check = w.watcher.check_state
+    checks = 0
+
+    async def counted() -> None:
+        nonlocal checks
+        await real_check()
+        checks += 1
+
+    w.watcher.check_state = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(checkpoint_module, "fsync_directory", sync_fails)
+    await w.env.kubelet.stop(container_id)  # its CPUs released: a checkpoint write
+    assert failed == [w.env.state_dir]
+    assert not engine.state.assignments
+    await until(lambda: checks >= 1 and w.watcher.jobs.pending == 0, "the rename looked at")
+    assert w.counters["checkpoint_errors"] == 1
+    assert w.counters["state_rewrites"] == 0
+    assert engine.checkpoint.on_disk() == engine.checkpoint.last_written
+    assert engine.checkpoint.saved == engine.state
+
+
 # --- lost events -----------------------------------------------------------------------------
 
 
