@@ -17,6 +17,8 @@ after a file was lost could repeat one. Microseconds since 1970 stay below 2**53
 year 2255, so JSON readers that hold numbers as doubles read them exactly.
 
 The blocking work of one call runs in one worker thread; operations on one pod are serialised.
+A thread cannot be stopped: when its caller is cancelled it runs on, and the pod's next
+operation waits for it to end, lest two interleave their temporary files and renames.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, ParamSpec, TypeVar
 
 from shim.cpuset import CPUSet
 from shim.fileio import write_and_sync
@@ -64,6 +66,9 @@ _MODE_DIR: Final = 0o755
 _MODE_FILE: Final = 0o644
 # The stamp of a state not written yet.
 _NO_TIME: Final = rfc3339(0)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 class ProjectionPathError(ValueError):
@@ -110,6 +115,9 @@ class ProjectionWriter:
         # even if the file is damaged.
         self._known: dict[str, dict[str, _Known]] = {}
         self._pod_locks: dict[str, _SharedLock] = {}
+        # The worker thread of each pod's last blocking call, while it runs: one whose caller
+        # was cancelled runs on, and the pod's lock alone would let the next call begin.
+        self._threads: dict[str, asyncio.Future[Any]] = {}
         self.writes = 0
         self.unchanged = 0
 
@@ -152,8 +160,15 @@ class ProjectionWriter:
                     self.root, pod_uid, container_name, wanted, known, self._clock_ns
                 )
             else:
-                now, written = await asyncio.to_thread(
-                    _write, self.root, pod_uid, container_name, wanted, known, self._clock_ns
+                now, written = await self._in_thread(
+                    pod_uid,
+                    _write,
+                    self.root,
+                    pod_uid,
+                    container_name,
+                    wanted,
+                    known,
+                    self._clock_ns,
                 )
             self._known.setdefault(pod_uid, {})[container_name] = now
         if written:
@@ -166,7 +181,7 @@ class ProjectionWriter:
         """Remove a container's directory, and its pod's when that is left empty."""
         self.directory(pod_uid, container_name)
         async with self._pod_lock(pod_uid):
-            await asyncio.to_thread(_remove_container, self.root, pod_uid, container_name)
+            await self._in_thread(pod_uid, _remove_container, self.root, pod_uid, container_name)
         self._known.get(pod_uid, {}).pop(container_name, None)
 
     async def remove_pod(self, pod_uid: str, unless: Callable[[], bool] | None = None) -> None:
@@ -179,7 +194,7 @@ class ProjectionWriter:
             if self.inline:
                 _remove_pod(self.root, pod_uid)
             else:
-                await asyncio.to_thread(_remove_pod, self.root, pod_uid)
+                await self._in_thread(pod_uid, _remove_pod, self.root, pod_uid)
             self._known.pop(pod_uid, None)
 
     async def clean_stale(
@@ -198,8 +213,8 @@ class ProjectionWriter:
         for pod_uid in await asyncio.to_thread(_pod_names, self.root):
             async with self._pod_lock(pod_uid):
                 try:
-                    names = await asyncio.to_thread(
-                        _sweep_pod, self.root, pod_uid, frozenset(kept.get(pod_uid, ()))
+                    names = await self._in_thread(
+                        pod_uid, _sweep_pod, self.root, pod_uid, frozenset(kept.get(pod_uid, ()))
                     )
                 except OSError as exc:
                     if failed is None:
@@ -220,11 +235,31 @@ class ProjectionWriter:
         shared.users += 1
         try:
             async with shared.lock:
+                running = self._threads.get(pod_uid)
+                if running is not None:
+                    # Through wait: awaited itself, the thread's task would be cancelled
+                    # with this caller, and the next one would not wait for it either.
+                    await asyncio.wait((running,))
                 yield
         finally:
             shared.users -= 1
             if not shared.users:  # the map holds only locks in use
                 del self._pod_locks[pod_uid]
+
+    async def _in_thread(
+        self, pod_uid: str, func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs
+    ) -> _T:
+        """``func`` in a worker thread, called holding the pod's lock; the thread is the
+        pod's until it ends, even if this call is cancelled first."""
+        running = asyncio.ensure_future(asyncio.to_thread(func, *args, **kwargs))
+        self._threads[pod_uid] = running
+
+        def ended(done: asyncio.Future[_T]) -> None:
+            if self._threads.get(pod_uid) is done:
+                del self._threads[pod_uid]
+
+        running.add_done_callback(ended)
+        return await asyncio.shield(running)
 
 
 class _SharedLock:

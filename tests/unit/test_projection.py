@@ -3,6 +3,7 @@ subscriber (``read`` and ``watch``)."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import importlib.util
 import json
@@ -12,6 +13,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import replace
@@ -612,6 +614,110 @@ async def test_a_symlink_never_leads_a_write_outside(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="symbolic link"):
         await writer.remove_pod("pod-1")
     assert list(outside.iterdir()) == []
+
+
+# --- the writer: a caller cancelled -----------------------------------------------------------
+
+
+# Long enough never to end a wait the test means to end; bounds a test gone wrong.
+HELD_S = 10.0
+
+
+def threads_beside(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """For each blocking call handed to a worker thread from now on, whether another was
+    still running then."""
+    running: list[object] = []
+    beside: list[bool] = []
+    to_thread = asyncio.to_thread
+
+    def counting(func: Callable[..., Any], /, *args: Any) -> Any:
+        beside.append(bool(running))
+        token = object()
+        running.append(token)
+
+        def run() -> Any:
+            try:
+                return func(*args)
+            finally:
+                running.remove(token)
+
+        return to_thread(run)
+
+    monkeypatch.setattr(asyncio, "to_thread", counting)
+    return beside
+
+
+@pytest.mark.anyio
+async def test_a_write_whose_caller_was_cancelled_ends_before_the_next_begins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker thread cannot be stopped: the write of a cancelled caller goes on, and the
+    next write of its directory must not begin beside it, or the two interleave their
+    temporary files and renames (and count from the same generation)."""
+    writer = ProjectionWriter(tmp_path, inline=False)
+    first = await project(writer, "1")
+    held, release = threading.Event(), threading.Event()
+    replace_file = writer_module._replace
+
+    def holding(dir_fd: int, name: str, data: bytes) -> None:
+        if data == b"2\n":  # the cancelled write's ``cpus``, before its rename
+            held.set()
+            release.wait(HELD_S)
+        replace_file(dir_fd, name, data)
+
+    monkeypatch.setattr(writer_module, "_replace", holding)
+    beside = threads_beside(monkeypatch)
+    cancelled = asyncio.create_task(project(writer, "2"))
+    await anyio.to_thread.run_sync(held.wait, HELD_S)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    following = asyncio.create_task(project(writer, "3"))
+    # Let the cancelled write's thread go on after the next write's first step: by then that
+    # one has handed its work to a thread, or waits to.
+    asyncio.get_running_loop().call_soon(release.set)
+    generation = await following
+    assert beside == [False, False], "a write began while the cancelled one's thread ran"
+    assert generation == first + 2
+    directory = writer.directory("pod-1", "app")
+    assert (directory / CPUS_FILE).read_bytes() == b"3\n"
+    assert (read(directory).cpus, read(directory).generation) == ("3", generation)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "thread"])
+async def test_a_removal_whose_caller_was_cancelled_ends_before_the_next_write_begins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inline: bool
+) -> None:
+    """A container's removal runs in a thread even where writes run on the loop: the write
+    after one whose caller was cancelled waits for it, or the removal takes its files away."""
+    writer = ProjectionWriter(tmp_path, inline=inline)
+    first = await project(writer, "1")
+    held, release, removed = threading.Event(), threading.Event(), threading.Event()
+    remove_container = writer_module._remove_container
+
+    def holding(root: Path, pod_uid: str, container_name: str) -> None:
+        held.set()
+        release.wait(HELD_S)
+        remove_container(root, pod_uid, container_name)
+        removed.set()
+
+    monkeypatch.setattr(writer_module, "_remove_container", holding)
+    beside = threads_beside(monkeypatch)
+    cancelled = asyncio.create_task(writer.remove("pod-1", "app"))
+    await anyio.to_thread.run_sync(held.wait, HELD_S)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    following = asyncio.create_task(project(writer, "3"))
+    asyncio.get_running_loop().call_soon(release.set)  # after the write's first step
+    generation = await following
+    assert not any(beside), "a write began while the cancelled removal's thread ran"
+    assert await anyio.to_thread.run_sync(removed.wait, HELD_S)
+    directory = writer.directory("pod-1", "app")
+    assert (directory / CPUS_FILE).read_bytes() == b"3\n"
+    assert (read(directory).cpus, read(directory).generation) == ("3", generation)
+    assert generation > first
 
 
 # --- the writer: removal ----------------------------------------------------------------------
