@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from shim.cgroups import CgroupLayout
-from shim.checkpoint import CheckpointFile
+from shim.checkpoint import CheckpointFile, DirectorySyncError
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
@@ -1232,11 +1232,16 @@ class Engine:
     async def _commit(self, state: CPUState) -> None:
         """Persist ``state``, then make it the engine's: a failed write changes nothing (the
         caller has not acted on the decision yet and fails the call). One that failed only
-        at the directory's fsync leaves the file holding ``state``, as a crash before acting
-        would: the next write replaces it, and a start squares it with the runtime."""
+        at the directory's fsync has put ``state`` in the file all the same: the engine's own
+        state is written over it soon, so that a restart does not find CPUs held for a
+        container the runtime was never asked for."""
         if state == self.state:
             return
-        await self.checkpoint.save(state)
+        try:
+            await self.checkpoint.save(state)
+        except DirectorySyncError:
+            self._record_soon(self.state)
+            raise
         self.state = state
 
     async def _record(self, state: CPUState) -> None:

@@ -8,7 +8,9 @@ socket 0 holds CPUs 0,1,4,5 and socket 1 holds 2,3,6,7; CPU 0 is reserved.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -16,6 +18,7 @@ from typing import Literal
 import pytest
 from grpclib.const import Status as GrpcStatus
 
+from shim import checkpoint as checkpoint_module
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
@@ -1305,3 +1308,31 @@ async def test_a_pod_without_a_qos_cgroup_parent_shares_and_is_warned_about(
     assert env.engine.counters["pods_without_qos"] == 1
     [warning] = [r for r in caplog.records if "cgroupsPerQOS" in r.getMessage()]
     assert warning.__dict__["fields"]["cgroup_parent"] == "/podu-flat"
+
+
+async def test_a_refused_decision_the_disk_kept_is_written_over_with_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the directory's fsync failed: state.json holds a decision the engine did not
+    take (the create failed). The engine's own state replaces it, without waiting for the
+    next decision or a restart."""
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, options=EngineOptions(record_delay=0.05))
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        real_sync = checkpoint_module.fsync_directory
+        failed: list[Path] = []
+
+        def sync_fails_once(directory: Path) -> None:
+            if not failed:
+                failed.append(directory)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            real_sync(directory)
+
+        monkeypatch.setattr(checkpoint_module, "fsync_directory", sync_fails_once)
+        reply = await env.kubelet.create(pod, "main", 1000)
+        assert reply.status is Status.INTERNAL
+        assert failed == [env.state_dir]
+        assert env.engine.state.assignments == {}
+        await wait_until(lambda: env.saved() == {})
+        assert env.engine.checkpoint.saved == env.engine.state
+        env.channel.close()
