@@ -20,7 +20,8 @@ applies what can change while running:
   adopts them (``resync.adopt_sharing``);
 - the failure policy, the log level and the resync period;
 
-and logs the keys that only a restart applies (sockets, directories, the metrics address...).
+and logs the keys that only a restart applies (sockets, directories, the metrics address...)
+whose values differ from those cpushim started with.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ class ConfigReloader:
         self.watcher = watcher
         self.engine = watcher.engine
         self.options = options
+        # What the keys a reload does not apply hold until a restart: ``need_restart`` is
+        # measured against these, not against the last edit's.
+        self._started = options
         self._build_policy = build_policy
         self._directory = options.config_path.parent
         self._subscription: Subscription | None = None
@@ -321,7 +325,14 @@ class ConfigReloader:
             set_level(new.log_level)
         if new.resync_period != self.options.resync_period:
             self.watcher.set_resync_period(new.resync_period)
-        restart = [name for name in changed if name not in POLICY_FIELDS | LIVE_FIELDS]
+        # Every key still waiting for a restart, not only this edit's: an earlier edit's stays
+        # named until then, and one edited back to the value cpushim runs with needs none.
+        restart = [
+            f.name
+            for f in fields(new)
+            if f.name not in POLICY_FIELDS | LIVE_FIELDS | _PROVENANCE
+            and getattr(new, f.name) != getattr(self._started, f.name)
+        ]
         if not new.recover_from_runtime:
             # Turned off after a recovery (docs/operations.md): the next start reads the
             # checkpoint again, which is what turning it off asks; nothing waits for a restart.

@@ -298,6 +298,27 @@ async def test_keys_that_need_a_restart_are_named_not_applied(
     assert r.reloader.options.listen == "unix:///tmp/elsewhere.sock"
 
 
+async def test_need_restart_names_what_differs_from_what_cpushim_started_with(
+    r: Reloading, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key that needs a restart stays named until one: a later edit of another key does
+    not hide it, and a key edited back to the value cpushim runs with needs none."""
+    started = r.reloader.options.metrics_address
+    edits = [
+        ('metricsAddress = "127.0.0.1:9999"\n', ["metricsAddress"]),
+        ('metricsAddress = "127.0.0.1:9999"\nresyncPeriod = 60\n', ["metricsAddress"]),
+        (f'metricsAddress = "{started}"\nresyncPeriod = 60\n', []),
+    ]
+    with caplog.at_level(logging.INFO):
+        for count, (text, _) in enumerate(edits, start=1):
+            r.write(f'reservedSystemCPUs = "0"\n{text}')
+            await r.reloaded("config_reloads", count)
+    records = [rec for rec in caplog.records if rec.getMessage() == "config reloaded"]
+    assert [rec.__dict__["fields"]["need_restart"] for rec in records] == [
+        need for _, need in edits
+    ]
+
+
 async def test_recovery_turned_off_after_a_recovery_waits_for_no_restart(
     r: Reloading, caplog: pytest.LogCaptureFixture
 ) -> None:
