@@ -11,8 +11,10 @@ look of the watcher (an edit whose events an inotify overflow dropped; a full lo
 what is on disk). A directory removed or replaced is watched again as soon as it is back
 (its parent is watched meanwhile). A file that does not parse, or whose values make no
 policy, is refused with the reason (file, line, key) and the running config stays; so does
-a file that is gone. The same refusal (same bytes, same reason) is counted once. A good one
-applies what can change while running:
+a file that is gone. The same refusal (same bytes, same reason) is counted once. A refused
+file is read again at every look, its bytes changed or not: the reason may be the machine's
+(a socketGroup made since, a sysfs or checkpoint that failed), and the file then applies as
+soon as the machine allows it. A good one applies what can change while running:
 
 - the policy, its options and the reserved CPUs: a new policy is built and the engine re-plans
   under it (``Engine.change_policy``): containers move, the checkpoint is rewritten; then the
@@ -246,8 +248,10 @@ class ConfigReloader:
 
     async def _check(self) -> None:
         """Watch the directory again if the watch was lost (or the directory is another
-        one now), and read the file when an event said it was written, or when its bytes
-        differ from those last read (a check without an event reads what is on disk)."""
+        one now), and read the file when an event said it was written, when its bytes
+        differ from those last read (a check without an event reads what is on disk), or
+        when it was refused: what refused it may be the machine's (a socketGroup made since,
+        an unreadable sysfs, a checkpoint that could not be written), not its bytes."""
         if self._stopped:
             return
         if self._subscription is None:
@@ -259,7 +263,8 @@ class ConfigReloader:
             self._unwatch()
             self._watch()
         written, self._written = self._written, False
-        if written or not self._read_once or _content(self.path) != self._last_read:
+        refused = self._refused is not None  # the same refusal is not told again
+        if written or refused or not self._read_once or _content(self.path) != self._last_read:
             await self.reload()
 
     async def reload(self) -> None:
@@ -294,8 +299,6 @@ class ConfigReloader:
             try:
                 policy = await asyncio.to_thread(self._build_policy, new)
             except (OSError, ValueError) as exc:
-                if isinstance(exc, OSError) or isinstance(exc.__cause__, OSError):
-                    self._read_once = False  # the machine's fault (sysfs): tried again
                 key = getattr(exc, "key", None)
                 line = key_line(self._last_read, key) if key is not None else None
                 self._refuse(str(exc), line=line, key=key)
@@ -307,7 +310,6 @@ class ConfigReloader:
             try:
                 lost = await self.engine.change_policy(policy)
             except OSError as exc:
-                self._read_once = False  # the machine's fault: tried again
                 self._refuse(f"cannot write the checkpoint: {exc}", line=None, key=None)
                 return
             # As a restart would: the containers that share and ask for exclusive CPUs get

@@ -4,6 +4,7 @@ refused and changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import grp
 import logging
 import os
 import re
@@ -448,6 +449,33 @@ async def test_a_sysfs_that_could_not_be_read_is_tried_again_at_the_full_look(
     await r.watcher.look_everywhere()
     await r.reloaded("config_reloads")
     assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+
+
+async def test_a_file_refused_for_the_machines_sake_is_applied_once_the_machine_allows_it(
+    r: Reloading, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A socketGroup named before `groupadd` made it: the same bytes are good once the group
+    exists, and the next full look applies them, the reserved CPUs of the same edit too."""
+    group = "cpushim-reload-test"
+    real = grp.getgrnam
+    made: list[str] = []
+
+    def getgrnam(name: str) -> grp.struct_group:
+        if name in made:
+            return grp.struct_group((name, "x", 4242, []))
+        return real(name)
+
+    monkeypatch.setattr(grp, "getgrnam", getgrnam)  # shim.config asks it
+    r.write(f'reservedSystemCPUs = "0-1"\nsocketGroup = "{group}"\n')
+    await r.reloaded("config_errors")
+    await r.watcher.look_everywhere()  # no group yet: not counted again
+    await events_handled(r)
+    assert r.env.engine.counters["config_errors"] == 1
+    made.append(group)  # groupadd
+    await r.watcher.look_everywhere()
+    await r.reloaded("config_reloads")
+    assert r.env.engine.policy.reserved == CPUSet.parse("0-1")
+    assert r.reloader.options.socket_group == group
 
 
 async def test_a_file_truncated_or_linked_without_a_close_is_read_at_the_full_look(
