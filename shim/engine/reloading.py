@@ -11,7 +11,8 @@ look of the watcher (an edit whose events an inotify overflow dropped; a full lo
 what is on disk). A directory removed or replaced is watched again as soon as it is back
 (its parent is watched meanwhile). A file that does not parse, or whose values make no
 policy, is refused with the reason (file, line, key) and the running config stays; so does
-a file that is gone. The same refusal (same bytes, same reason) is counted once. A refused
+a file that is gone. The same refusal (same bytes, same reason) is counted once, and logged
+once unless a read is asked for (SIGHUP: silence would pass for a good file). A refused
 file is read again at every look, its bytes changed or not: the reason may be the machine's
 (a socketGroup made since, a sysfs or checkpoint that failed), and the file then applies as
 soon as the machine allows it. A good one applies what can change while running:
@@ -139,6 +140,8 @@ class ConfigReloader:
         # An event since the last check said the file got a whole new content: read it
         # whatever its bytes say.
         self._written = False
+        # A read asked for (SIGHUP): a refusal is told again, though not counted again.
+        self._asked = False
         # The last refusal, by the bytes refused and the reason: the same one is not counted
         # again (a bad file touched, a machine fault met at every look).
         self._refused: tuple[bytes | None, str] | None = None
@@ -240,6 +243,7 @@ class ConfigReloader:
         """Read the file again whatever the watches said (SIGHUP, ``systemctl reload``): for
         an edit a lost or missed watch left unseen."""
         self._written = True
+        self._asked = True
         self._check_soon()
 
     def _check_soon(self) -> None:
@@ -271,6 +275,7 @@ class ConfigReloader:
         """Read the file again and apply what changed; refuse a bad file."""
         if self._stopped:
             return
+        asked, self._asked = self._asked, False
         content = _read_config(self.path)
         self._last_read = content if isinstance(content, bytes) else None
         self._read_once = True
@@ -282,7 +287,7 @@ class ConfigReloader:
             # A worker thread still: a key's check may ask the system (socketGroup's group).
             new = await asyncio.to_thread(reload_options, self.options, self._last_read)
         except ConfigError as exc:
-            self._refuse(str(exc), line=exc.line, key=exc.key)
+            self._refuse(str(exc), line=exc.line, key=exc.key, asked=asked)
             return
         if self._stopped:
             return  # cpushim is stopping: no re-plan now
@@ -301,7 +306,7 @@ class ConfigReloader:
             except (OSError, ValueError) as exc:
                 key = getattr(exc, "key", None)
                 line = key_line(self._last_read, key) if key is not None else None
-                self._refuse(str(exc), line=line, key=key)
+                self._refuse(str(exc), line=line, key=key, asked=asked)
                 return
             if self._stopped:
                 return
@@ -310,7 +315,8 @@ class ConfigReloader:
             try:
                 lost = await self.engine.change_policy(policy)
             except OSError as exc:
-                self._refuse(f"cannot write the checkpoint: {exc}", line=None, key=None)
+                error = f"cannot write the checkpoint: {exc}"
+                self._refuse(error, line=None, key=None, asked=asked)
                 return
             # As a restart would: the containers that share and ask for exclusive CPUs get
             # them where the new policy has room. The new policy is in force whatever this
@@ -358,12 +364,15 @@ class ConfigReloader:
             },
         )
 
-    def _refuse(self, error: str, *, line: int | None, key: str | None) -> None:
+    def _refuse(
+        self, error: str, *, line: int | None, key: str | None, asked: bool = False
+    ) -> None:
         refusal = (self._last_read, error)
-        if refusal == self._refused:
+        if refusal != self._refused:
+            self._refused = refusal
+            self.engine.counters["config_errors"] += 1
+        elif not asked:
             return
-        self._refused = refusal
-        self.engine.counters["config_errors"] += 1
         log.error(
             "config file refused; the running config stays",
             extra={"fields": {"config": self.path, "error": error, "line": line, "key": key}},

@@ -423,6 +423,22 @@ async def test_a_bad_file_is_refused_once_whatever_the_full_looks(r: Reloading) 
     assert r.env.engine.counters["config_errors"] == 1
 
 
+async def test_a_reload_asked_for_tells_the_refusal_again_without_counting_it(
+    r: Reloading, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`systemctl reload` on a file refused before: silence would read as "nothing to
+    change", as if the file were good and running; the refusal is logged again, and
+    counted once still."""
+    with caplog.at_level(logging.INFO):
+        r.write("reservedSystemCPUs = [\n")
+        await r.reloaded("config_errors")
+        r.reloader.read_again()
+        await until(lambda: r.watcher.jobs.pending == 0, "watch jobs done")
+    refusals = [rec for rec in caplog.records if rec.getMessage().startswith("config file refused")]
+    assert len(refusals) == 2
+    assert r.env.engine.counters["config_errors"] == 1
+
+
 async def test_a_bad_file_touched_is_refused_once(r: Reloading) -> None:
     r.write("reservedSystemCPUs = [\n")
     await r.reloaded("config_errors")
