@@ -240,7 +240,7 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
         follower=engine,
     )
     # From here on SIGTERM and SIGINT stop cpushim cleanly, whatever it is doing: waiting for
-    # the runtime (which may take --upstream-wait), or serving.
+    # the runtime (which may take --upstream-wait), resyncing with it, or serving.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -303,7 +303,17 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
                 }
             },
         )
-        await resync(engine, recover_from_runtime=options.recover_from_runtime)
+        # A resync goes sandbox by sandbox and container by container, each call up to 10 s on
+        # a loaded runtime: a signal must not wait for all of them, past the unit's stop
+        # timeout. Cut short, it is as if cpushim had crashed there, which the checkpoint
+        # is made for: the next start resyncs again.
+        resynced = await _unless_stopped(
+            resync(engine, recover_from_runtime=options.recover_from_runtime), stop
+        )
+        if resynced is None:
+            log.info("stopped before the resync with the runtime was done")
+            await engine.drain(LAST_WRITES_S)
+            return 0
         metrics.state_loaded = True
         watcher = Watcher(engine, resync_period=options.resync_period)
         watcher.start()

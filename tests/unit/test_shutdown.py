@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from shim.run import LAST_WRITES_S, shut_down
+import shim.run
+from shim.run import LAST_WRITES_S, RunOptions, shut_down
+from tests.fake_runtime import FakeRuntime
+from tests.harness.sysfs import MachineSpec, write_sysfs
+from tests.unit.engine_env import until
 
 pytestmark = pytest.mark.anyio
 
@@ -91,3 +98,40 @@ async def test_a_second_signal_leaves_the_engine_only_its_last_writes(
     assert finished
     assert budget == LAST_WRITES_S
     assert took == pytest.approx(2.0 + LAST_WRITES_S)
+
+
+async def test_a_signal_during_the_start_up_resync_stops_without_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemctl stop while cpushim resyncs with a slow runtime: the signal is not left
+    waiting for the resync (sandbox by sandbox, container by container, each call up to 10 s
+    on a loaded runtime: past the unit's stop timeout), and cpushim never serves after it."""
+    monkeypatch.setattr(shim.run, "cgroup_layout", lambda: None)  # no look at the node's
+    sysfs = write_sysfs(MachineSpec(sockets=1, cores_per_die=2, threads_per_core=2), tmp_path)
+    async with FakeRuntime() as fake:
+        listing = fake.gate("ListPodSandbox")  # the resync's first call, never answered
+        listen = fake.socket_path.with_name("cri.sock")
+        options = RunOptions(
+            listen=f"unix://{listen}",
+            runtime_endpoint=fake.endpoint,
+            image_endpoint=fake.endpoint,
+            state_dir=tmp_path / "state",
+            sysfs_root=sysfs,
+            projection_dir=tmp_path / "projection",
+            metrics_address="",
+        )
+        running = asyncio.ensure_future(shim.run.run(options))
+        try:
+            await until(lambda: bool(fake.calls_of("ListPodSandbox")), "the resync under way")
+            # The loop's handler, not the default action that would end the test run.
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+            os.kill(os.getpid(), signal.SIGTERM)
+            # Well within the resync's own call timeout (10 s), which would end it too.
+            done, _ = await asyncio.wait({running}, timeout=5)
+            assert done, "the signal waited for the resync"
+            assert running.result() == 0
+            assert not listen.exists()
+        finally:
+            listing.set()
+            if not running.done():
+                await asyncio.wait({running}, timeout=10)
