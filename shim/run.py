@@ -38,6 +38,10 @@ T = TypeVar("T")
 
 IMAGE_SERVICE_PREFIX = "/runtime.v1.ImageService/"
 VERSION_PATH = "/runtime.v1.RuntimeService/Version"
+# How long one Version call of the start-up wait may take; the last ones get what is left of
+# --upstream-wait, but not less than the floor (a runtime that answers at all answers in it).
+PROBE_TIMEOUT = 5.0
+PROBE_TIMEOUT_FLOOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -147,9 +151,12 @@ async def wait_for_runtime(channel: RuntimeChannel, budget: float) -> Reply:
     """Version calls with backoff until the runtime answers or ``budget`` seconds pass."""
     deadline = time.monotonic() + budget
     delay, attempt = 0.1, 0
-    probe = UnaryCall(path=VERSION_PATH, headers=(), request=b"", timeout=5.0)
     while True:
         attempt += 1
+        # No probe outlasts the budget by more than a second: a runtime that takes the
+        # connection and never answers would otherwise hold the last one its 5 s.
+        timeout = min(PROBE_TIMEOUT, max(deadline - time.monotonic(), PROBE_TIMEOUT_FLOOR))
+        probe = UnaryCall(path=VERSION_PATH, headers=(), request=b"", timeout=timeout)
         reply = await channel.unary(probe)
         if reply.status is Status.OK:
             return reply

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from asyncio.selector_events import BaseSelectorEventLoop
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from shim.cri.upstream import RuntimeChannel
 from shim.run import wait_for_runtime
 from shim.status_cli import live_view
 from tests.fake_cri import short_tmpdir
+from tests.fake_runtime import FakeRuntime
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 
@@ -71,3 +73,24 @@ def test_status_tells_of_a_socket_that_closes_connections_at_once(closes_at_once
     assert live.containers is None
     assert live.error is not None
     assert "closed the connection" in live.error
+
+
+@pytest.mark.anyio
+async def test_the_wait_for_a_runtime_that_never_answers_keeps_to_its_budget() -> None:
+    """upstreamWait: "seconds to wait for the runtime at start before exiting 1". A runtime
+    that takes the connection and never answers (hung, or its CRI plugin not up) must not
+    hold a probe past the budget: with upstreamWait = 0.5, not 5 s."""
+    async with FakeRuntime() as fake:
+        answer = fake.gate("Version")
+        channel = RuntimeChannel(fake.endpoint)
+        waiting = asyncio.ensure_future(wait_for_runtime(channel, 0.5))
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=3)
+            assert done, "the wait outlasted its budget"
+            with pytest.raises(RuntimeError, match=r"did not answer within 0\.5s"):
+                waiting.result()
+        finally:
+            answer.set()
+            channel.close()
+            if not waiting.done():
+                await asyncio.wait({waiting}, timeout=10)
