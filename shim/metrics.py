@@ -81,7 +81,10 @@ ENGINE_COUNTERS: dict[str, str] = {
         "Cpuset writes that made room for a container's move past the cgroups it made below"
         " its own (cgroup v1): into those cgroups, and widening the container's first"
     ),
-    "config_errors": "Configuration reloads refused because the new configuration was invalid",
+    "config_errors": (
+        "Config file reads refused, the running config kept: a file bad, gone or unreadable,"
+        " or one whose policy could not be built or checkpointed (each refusal counted once)"
+    ),
     "config_reloads": "Configuration reloads applied",
     "cpu_resizes_not_applied": (
         "kubelet updates (in-place resizes) asking a running container for another count of"

@@ -95,8 +95,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--color",
         choices=COLOR_CHOICES,
         default="auto",
-        help="colour the map: auto (default) = when stdout is a terminal that is not dumb and"
-        " NO_COLOR is not set",
+        help="colour the map: auto (default) = when stdout is a terminal, TERM is set and not"
+        " dumb, and NO_COLOR is not set",
     )
 
 
