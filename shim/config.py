@@ -12,6 +12,7 @@ import argparse
 import difflib
 import grp
 import math
+import os
 import re
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -195,6 +196,15 @@ def _absolute_path(value: object) -> Path:
     return path
 
 
+def _projection_path(value: object) -> Path:
+    path = _absolute_path(value)
+    # "/" as the mount path would cover every new container's root file system; as the
+    # directory, the sweep of stale projections would look at the node's own root.
+    if os.path.normpath(path) in ("/", "//"):
+        raise _Invalid("want a directory of its own, not the root directory")
+    return path
+
+
 def _choice(*choices: str) -> Callable[[object], str]:
     def convert(value: object) -> str:
         text = _string(value)
@@ -287,8 +297,10 @@ KEYS: Final[tuple[Key, ...]] = (
     Key("recoverFromRuntime", "recover_from_runtime", "--recover-from-runtime", _boolean),
     Key("resyncPeriod", "resync_period", "--resync-period", _seconds, _seconds_text),
     # Absolute: the mount names it to the runtime, which would resolve it against its own.
-    Key("projectionDir", "projection_dir", "--projection-dir", _absolute_path),
-    Key("projectionMountPath", "projection_mount_path", "--projection-mount-path", _absolute_path),
+    Key("projectionDir", "projection_dir", "--projection-dir", _projection_path),
+    Key(
+        "projectionMountPath", "projection_mount_path", "--projection-mount-path", _projection_path
+    ),
     Key("metricsAddress", "metrics_address", "--metrics-address", _address),
     Key("eventLoop", "event_loop", "--event-loop", _choice(*EVENT_LOOPS)),
     Key("logLevel", "log_level", "--log-level", _choice(*LOG_LEVELS)),

@@ -282,6 +282,8 @@ def test_a_bad_new_flag_is_refused_by_the_parser(capsys: pytest.CaptureFixture[s
         ["--resync-period", "soon"],
         ["--metrics-address", "9464"],
         ["--projection-mount-path", "relative"],
+        ["--projection-mount-path", "/"],
+        ["--projection-dir", "/"],
         # Each flag takes what its key takes, not merely what its Python type parses.
         ["--upstream-wait", "-1"],
         ["--upstream-wait", "inf"],
@@ -344,6 +346,9 @@ ERRORS = [
     ("sysfsRoot = 1", 1, "sysfsRoot", "want a string, got 1"),
     ('projectionMountPath = "run/cpushim"', 1, "projectionMountPath", "want an absolute path"),
     ('projectionDir = "run/projection"', 1, "projectionDir", "want an absolute path"),
+    ('projectionMountPath = "/"', 1, "projectionMountPath", "not the root directory"),
+    ('projectionMountPath = "//./"', 1, "projectionMountPath", "not the root directory"),
+    ('projectionDir = "/"', 1, "projectionDir", "not the root directory"),
     ('metricsAddress = "9464"', 1, "metricsAddress", "want HOST:PORT, got '9464'"),
     ('metricsAddress = "::1:9464"', 1, "metricsAddress", "brackets"),
     ('recoverFromRuntime = "yes"', 1, "recoverFromRuntime", "want true or false, got 'yes'"),
