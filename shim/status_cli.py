@@ -137,7 +137,12 @@ def _topology(sysfs_root: Path) -> Topology:
 def _state(state_dir: Path) -> CPUState:
     checkpoint = CheckpointFile(state_dir)
     try:
-        state = checkpoint.load()
+        try:
+            state = checkpoint.load()
+        except CheckpointError:
+            # cpushim may have written twice during the read: the file read was the spare
+            # that its second write overwrites in place. A damaged file fails again.
+            state = checkpoint.load()
     except CheckpointError as exc:
         raise _Failure(f"cannot use the checkpoint: {exc}") from exc
     if state is None:

@@ -27,6 +27,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shim import checkpoint as checkpoint_module
 from shim.checkpoint import CheckpointFile
 from shim.cli import build_parser, main
 from shim.cpuset import CPUSet
@@ -768,6 +769,29 @@ def test_a_corrupt_checkpoint_is_one_line_and_exit_1(
     err = one_line_error(capsys)
     assert err.startswith(f"cpushim status: cannot use the checkpoint: {path}: ")
     assert says in err
+
+
+def test_a_checkpoint_read_while_cpushim_rewrites_it_is_read_again(
+    node: tuple[Path, Path, CPUState],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two writes during one read can tear it: the file read is the spare the second write
+    overwrites in place. The checksum tells, and a second read finds the file whole."""
+    sysfs, state_dir, _ = node
+    path = state_dir / "state.json"
+    real_read = checkpoint_module.read_regular_file  # type: ignore[attr-defined]
+    reads: list[Path] = []
+
+    def torn_once(where: Path) -> bytes:
+        reads.append(where)
+        data = real_read(where)
+        return data[: len(data.rstrip()) // 2] if len(reads) == 1 else data
+
+    monkeypatch.setattr(checkpoint_module, "read_regular_file", torn_once)
+    assert run(["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs)]) == 0
+    assert reads == [path, path]
+    assert "cannot use the checkpoint" not in capsys.readouterr().err
 
 
 def test_an_unreadable_topology_is_one_line_and_exit_1(
