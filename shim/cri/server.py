@@ -317,7 +317,9 @@ class ClientConnection(asyncio.Protocol):
         self._client_full = False
         self._upstream_full = False
         self._blocks_self_contained = False
-        self.unavailable_reason = ""  # why the runtime could not be reached, if it could not
+        # What each call is answered when the relay serves the connection itself (the
+        # splice's ``upstream_absent``): why the runtime cannot be had.
+        self.unavailable_message = ""
 
     # client side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -338,7 +340,8 @@ class ClientConnection(asyncio.Protocol):
             hint = ""
             if exc.errno == errno.EAGAIN:
                 hint = " (listen backlog full: the runtime accepts no connections)"
-            self.unavailable_reason = f"{self.server.runtime.endpoint}: {exc.strerror or exc}{hint}"
+            reason = f"{self.server.runtime.endpoint}: {exc.strerror or exc}{hint}"
+            self.unavailable_message = f"cpushim: runtime {reason} is unavailable"
             log.warning(
                 "runtime unreachable; answering this connection's calls with UNAVAILABLE",
                 extra={
@@ -422,9 +425,22 @@ class ClientConnection(asyncio.Protocol):
         if self._closed or self._finishing or self._aborting:
             return  # closed by this side
         reason = str(exc) if exc else "connection closed by the runtime"
-        log.warning("runtime connection lost", extra={"fields": {"error": reason}})
         self.splice.upstream_lost(reason)
-        self._shutting_down = True
+        fields = {"runtime": self.server.runtime.endpoint, "error": reason}
+        if self.splice.upstream_absent:
+            log.warning(
+                "runtime connection lost before the runtime said anything; answering this"
+                " connection's calls with UNAVAILABLE",
+                extra={"fields": fields},
+            )
+            self.unavailable_message = (
+                "cpushim: lost the connection to the runtime"
+                f" {self.server.runtime.endpoint} before it answered: {reason}"
+            )
+        else:
+            log.warning("runtime connection lost", extra={"fields": fields})
+        if self.splice.going_away:
+            self._shutting_down = True
         self._flush()
         if not self.splice.idle and not self._closed and self._unread is None:
             # Replies wait for the client's credit; a client that never gives it would
@@ -574,10 +590,7 @@ class ClientConnection(asyncio.Protocol):
     async def _answer(self, sid: int, call: UnaryCall, forward: Forward) -> None:
         try:
             if self.splice.upstream_absent:
-                reply = Reply.error(
-                    Status.UNAVAILABLE,
-                    f"cpushim: runtime {self.unavailable_reason} is unavailable",
-                )
+                reply = Reply.error(Status.UNAVAILABLE, self.unavailable_message)
             else:
                 reply = await self.server.interceptor.handle(call, forward)
         except asyncio.CancelledError:

@@ -9,6 +9,10 @@ own, with these exceptions, each accounted for:
 
 * SETTINGS frames in both directions are rewritten to ``HEADER_TABLE_SIZE = 0``, so header
   blocks become self-contained and the relay may drop or write whole blocks.
+* The client's first frame is SETTINGS: what the relay writes for it waits behind the
+  runtime's, or, when the connection ends (or has no runtime) before they come, goes behind
+  the relay's own. Those promise the same zero-size table; the runtime's that come after
+  them are acknowledged here, not forwarded.
 * Intercepted calls are terminated here: their frames are not forwarded, the relay returns
   the client's flow-control credit for the request bytes it consumed, and writes the reply.
 * Amended calls are intercepted calls whose HEADERS go on to the upstream at once while their
@@ -339,6 +343,20 @@ class Splice:
         self._upstream_goaway_last: int | None = None
         self.failed = False
         self.upstream_absent = False
+        # The first frame a client gets must be SETTINGS (RFC 9113 3.4): the runtime's, or
+        # the relay's own where the relay writes before the runtime has spoken and the
+        # connection is ending (or has no runtime). What the relay writes for the client
+        # before either waits here.
+        self._greeted = False
+        self._ungreeted: list[bytes] = []
+        # The client got the relay's SETTINGS first: the runtime's are acknowledged here and
+        # never follow (the client would take them for the relay's changed), and the
+        # client's acknowledgement of the relay's is not the runtime's.
+        self._greeted_here = False
+        self._own_settings_unacked = False
+        # SETTINGS frames of the client's passed to the runtime, each of which it owes an
+        # acknowledgement.
+        self._client_settings_sent = 0
 
     # ------------------------------------------------------------------ outputs
 
@@ -348,6 +366,9 @@ class Splice:
         self._out_client, self._out_upstream = [], []
         if self.upstream_absent:
             to_upstream = []
+        if not self._greeted and to_client:
+            self._ungreeted += to_client
+            to_client = []
         return to_client, to_upstream
 
     def take_events(self) -> list[Event]:
@@ -497,11 +518,17 @@ class Splice:
 
     def _client_settings(self, flags: int, raw: bytes) -> None:
         if flags & fr.FLAG_ACK:
-            self._out_upstream.append(raw)
+            if self._own_settings_unacked:
+                # The first the client acknowledges: the relay's were the first it got.
+                self._own_settings_unacked = False
+            else:
+                self._out_upstream.append(raw)
             return
         settings = fr.parse_settings(raw[9:])
         if self.upstream_absent:
             self._out_client.append(fr.frame(fr.SETTINGS, fr.FLAG_ACK, 0))
+        else:
+            self._client_settings_sent += 1
         for key, value in settings:
             if key == fr.SETTINGS_INITIAL_WINDOW_SIZE:
                 delta = value - self._client_initial_window
@@ -793,7 +820,7 @@ class Splice:
     # ------------------------------------------------------------------ upstream -> client
 
     def from_upstream(self, data: bytes) -> None:
-        if self.failed:
+        if self.failed or self.upstream_absent:
             return
         buf = _with_pending(self._upstream_buf, data)
         pos, span, end_buf = 0, 0, len(buf)
@@ -808,6 +835,8 @@ class Splice:
                 end = pos + fr.FRAME_HEADER_LEN + length
                 if end > end_buf:
                     break
+                if not self._greeted and (ftype != fr.SETTINGS or flags & fr.FLAG_ACK):
+                    raise fr.FrameError("the runtime's first frame is not SETTINGS")
                 if ftype == fr.DATA:
                     if self._following:
                         followed = self._following.get(sid)
@@ -849,8 +878,14 @@ class Splice:
                     _forward(self._out_client, buf, span, pos)
                     settings = fr.parse_settings(memoryview(buf)[pos + 9 : end])
                     self._upstream_settings(settings)
-                    rewritten = fr.with_setting(settings, fr.SETTINGS_HEADER_TABLE_SIZE, 0)
-                    self._to_client(fr.settings_frame(rewritten), 0)
+                    if self._greeted_here:
+                        self._out_upstream.append(fr.frame(fr.SETTINGS, fr.FLAG_ACK, 0))
+                    else:
+                        rewritten = fr.with_setting(settings, fr.SETTINGS_HEADER_TABLE_SIZE, 0)
+                        if self._greeted:
+                            self._to_client(fr.settings_frame(rewritten), 0)
+                        else:
+                            self._greet(fr.settings_frame(rewritten))
                     span = end
                 elif ftype == fr.RST_STREAM and sid in self._held_trailers:
                     # After the trailers (grpc-go resets a stream it answered before the
@@ -1145,11 +1180,34 @@ class Splice:
         """No runtime connection could be made: act as the server, so that every call gets a
         clear UNAVAILABLE from the adapter instead of a bare connection failure."""
         self.upstream_absent = True
-        self._out_client.append(fr.settings_frame([(fr.SETTINGS_HEADER_TABLE_SIZE, 0)]))
+        self._greet_here()
+
+    def _greet(self, settings: bytes) -> None:
+        """Make ``settings`` the first frame the client gets, ahead of what the relay wrote
+        for it before."""
+        self._greeted = True
+        self._out_client[:0] = [settings, *self._ungreeted]
+        self._ungreeted = []
+
+    def _greet_here(self) -> None:
+        """Send the relay's own SETTINGS if the client has had none. They promise what the
+        runtime's, rewritten, promise: a zero-size header table, so the client's blocks stay
+        self-contained; all else is the protocol's defaults, which no client may exceed."""
+        if self._greeted:
+            return
+        self._greeted_here = True
+        self._own_settings_unacked = True
+        self._greet(fr.settings_frame([(fr.SETTINGS_HEADER_TABLE_SIZE, 0)]))
+
+    @property
+    def going_away(self) -> bool:
+        """The client has been sent the relay's GOAWAY."""
+        return self._goaway_last is not None
 
     def goaway(self) -> None:
         """Tell the client to open no new call here (graceful shutdown); calls in flight end."""
         if self._goaway_last is None:
+            self._greet_here()
             self._goaway_last = self._last_stream_to_announce()
             self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
 
@@ -1190,8 +1248,21 @@ class Splice:
 
     def upstream_lost(self, reason: str) -> None:
         """The runtime connection is gone: end every spliced call with UNAVAILABLE (trailers
-        already held for a followed call are still released by the adapter)."""
+        already held for a followed call are still released by the adapter).
+
+        A runtime that ended it before its SETTINGS (containerd closing connections as it
+        restarts, or dying with them in its listen backlog) leaves the connection to the
+        relay, as one whose runtime could not be reached (``upstream_absent``): the calls
+        clients send once they have had the server's SETTINGS (grpc-go and grpcio send none
+        before) get the relay's UNAVAILABLE instead of a GOAWAY that sends them straight back
+        to a runtime that may end the next connection the same way."""
         self._upstream_block = None
+        if not self._greeted:
+            self.upstream_absent = True
+            self._greet_here()
+            # The runtime, which never spoke, acknowledged none of the client's SETTINGS.
+            ack = fr.frame(fr.SETTINGS, fr.FLAG_ACK, 0)
+            self._out_client += [ack] * self._client_settings_sent
         for sid, followed in self._following.items():
             if followed.amended:
                 unwritten = sid in self._amending
@@ -1217,7 +1288,7 @@ class Splice:
                 self._to_client(chunk, 0)
         self.open_streams.clear()
         self._relayed_by_upstream.clear()
-        if self._goaway_last is None:
+        if self._goaway_last is None and (self.highest_stream or not self.upstream_absent):
             self._goaway_last = self._last_stream_to_announce()
             # Behind what waits for credit: a client reads the replies first (h2 ends a
             # connection at its GOAWAY), and learns from it which calls to retry. One that
@@ -1230,6 +1301,7 @@ class Splice:
         """Close both sides with GOAWAY: the peer at fault gets the error's code; a client
         whose runtime broke the stream did nothing wrong and gets INTERNAL_ERROR."""
         self.failed = True
+        self._greet_here()
         if runtime_fault:
             # The runtime opens no streams of its own in gRPC: it gets last-stream-id 0.
             self._out_upstream.append(fr.goaway(0, code, reason.encode()))

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -648,6 +649,61 @@ def test_a_runtime_that_accepts_nothing_is_answered_unavailable_at_once(
     finally:
         loop.stop()
     assert "runtime unreachable" in caplog.text
+
+
+@pytest.mark.parametrize("runtime", ["closes at once", "reads, then closes", "dies with it queued"])
+def test_a_runtime_that_ends_the_connection_before_a_word_is_answered_unavailable(
+    runtime: str,
+) -> None:
+    """containerd closes a connection right after accepting it (while it restarts), or dies
+    with it still waiting in its listen backlog, before its SETTINGS frame. The client, which
+    waits for the server's SETTINGS before it sends a call, once got a bare GOAWAY as the
+    first frame (grpcio: "Expected SETTINGS frame as the first frame"); told only SETTINGS and
+    GOAWAY, it came straight back to a connection that ended the same way until its call's
+    deadline. Each call is now answered UNAVAILABLE, naming the runtime connection lost."""
+    loop = LoopThread()
+    try:
+        with short_tmpdir() as workdir, socket.socket(socket.AF_UNIX) as queued:
+            runtime_socket = f"{workdir}/runtime.sock"
+
+            async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                if runtime == "reads, then closes":
+                    await reader.readexactly(len(fr.PREFACE))
+                writer.close()
+
+            served: asyncio.Server | None = None
+            if runtime == "dies with it queued":
+                queued.bind(runtime_socket)
+                queued.listen(8)  # and never accepts
+            else:
+                served = loop.run(asyncio.start_unix_server(accepted, runtime_socket))
+            relay = RelayServer(
+                listen=f"unix://{workdir}/cri.sock",
+                runtime_endpoint=f"unix://{runtime_socket}",
+                interceptor=PassthroughInterceptor(),
+            )
+            loop.run(relay.start())
+            paths = [SPLICED] if runtime == "dies with it queued" else [SPLICED, TERMINATED]
+            with grpc.insecure_channel(f"unix://{workdir}/cri.sock") as ch:
+                for path in paths:
+                    with ThreadPoolExecutor(1) as caller:
+                        call = caller.submit(failure, ch, path, b"echo:x", timeout=10)
+                        if runtime == "dies with it queued":
+                            wait_for(
+                                lambda: any(c.upstream is not None for c in relay.connections),
+                                10,
+                                "the relay's connection queued in the runtime's backlog",
+                            )
+                            queued.close()
+                        down = call.result(20)
+                    assert down.code() == grpc.StatusCode.UNAVAILABLE, down.details()
+                    assert "lost the connection to the runtime" in down.details()
+                    assert runtime_socket in down.details()
+            loop.run(relay.shutdown(2.0))
+            if served is not None:
+                loop.loop.call_soon_threadsafe(served.close)
+    finally:
+        loop.stop()
 
 
 def test_runtime_crash_fails_fast_then_recovers() -> None:

@@ -786,3 +786,163 @@ def test_the_caches_keyed_by_a_peers_bytes_keep_no_large_entries() -> None:
     assert sum(map(len, hpack_blocks._status_cache)) < 100_000
     assert reader.path(encode_block([(b":path", SPLICED.encode())])) == SPLICED
     assert reader._path_cache  # a real call's path is still cached
+
+
+# ---------------------------------------------------------------------------- the server's preface
+
+
+def unspoken_pair() -> Pair:
+    """A pair whose client has sent its preface and SETTINGS, and whose runtime has said
+    nothing yet (its SETTINGS are not on their way)."""
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    server = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=False, header_encoding=None)
+    )
+    client.initiate_connection()
+    splice = Splice(lambda path: path == INTERCEPTED)
+    splice.from_client(client.data_to_send())
+    _, to_upstream = splice.take_output()
+    server.receive_data(b"".join(to_upstream))
+    return Pair(splice, client, server)
+
+
+def frame_list(chunks: list[bytes]) -> list[tuple[int, int, int]]:
+    """(type, flags, stream id) of each whole frame in ``chunks``, in order."""
+    buf, found, pos = b"".join(chunks), [], 0
+    while len(buf) - pos >= fr.FRAME_HEADER_LEN:
+        length, kind, flags, sid = fr.parse_header(buf, pos)
+        found.append((kind, flags, sid))
+        pos += fr.FRAME_HEADER_LEN + length
+    return found
+
+
+RELAYS_SETTINGS = fr.settings_frame([(fr.SETTINGS_HEADER_TABLE_SIZE, 0)])
+SETTINGS_ACK = (fr.SETTINGS, fr.FLAG_ACK, 0)
+
+
+def open_call(pair: Pair, path: str) -> int:
+    """A whole call the client sends without waiting for the server's SETTINGS (as RFC 9113
+    3.4 lets it), passed to the splice."""
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(sid, request_headers(path))
+    pair.client.send_data(sid, grpc_body(b"early"), end_stream=True)
+    pair.splice.from_client(pair.client.data_to_send())
+    return sid
+
+
+def test_a_runtime_lost_before_its_settings_leaves_the_relays_own_first() -> None:
+    """The client's first frame from the server must be SETTINGS (RFC 9113 3.4); it once got
+    the relay's UNAVAILABLE answers and GOAWAY with nothing before them, and grpc-go and
+    grpcio fail such a connection for its first frame, saying nothing of the runtime."""
+    pair = unspoken_pair()
+    sid = open_call(pair, SPLICED)
+    pair.splice.upstream_lost("connection closed by the runtime")
+    to_client, _ = pair.splice.take_output()
+    assert to_client[0] == RELAYS_SETTINGS  # the same as with no runtime connection at all
+    kinds = frame_list(to_client)
+    # An ack for the client's SETTINGS, which the runtime never gave; the call; GOAWAY.
+    assert kinds == [(fr.SETTINGS, 0, 0), SETTINGS_ACK, (fr.HEADERS, 5, sid), (fr.GOAWAY, 0, 0)]
+    events = pair.client.receive_data(b"".join(to_client))
+    (answer,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    headers = dict(answer.headers)
+    assert headers[b"grpc-status"] == b"14"
+    assert b"lost the connection to the runtime" in headers[b"grpc-message"]
+    assert pair.client.remote_settings.header_table_size == 0
+    (goaway,) = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert goaway.last_stream_id == sid
+    assert pair.splice.idle
+
+
+def test_a_runtime_lost_before_its_settings_with_no_call_open_leaves_the_relay_to_answer() -> None:
+    """grpc-go and grpcio send no call before the server's SETTINGS: a GOAWAY straight after
+    the relay's would send them back to a runtime that ends the next connection the same way,
+    over and over until the call's deadline. The relay serves the connection itself instead,
+    as one whose runtime could not be reached: each call is the relay's to answer."""
+    pair = unspoken_pair()
+    pair.splice.upstream_lost("connection closed by the runtime")
+    to_client, _ = pair.splice.take_output()
+    assert frame_list(to_client) == [(fr.SETTINGS, 0, 0), SETTINGS_ACK]
+    pair.client.receive_data(b"".join(to_client))
+    assert pair.splice.upstream_absent
+    sid = open_call(pair, SPLICED)
+    (received,) = [e for e in pair.splice.take_events() if isinstance(e, CallReceived)]
+    assert received.stream_id == sid
+    # The client's acknowledgement of the relay's SETTINGS is the relay's, and the runtime's
+    # SETTINGS can no longer come: what the client writes goes nowhere.
+    pair.splice.from_upstream(fr.settings_frame([]))
+    to_client, to_upstream = pair.splice.take_output()
+    assert (fr.SETTINGS, 0, 0) not in frame_list(to_client)
+    assert to_upstream == []
+
+
+@pytest.mark.parametrize("side", ["client", "runtime"])
+def test_a_connection_failed_before_the_runtimes_settings_opens_with_the_relays(
+    side: str,
+) -> None:
+    pair = unspoken_pair()
+    if side == "client":
+        # A CONTINUATION frame with no header block open.
+        pair.splice.from_client(fr.frame(fr.CONTINUATION, fr.FLAG_END_HEADERS, 1, b"\x82"))
+    else:
+        # The runtime's first frame is not SETTINGS.
+        pair.splice.from_upstream(fr.window_update(0, 1000))
+    (failed,) = [e for e in pair.splice.take_events() if isinstance(e, ConnectionFailed)]
+    if side == "runtime":
+        assert "SETTINGS" in failed.reason
+    to_client, to_upstream = pair.splice.take_output()
+    assert frame_list(to_client) == [(fr.SETTINGS, 0, 0), (fr.GOAWAY, 0, 0)]
+    assert_goaways_blame(side, to_client, to_upstream, fr.PROTOCOL_ERROR)
+
+
+def test_a_goaway_before_the_runtimes_settings_sends_the_relays_and_holds_theirs_back() -> None:
+    """Shutdown reaches a connection whose runtime has not spoken yet: the relay's SETTINGS
+    go first, and the runtime's, coming later, must not follow them (the client would take
+    them for the relay's own changed). They are acknowledged here, and the client's
+    acknowledgement of the relay's goes no further."""
+    pair = unspoken_pair()
+    sid = open_call(pair, SPLICED)
+    pair.splice.goaway()
+    to_client, to_upstream = pair.splice.take_output()
+    assert frame_list(to_client) == [(fr.SETTINGS, 0, 0), (fr.GOAWAY, 0, 0)]
+    pair.server.receive_data(b"".join(to_upstream))  # the call
+    pair.client.receive_data(b"".join(to_client))
+    pair.splice.from_client(pair.client.data_to_send())  # the client's SETTINGS ACK
+    _, to_upstream = pair.splice.take_output()
+    assert SETTINGS_ACK not in frame_list(to_upstream)
+    # The runtime speaks at last, and answers the call.
+    pair.server.initiate_connection()
+    pair.splice.from_upstream(pair.server.data_to_send())
+    to_client, to_upstream = pair.splice.take_output()
+    assert frame_list(to_client) == [SETTINGS_ACK]  # of the client's: that one passes
+    assert frame_list(to_upstream) == [SETTINGS_ACK]
+    pair.server.receive_data(b"".join(to_upstream))
+    pair.server.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+    pair.server.send_data(sid, grpc_body(b"late"))
+    pair.server.send_headers(sid, [(b"grpc-status", b"0")], end_stream=True)
+    pair.splice.from_upstream(pair.server.data_to_send())
+    to_client, _ = pair.splice.take_output()
+    assert frame_list(to_client) == [(fr.HEADERS, 4, sid), (fr.DATA, 0, sid), (fr.HEADERS, 5, sid)]
+
+
+def test_what_the_relay_writes_before_the_runtimes_settings_waits_behind_them() -> None:
+    """A call the relay answers itself (here: its request is not one gRPC message) gets its
+    answer, and the credit for its request, only after the runtime's SETTINGS."""
+    pair = unspoken_pair()
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(sid, request_headers(INTERCEPTED))
+    pair.client.send_data(sid, struct.pack(">BI", 0, 100) + b"short", end_stream=True)
+    pair.splice.from_client(pair.client.data_to_send())
+    to_client, _ = pair.splice.take_output()
+    assert to_client == []
+    pair.server.initiate_connection()
+    pair.splice.from_upstream(pair.server.data_to_send())
+    to_client, _ = pair.splice.take_output()
+    kinds = frame_list(to_client)
+    assert kinds[0] == (fr.SETTINGS, 0, 0)
+    assert (fr.HEADERS, 5, sid) in kinds
+    events = pair.client.receive_data(b"".join(to_client))
+    (answer,) = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert dict(answer.headers)[b"grpc-status"] == b"13"
+    assert pair.client.remote_settings.header_table_size == 0
