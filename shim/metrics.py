@@ -326,18 +326,56 @@ _TEXT = "text/plain; charset=utf-8"
 
 async def serve_metrics(
     metrics: Metrics, address: str, healthy: Callable[[], str | None]
-) -> asyncio.Server:
+) -> MetricsServer:
     """Serve ``/metrics`` and ``/healthz`` on ``address`` (``HOST:PORT``) until the returned
-    server is closed (``server.close(); await server.wait_closed()``).
+    server's :meth:`~MetricsServer.close`.
 
     ``healthy`` is asked on each ``/healthz`` request: None when the runtime is reachable, else
     a one-line reason; it should answer from what is already known, without I/O.
     """
     host, port = parse_address(address)
+    server = MetricsServer(metrics, healthy)
+    await server.start(host, port)
+    log.info("serving metrics", extra={"fields": {"address": address}})
+    return server
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+
+class MetricsServer:
+    """The HTTP endpoint and the connections it has open, so that its close can end them."""
+
+    def __init__(self, metrics: Metrics, healthy: Callable[[], str | None]) -> None:
+        self._metrics = metrics
+        self._healthy = healthy
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.WriteTransport] = set()
+        self._closing = False
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+
+    async def close(self) -> None:
+        """Stop serving and end every connection still open, without waiting for its client.
+
+        From Python 3.12 a server's ``wait_closed`` waits for all its connections, and a
+        client that sends nothing, or does not read its answer, holds its own for the read
+        timeout and more: past the shutdown's bound (the grace plus 2 s), which this close
+        comes after. Python 3.13's ``Server.abort_clients`` does this; 3.12's has none.
+        """
+        self._closing = True
+        if self._server is None:
+            return
+        self._server.close()
+        for transport in list(self._open):
+            transport.abort()
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing:  # accepted before the close, its handler run after it
+            writer.transport.abort()
+            return
+        self._open.add(writer.transport)
         try:
-            await _serve_one(reader, writer, metrics, healthy)
+            await _serve_one(reader, writer, self._metrics, self._healthy)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
             pass
         except Exception:
@@ -352,10 +390,7 @@ async def serve_metrics(
                 writer.transport.abort()
             with contextlib.suppress(Exception):
                 await closed
-
-    server = await asyncio.start_server(handle, host, port, reuse_address=True)
-    log.info("serving metrics", extra={"fields": {"address": address}})
-    return server
+            self._open.discard(writer.transport)
 
 
 async def _serve_one(

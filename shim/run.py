@@ -286,7 +286,7 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
                     f"cannot serve metrics on {options.metrics_address}: {exc}"
                     ' (metricsAddress, --metrics-address; "" switches them off)'
                 ) from exc
-            cleanup.push_async_callback(close_metrics_server, metrics_server)
+            cleanup.push_async_callback(metrics_server.close)
         # A listen path that cannot serve (another process on it, a file in its place, a
         # directory that cannot be made) is told now, not after the wait and a resync that
         # may move every container.
@@ -439,15 +439,3 @@ def _keep_watchdog_fed() -> asyncio.Task[None] | None:
             await asyncio.sleep(interval)
 
     return asyncio.get_running_loop().create_task(feed())
-
-
-# How long a closed metrics server may wait for a connection still open: from Python 3.12,
-# wait_closed waits for every one, and a client that sent nothing holds its own for the
-# read timeout (10 s), past the shutdown's bound.
-METRICS_CLOSE_WAIT = 1.0
-
-
-async def close_metrics_server(server: asyncio.Server) -> None:
-    server.close()
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(server.wait_closed(), METRICS_CLOSE_WAIT)
