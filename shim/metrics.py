@@ -286,13 +286,15 @@ class Metrics:
 
     ``relay`` goes to :class:`~shim.cri.server.RelayServer` as its ``observer``.
     ``state_loaded`` stays False (``/healthz`` answers 503) until the caller sets it, once the
-    engine's state has been loaded and resynced with the runtime.
+    engine's state has been loaded and resynced with the runtime. ``stopping``, set once a
+    signal has begun the shutdown, fails ``/healthz`` again for the drain that follows.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.relay = RelayStats()
         self.state_loaded = False
+        self.stopping = False
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, lambda: self.state_loaded))
         self.registry.register(self.relay)
@@ -303,6 +305,10 @@ class Metrics:
 
     def unhealthy(self, healthy: Callable[[], str | None]) -> str | None:
         """Why ``/healthz`` fails, or None when it passes."""
+        if self.stopping:
+            # The relay takes no new connection from the signal on, though the runtime
+            # still answers: a check that passed would call a node fine that cannot start pods.
+            return "shutting down"
         if not self.state_loaded:
             return "state not loaded yet"
         return healthy()

@@ -318,6 +318,7 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
             resync(engine, recover_from_runtime=options.recover_from_runtime), stop
         )
         if resynced is None:
+            metrics.stopping = True
             log.info("stopped before the resync with the runtime was done")
             await engine.drain(LAST_WRITES_S)
             return 0
@@ -343,6 +344,7 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
         notify.ready(f"serving {options.listen}; {len(engine.state.assignments)} pinned")
         pinging = _keep_watchdog_fed()
         await stop.wait()
+        metrics.stopping = True
         if pinging is not None:
             pinging.cancel()
         notify.stopping()

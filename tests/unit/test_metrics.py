@@ -206,6 +206,16 @@ async def test_healthz_needs_the_state_and_the_runtime(served: Served) -> None:
     assert (status, body) == (200, "")
 
 
+async def test_healthz_says_so_while_cpushim_shuts_down(served: Served) -> None:
+    # The relay takes no new connection from the signal on: a health check must not pass.
+    served.metrics.state_loaded = True
+    served.metrics.stopping = True
+    status, _, body = await served.get("/healthz")
+    assert (status, body) == (503, "shutting down\n")
+    served.reason = "runtime unix:///run/containerd.sock unreachable"
+    assert (await served.get("/healthz"))[2] == "shutting down\n"  # the first reason wins
+
+
 async def test_other_paths_and_methods_are_refused(served: Served) -> None:
     assert (await served.get("/"))[0] == 404
     assert (await served.get("/metrics", method="POST"))[0] == 405

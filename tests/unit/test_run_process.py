@@ -11,6 +11,8 @@ import stat
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,6 +142,43 @@ def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeSer
         assert "shutting down" in messages
         assert "stopped" in messages
         assert not listen.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def healthz(address: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_healthz_fails_from_the_signal_on(fake: FakeRuntimeServer) -> None:
+    listen = fake.socket_path.parent / "sock" / "cri.sock"
+    log = fake.socket_path.parent / "cpushim.log"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    proc = start_cpushim(listen, fake.endpoint, log, "--metrics-address", address)
+    try:
+        wait_serving(proc, listen, log)
+        wait_for(lambda: logged(log, "serving"), 10, "the serving line")
+        assert healthz(address) == (200, "ok\n")
+        outcome: dict[str, object] = {}
+        with grpc.insecure_channel(f"unix://{listen}") as ch:
+            caller = call_in_flight(fake, ch, b"hold:drain", 20, outcome)
+            fake.runtime.wait_held(b"drain")
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: refuses(listen), 10, "cpushim to stop taking connections")
+            # The call in flight holds the shutdown: the endpoint still answers, and says why
+            # the node's CRI socket takes no new connection.
+            assert healthz(address) == (503, "shutting down\n")
+            fake.runtime.release(b"drain")
+            caller.join(20)
+        assert proc.wait(20) == 0, log.read_text()
+        assert "reply" in outcome, outcome
     finally:
         if proc.poll() is None:
             proc.kill()
