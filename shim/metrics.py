@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import ipaddress
 import logging
+import socket
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -357,7 +359,20 @@ class MetricsServer:
         self._closing = False
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        if _unspecified_ipv6(host):
+            # asyncio makes an IPv6 socket IPv6 only; [::] means every address to those who
+            # write it (Go servers, kubelet among them, listen on both families there).
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind((host, port))
+                self._server = await asyncio.start_server(self._handle, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
 
     async def close(self) -> None:
         """Stop serving and end every connection still open, without waiting for its client.
@@ -397,6 +412,13 @@ class MetricsServer:
             with contextlib.suppress(Exception):
                 await closed
             self._open.discard(writer.transport)
+
+
+def _unspecified_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host) == ipaddress.IPv6Address("::")
+    except ValueError:  # a host name
+        return False
 
 
 async def _serve_one(

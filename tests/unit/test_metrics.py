@@ -330,6 +330,31 @@ async def test_closing_the_server_stops_serving(env: Env) -> None:
         await asyncio.to_thread(http_get, f"http://{address}/metrics")
 
 
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 on this machine")
+async def test_the_unspecified_ipv6_address_serves_ipv4_too(env: Env) -> None:
+    # As Go servers, kubelet among them, take it: an operator who writes [::] means every
+    # address, and asyncio's own socket would be IPv6 only (IPV6_V6ONLY).
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        probe.bind(("::", 0))
+        port = probe.getsockname()[1]
+    server = await serve_metrics(Metrics(env.engine), f"[::]:{port}", lambda: None)
+    try:
+        for url in (f"http://127.0.0.1:{port}/metrics", f"http://[::1]:{port}/metrics"):
+            assert (await asyncio.to_thread(http_get, url))[0] == 200, url
+    finally:
+        await server.close()
+
+
 def test_a_bad_address_is_refused() -> None:
     with pytest.raises(ValueError, match="HOST:PORT"):
         asyncio.run(serve_metrics(None, "nowhere", lambda: None))  # type: ignore[arg-type]
