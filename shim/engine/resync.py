@@ -714,29 +714,45 @@ def waiting_for_exclusive(engine: Engine, skip: Collection[ContainerKey] = ()) -
 async def live_status(engine: Engine, container_id: str, sandbox_id: str) -> LiveContainer | None:
     """The runtime's word on one container now; None when it is gone or exited, or its state
     cannot be read (warned)."""
+    return (await status_read(engine, container_id, sandbox_id)).live
+
+
+@dataclass(frozen=True)
+class StatusRead:
+    # The container, when the runtime has it and it has not exited.
+    live: LiveContainer | None
+    # False when the runtime did not say (a failed call, an answer that does not decode):
+    # the container may be live all the same.
+    answered: bool = True
+
+
+async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> StatusRead:
+    """:func:`live_status`, telling a container that is gone or exited from one whose state
+    cannot be read."""
     request = pb.ContainerStatusRequest(container_id=container_id, verbose=True)
     reply = await engine.runtime.unary(
         UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
     )
+    if reply.status is Status.NOT_FOUND:
+        return StatusRead(None)
     if reply.status is not Status.OK or not reply.messages:
-        if reply.status is not Status.NOT_FOUND:
-            log.warning(
-                "cannot read a container's state; it stays as it is",
-                extra={
-                    "fields": {
-                        "container_id": container_id,
-                        "error": f"{reply.status.name}: {reply.status_message}",
-                    }
-                },
-            )
-        return None
+        log.warning(
+            "cannot read a container's state; it stays as it is",
+            extra={
+                "fields": {
+                    "container_id": container_id,
+                    "error": f"{reply.status.name}: {reply.status_message}",
+                }
+            },
+        )
+        return StatusRead(None, answered=False)
     try:
         response = pb.ContainerStatusResponse.FromString(reply.messages[0])
     except DecodeError:
-        return None
+        return StatusRead(None, answered=False)
     if response.status.state == pb.CONTAINER_EXITED:
-        return None
-    return live_container(container_id, sandbox_id, response.status.metadata, response)
+        return StatusRead(None)
+    return StatusRead(live_container(container_id, sandbox_id, response.status.metadata, response))
 
 
 def tracked_from_runtime(

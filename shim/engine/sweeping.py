@@ -17,7 +17,8 @@ going back.
 It runs at every full look of the watcher and soon after a fail-open create, a lost answer or
 a failed recording. A create on its way (the runtime may have made the container, cpushim not
 recorded it yet) would look unknown: the sweep takes the lock only when no create is on its
-way. One that could not list the runtime, or that creates kept from the lock, says so
+way. One that could not list the runtime, that the runtime could not tell what an unknown
+container or its sandbox is, or that creates kept from the lock, says so
 (``SweepReport.unfinished``), and the watcher sweeps again after a while: the full looks may
 be off (``resyncPeriod`` 0), and what it found would run on any CPU meanwhile.
 """
@@ -39,9 +40,9 @@ from shim.engine.resync import (
     CALL_TIMEOUT,
     LiveContainer,
     adopt_sharing,
-    live_status,
     running_first,
     sandbox_config,
+    status_read,
     superseded_attempts,
     tracked_from_runtime,
     waiting_for_exclusive,
@@ -64,7 +65,7 @@ class SweepReport:
     # Keys given exclusive CPUs by the adoption that follows.
     adopted_exclusive: list[ContainerKey] = field(default_factory=list)
     # The runtime's untracked containers may be left for a later sweep: it could not be
-    # listed, or creates kept coming.
+    # listed, it could not say what one of them or its sandbox is, or creates kept coming.
     unfinished: bool = False
 
 
@@ -73,7 +74,8 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
     that cpushim does not track, then give the containers that share and ask for exclusive
     CPUs theirs where there is room (one taken in now, or one whose adoption found no room
     or could not be written before). A runtime that cannot be listed now leaves everything
-    as it is (the report says it is unfinished)."""
+    as it is, and one that cannot say what an unknown container is leaves that one (the
+    report says it is unfinished)."""
     report = SweepReport()
     if engine.learnt_sandboxes:
         await _forget_removed(engine)
@@ -86,7 +88,9 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
         if listing.unknown:
             # The runtime is asked about them before the lock: a slow answer holds no
             # decision back.
-            found, pods = await _found(engine, listing.unknown)
+            found, pods, unread = await _found(engine, listing.unknown)
+            if unread:
+                report.unfinished = True
             if found:
                 taken = await _take_in(engine, found, pods, settle)
                 if taken is None:
@@ -212,31 +216,38 @@ async def _lock_between_creates(engine: Engine, settle: float) -> bool:
 
 async def _found(
     engine: Engine, unknown: dict[str, pb.Container]
-) -> tuple[list[LiveContainer], dict[str, Pod]]:
+) -> tuple[list[LiveContainer], dict[str, Pod], bool]:
     """Of ``unknown``, those live now, with the pods of sandboxes cpushim does not know: a
-    container left created in a sandbox that is not ready never runs (as at start-up)."""
+    container left created in a sandbox that is not ready never runs (as at start-up).
+    True last when the runtime could not say about one of them: it is left for a later
+    sweep."""
     found: list[LiveContainer] = []
     pods: dict[str, Pod] = {}
     not_ready: set[str] | None = None
+    unread = False
     for container_id in sorted(unknown):
-        container = await live_status(engine, container_id, unknown[container_id].pod_sandbox_id)
+        read = await status_read(engine, container_id, unknown[container_id].pod_sandbox_id)
+        container = read.live
         if container is None:
+            unread = unread or not read.answered
             continue
         if container.state == pb.CONTAINER_CREATED:
             if not_ready is None:
                 not_ready = await _sandboxes_not_ready(engine)
             if not_ready is None:
+                unread = True
                 continue
             if container.sandbox_id in not_ready:
                 engine.never_running.add(container_id)
                 continue
         if container.sandbox_id not in engine.pods and container.sandbox_id not in pods:
-            pod = await _pod(engine, container.sandbox_id)
+            pod, answered = await _pod(engine, container.sandbox_id)
             if pod is None:
+                unread = unread or not answered
                 continue
             pods[container.sandbox_id] = pod
         found.append(container)
-    return found, pods
+    return found, pods, unread
 
 
 def _learn_pods(engine: Engine, pods: dict[str, Pod], found: list[LiveContainer]) -> None:
@@ -349,28 +360,40 @@ async def _listing(engine: Engine) -> _Listing | None:
     return _Listing(unknown, sorted(tracked_before - listed_ids))
 
 
-async def _pod(engine: Engine, sandbox_id: str) -> Pod | None:
-    """A sandbox cpushim never saw made: its pod as the runtime reports it; None when the
-    sandbox is gone or not ready (the runtime starts no container in a stopped one)."""
+async def _pod(engine: Engine, sandbox_id: str) -> tuple[Pod | None, bool]:
+    """A sandbox cpushim never saw made: its pod as the runtime reports it, None when the
+    sandbox is gone or not ready (the runtime starts no container in a stopped one); and
+    False when the runtime did not say."""
     request = pb.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True)
     reply = await engine.runtime.unary(
         UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
     )
+    if reply.status is Status.NOT_FOUND:
+        return None, True
     if reply.status is not Status.OK or not reply.messages:
-        return None
+        log.warning(
+            "cannot read a sandbox's state; its containers are looked at later",
+            extra={
+                "fields": {
+                    "sandbox_id": sandbox_id,
+                    "error": f"{reply.status.name}: {reply.status_message}",
+                }
+            },
+        )
+        return None, False
     try:
         status = pb.PodSandboxStatusResponse.FromString(reply.messages[0])
     except DecodeError:
-        return None
+        return None, False
     if status.status.state != pb.SANDBOX_READY:
-        return None
+        return None, True
     item = pb.PodSandbox(
         id=sandbox_id,
         metadata=status.status.metadata,
         annotations=status.status.annotations,
         state=status.status.state,
     )
-    return Pod.from_config(sandbox_id, sandbox_config(item, status))
+    return Pod.from_config(sandbox_id, sandbox_config(item, status)), True
 
 
 def _key_of(engine: Engine, container: LiveContainer) -> ContainerKey | None:

@@ -190,7 +190,9 @@ async def test_exited_containers_and_stopped_sandboxes_are_left_alone(env: Env) 
     )
     stopped = env.fake.add_sandbox(stopped_config, state=pb.SANDBOX_NOTREADY)
     env.fake.add_container(stopped, config, state=pb.CONTAINER_CREATED)
-    assert (await sweep(env.engine)).tracked == []
+    report = await sweep(env.engine)
+    assert report.tracked == []
+    assert not report.unfinished  # nothing would come of trying again
     assert env.engine.state.assignments == {}
     assert env.fake.calls_of("UpdateContainerResources") == []
 
@@ -270,6 +272,77 @@ async def test_a_runtime_that_cannot_list_leaves_everything(env: Env) -> None:
     assert (await sweep(env.engine)).tracked == []
     assert outsider not in env.engine.containers
     assert (await sweep(env.engine)).tracked == [outsider]
+
+
+async def test_a_container_whose_state_cannot_be_read_leaves_the_sweep_unfinished(
+    env: Env,
+) -> None:
+    """Listed, but its ContainerStatus failed: it is not taken in now, and the sweep says
+    so, or it waits for a full look that resyncPeriod 0 never brings."""
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    outsider = made_outside(env, pod, "debug")
+    env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE)
+    report = await sweep(env.engine)
+    assert report.tracked == []
+    assert report.unfinished
+    report = await sweep(env.engine)
+    assert report.tracked == [outsider]
+    assert not report.unfinished
+
+
+async def test_a_sandbox_whose_state_cannot_be_read_leaves_the_sweep_unfinished(
+    env: Env,
+) -> None:
+    uid = str(uuid.uuid4())
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name="direct", uid=uid, namespace="default"),
+        linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent("besteffort", uid)),
+    )
+    outsider = made_outside(env, Pod(env.fake.add_sandbox(config), config, "besteffort"), "main")
+    env.fake.fail_next("PodSandboxStatus", GrpcStatus.DEADLINE_EXCEEDED)
+    report = await sweep(env.engine)
+    assert report.tracked == []
+    assert report.unfinished
+    assert (await sweep(env.engine)).tracked == [outsider]
+
+
+async def test_a_created_container_whose_sandboxes_cannot_be_listed_leaves_the_sweep_unfinished(
+    env: Env,
+) -> None:
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    outsider = made_outside(env, pod, "debug", state=pb.CONTAINER_CREATED)
+    env.fake.fail_next("ListPodSandbox", GrpcStatus.UNAVAILABLE)
+    report = await sweep(env.engine)
+    assert report.tracked == []
+    assert report.unfinished
+    assert (await sweep(env.engine)).tracked == [outsider]
+
+
+async def test_a_container_gone_since_the_listing_leaves_the_sweep_finished(env: Env) -> None:
+    """Removed between the listing and its ContainerStatus: nothing is left to take in, and
+    a sweep tried again would only list it gone."""
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    made_outside(env, pod, "debug")
+    env.fake.fail_next("ContainerStatus", GrpcStatus.NOT_FOUND)
+    report = await sweep(env.engine)
+    assert report.tracked == []
+    assert not report.unfinished
+
+
+async def test_a_sweep_that_cannot_read_a_container_tries_again_without_a_full_look(
+    tmp_path: Path,
+) -> None:
+    async with (
+        FakeRuntime() as fake,
+        with_watcher(tmp_path, fake, options=EngineOptions(retry_delay=0.01)) as (env, watcher),
+    ):
+        pod = await env.kubelet.run_pod("tools", "besteffort")
+        outsider = made_outside(env, pod, "debug")
+        env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "busy", count=2)
+        watcher.sweep_soon()
+        await until(lambda: outsider in env.engine.containers, "taken in by a later sweep")
+        assert len(env.fake.calls_of("ListContainers")) >= 3
+        assert env.engine.counters["full_resyncs"] == 0
 
 
 async def test_the_full_look_sweeps(with_cgroups: tuple[Env, Watcher]) -> None:
