@@ -16,7 +16,9 @@ look now and then in case an event was lost.
   which is the truth while cpushim runs.
 - Overflow of the kernel's event queue, a watch the kernel refused, and a slow timer each lead
   to one full look: the runtime's containers cpushim does not track (shim/engine/sweeping.py),
-  every container's cgroup against the state, and the state file.
+  every container's cgroup against the state, and the state file. A watch the full look
+  cannot place either is asked for again on its own, with a growing wait, while the container
+  runs: the timer may be off (``resyncPeriod`` 0).
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ class Watcher:
         self._lock_retry: asyncio.Task[None] | None = None
         # Sweeps again after one that left the runtime's containers unlooked at.
         self._sweep_retry: asyncio.Task[None] | None = None
+        # Running containers whose watch a full look could not place, in the order their
+        # watch is asked for again (the last refused last), and the one task that asks.
+        self._unwatched: dict[str, None] = {}
+        self._watch_retry: asyncio.Task[None] | None = None
         self._timer: asyncio.Task[None] | None = None
         # Called at the start of every full look (the config reloader reads its file again:
         # an edit whose event an overflow dropped is applied then).
@@ -172,6 +178,7 @@ class Watcher:
         for container_id in list(self._pidfds):
             self._close_pidfd(container_id)
         self._containers.clear()
+        self._unwatched.clear()
         self._state_watch = None
         self.inotify.close()
 
@@ -237,7 +244,8 @@ class Watcher:
 
     def watch(self, tracked: Tracked, *, look_on_failure: bool = True) -> bool:
         """Watch a running container's cgroup: its cpuset, and its going away. When the
-        kernel refuses, one full look follows (unless this is one); False then."""
+        kernel refuses, one full look follows (unless this is one, or a retry: the watch
+        is then asked for again later); False then."""
         if tracked.id in self._containers or tracked.cgroup is None or self._stopped:
             return tracked.id in self._containers
         known = self.engine.containers.get(tracked.id)
@@ -277,25 +285,68 @@ class Watcher:
             self.counters["watch_errors"] += 1
             # The cgroup may be gone already: a full look finds out. Within one, no other
             # follows at once: a kernel out of watches would refuse it too, look after look.
-            then = (
-                "looking at everything once"
-                if look_on_failure
-                else "the next full look tries again"
-            )
+            then = "looking at everything once" if look_on_failure else "tried again later"
             log.warning(
                 f"cannot watch a container's cgroup; {then}",
                 extra={"fields": {"container_id": container_id, "error": str(exc)}},
             )
             if look_on_failure:
                 self.jobs.request("full-resync", self.look_everywhere)
+            else:
+                self._watch_again_later(container_id)
             return False
+        self._unwatched.pop(container_id, None)
         self._containers[container_id] = subscriptions
         self._watch_process(tracked)
         # It may have changed between the runtime making it and the watch: look once.
         self.jobs.request(container_id, lambda: self.check(container_id))
         return True
 
+    def _watch_again_later(self, container_id: str) -> None:
+        """Ask for the container's watch again after ``retry_delay``, doubling the wait up
+        to a minute, while it runs: with nothing watching it, its drift goes unrepaired and
+        its exit unseen until a full look, and with ``resyncPeriod`` 0 none comes. One task
+        for every such container: a kernel out of watches refuses them all together."""
+        self._unwatched.pop(container_id, None)
+        self._unwatched[container_id] = None  # last: the others are asked for first
+        if self._watch_retry is None and not self._stopped:
+            self._watch_retry = self.engine._spawn(self._retry_watches())
+
+    async def _retry_watches(self) -> None:
+        async def attempt() -> bool:
+            if self._stopped or self.engine._draining.is_set():
+                return True
+            refused = False
+            for container_id in list(self._unwatched):
+                tracked = self.engine.containers.get(container_id)
+                if tracked is None or tracked.phase is not Phase.RUNNING or tracked.cgroup is None:
+                    self._unwatched.pop(container_id, None)
+                    continue
+                # One refusal a try: the kernel would refuse the rest as it did this one,
+                # each with a warning.
+                if not refused and self.watch(tracked, look_on_failure=False):
+                    self._unwatched.pop(container_id, None)
+                    continue  # its first check follows
+                refused = True
+                # What its watch would have told meanwhile: a drift, an exit.
+                try:
+                    await self.check(container_id)
+                except Exception:
+                    self.counters["internal_errors"] += 1
+                    log.exception(
+                        "watch job failed",
+                        extra={"fields": {"job": "watch-retry", "container_id": container_id}},
+                    )
+            return not self._unwatched
+
+        try:
+            # Not cancelled by stop(): a check cut half-way could leave a repair unrecorded.
+            await retry_until_done(attempt, self.engine.options.retry_delay, self._stopping)
+        finally:
+            self._watch_retry = None
+
     def unwatch(self, container_id: str) -> None:
+        self._unwatched.pop(container_id, None)
         for subscription in self._containers.pop(container_id, []):
             self.inotify.unsubscribe(subscription)
         self._close_pidfd(container_id)

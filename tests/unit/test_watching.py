@@ -26,6 +26,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions, watching
 from shim.engine.moves import MoveResult
+from shim.engine.retrying import retry_until_done
 from shim.engine.tracked import Tracked
 from shim.engine.watching import Coalescer, Look, Watcher, _look
 from shim.fileio import identity
@@ -74,8 +75,10 @@ async def watched_env(
     fake: FakeRuntime,
     resync_period: float = 0.0,
     policy: StaticPolicy | None = None,
+    retry_delay: float = EngineOptions.retry_delay,
 ) -> AsyncIterator[Watched]:
-    env = await make_env(fake, tmp_path / "state", policy, options=EngineOptions(record_delay=3600))
+    options = EngineOptions(record_delay=3600, retry_delay=retry_delay)
+    env = await make_env(fake, tmp_path / "state", policy, options=options)
     watcher = Watcher(env.engine, resync_period=resync_period)
     watcher.start()
     try:
@@ -928,12 +931,121 @@ async def test_a_full_look_that_cannot_place_a_watch_starts_no_other(
     assert w.counters["watch_errors"] == 1
     # Another look at once would fail the same way (the kernel is out of watches), and so on.
     assert w.counters["full_resyncs"] == 1
-    assert "cannot watch a container's cgroup; the next full look tries again" in caplog.text
+    assert "cannot watch a container's cgroup; tried again later" in caplog.text
     assert "looking at everything once" not in caplog.text
 
     monkeypatch.setattr(w.watcher.inotify, "subscribe", subscribe)
     await w.watcher.look_everywhere()
     assert shared_id in w.watcher._containers
+
+
+@pytest.fixture
+async def retrying(tmp_path: Path) -> AsyncIterator[Watched]:
+    """No periodic look (resyncPeriod 0), and retries 10 ms apart."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        async for watched in watched_env(tmp_path, fake, retry_delay=0.01):
+            yield watched
+
+
+class OutOfWatches:
+    """The kernel refuses every watch under ``root`` while ``full`` is set, as when
+    max_user_watches is reached; ``refused`` counts its refusals."""
+
+    def __init__(
+        self, watcher: Watcher, root: Path | None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        assert root is not None
+        self.root = str(root)
+        self.full = True
+        self.refused = 0
+        self._subscribe = watcher.inotify.subscribe
+        monkeypatch.setattr(watcher.inotify, "subscribe", self)
+
+    def __call__(self, path: str, mask: int, callback: Any) -> Any:
+        if self.full and path.startswith(self.root):
+            self.refused += 1
+            raise WatchError(errno.ENOSPC, "no space left on device", path)
+        return self._subscribe(path, mask, callback)
+
+
+async def test_a_watch_a_full_look_could_not_place_is_placed_later_without_another_look(
+    retrying: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With resyncPeriod 0 no other full look comes: the container would go without drift
+    repair and exit detection for good."""
+    w = retrying
+    shared_id = await w.started("web")
+    w.watcher.unwatch(shared_id)
+    kernel = OutOfWatches(w.watcher, w.env.fake.cgroup_root, monkeypatch)
+    await w.watcher.look_everywhere()
+    assert shared_id not in w.watcher._containers
+    await until(lambda: kernel.refused >= 2, "the watch tried again")
+    kernel.full = False
+    await until(lambda: shared_id in w.watcher._containers, "watched at last")
+    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    assert w.counters["full_resyncs"] == 1
+
+
+async def test_a_container_the_kernel_will_not_watch_is_still_repaired_and_seen_to_exit(
+    retrying: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = retrying
+    pinned_id = await w.started("db", "guaranteed", 1000)
+    w.watcher.unwatch(pinned_id)
+    OutOfWatches(w.watcher, w.env.fake.cgroup_root, monkeypatch)
+    await w.watcher.look_everywhere()
+    cpuset_file(w.env, pinned_id).write_text("0-7\n")
+    await until(lambda: w.env.kernel_cpus(pinned_id) == FIRST_SINGLE, "repaired")
+    w.env.fake.exit_container(pinned_id)
+    await until(lambda: w.env.engine.state.holding(pinned_id) is None, "released")
+    await until(lambda: w.watcher._watch_retry is None, "the retry ended with the container")
+    assert w.counters["full_resyncs"] == 1
+
+
+async def test_a_kernel_out_of_watches_for_many_containers_is_asked_once_per_retry(
+    retrying: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One retry for them all, and one watch asked for at each of its tries: each refusal
+    is a warning, and the kernel refuses the rest as it refused the first."""
+    w = retrying
+    ids = [await w.started(f"web{n}") for n in range(4)]
+    for container_id in ids:
+        w.watcher.unwatch(container_id)
+    attempts = 0
+
+    async def counted(attempt: Any, first_delay: float, stop: asyncio.Event) -> None:
+        async def counting() -> bool:
+            nonlocal attempts
+            attempts += 1
+            return bool(await attempt())
+
+        await retry_until_done(counting, first_delay, stop)
+
+    monkeypatch.setattr(watching, "retry_until_done", counted)
+    kernel = OutOfWatches(w.watcher, w.env.fake.cgroup_root, monkeypatch)
+    tasks = len(w.env.engine._tasks)
+    await w.watcher.look_everywhere()
+    assert kernel.refused == len(ids)
+    assert len(w.env.engine._tasks) <= tasks + 1
+    await until(lambda: attempts >= 3, "three tries")
+    assert kernel.refused - len(ids) <= attempts
+    kernel.full = False
+    await until(lambda: all(i in w.watcher._containers for i in ids), "all watched")
+
+
+async def test_a_stopped_watcher_tries_no_more_watches(
+    w: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared_id = await w.started("web")
+    w.watcher.unwatch(shared_id)
+    kernel = OutOfWatches(w.watcher, w.env.fake.cgroup_root, monkeypatch)
+    await w.watcher.look_everywhere()
+    assert w.watcher._watch_retry is not None
+    refused = kernel.refused
+    await w.watcher.stop()
+    # Its wait (a second here) ends with the watcher, and no watch is asked for.
+    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    assert kernel.refused == refused
 
 
 async def test_the_periodic_look_repairs_what_no_event_told(tmp_path: Path) -> None:
