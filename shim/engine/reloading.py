@@ -15,7 +15,9 @@ a file that is gone. The same refusal (same bytes, same reason) is counted once,
 once unless a read is asked for (SIGHUP: silence would pass for a good file). A refused
 file is read again at every look, its bytes changed or not: the reason may be the machine's
 (a socketGroup made since, a sysfs or checkpoint that failed), and the file then applies as
-soon as the machine allows it. A good one applies what can change while running:
+soon as the machine allows it. With no full looks (``resyncPeriod`` 0) it is read again on
+its own, after a while that grows up to a minute. A good one applies what can change while
+running:
 
 - the policy, its options and the reserved CPUs: a new policy is built and the engine re-plans
   under it (``Engine.change_policy``): containers move, the checkpoint is rewritten; then the
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, key_line, reload_options
 from shim.engine.resync import adopt_sharing
+from shim.engine.retrying import retry_until_done
 from shim.fileio import identity, read_regular_file
 from shim.inotify import (
     IN_CLOSE_WRITE,
@@ -145,7 +148,14 @@ class ConfigReloader:
         # The last refusal, by the bytes refused and the reason: the same one is not counted
         # again (a bad file touched, a machine fault met at every look).
         self._refused: tuple[bytes | None, str] | None = None
+        # Reads a refused file again while no full look will (resyncPeriod 0).
+        self._retry: asyncio.Task[None] | None = None
+        # One read at a time: the retry's and the watch jobs'.
+        self._reading = asyncio.Lock()
         self._stopped = False
+        # The same, for the retry's wait (not cancelled: a reload cut half-way could leave a
+        # re-plan made and not adopted).
+        self._stopping = asyncio.Event()
 
     @property
     def path(self) -> str:
@@ -163,6 +173,7 @@ class ConfigReloader:
 
     def stop(self) -> None:
         self._stopped = True
+        self._stopping.set()
         self.engine.adopter = None
         if self._check_soon in self.watcher.full_look_hooks:
             self.watcher.full_look_hooks.remove(self._check_soon)
@@ -258,6 +269,10 @@ class ConfigReloader:
         an unreadable sysfs, a checkpoint that could not be written), not its bytes."""
         if self._stopped:
             return
+        async with self._reading:
+            await self._check_now()
+
+    async def _check_now(self) -> None:
         if self._subscription is None:
             if self._directory.is_dir():
                 self._watch()
@@ -368,6 +383,7 @@ class ConfigReloader:
         self, error: str, *, line: int | None, key: str | None, asked: bool = False
     ) -> None:
         refusal = (self._last_read, error)
+        self._read_again_later()
         if refusal != self._refused:
             self._refused = refusal
             self.engine.counters["config_errors"] += 1
@@ -377,3 +393,31 @@ class ConfigReloader:
             "config file refused; the running config stays",
             extra={"fields": {"config": self.path, "error": error, "line": line, "key": key}},
         )
+
+    def _read_again_later(self) -> None:
+        """With no periodic look (``resyncPeriod`` 0), read a refused file again after
+        ``retry_delay``, doubling the wait up to a minute, until it applies (or is edited to
+        a file that does): what refused it may be the machine's, and nothing else would read
+        it again before an edit or a SIGHUP. Every refusal, its bytes' too: telling the two
+        apart would guess (reserved CPUs the node does not have are either), and a read
+        costs little. With a period, the full looks read it (``_check_soon``)."""
+        if self._retry is None and not self._stopped and self.watcher.resync_period <= 0:
+            self._retry = self.engine._spawn(self._retry_refused())
+
+    async def _retry_refused(self) -> None:
+        async def attempt() -> bool:
+            done = self._refused is None or self.watcher.resync_period > 0
+            if done or self._stopped or self.engine._draining.is_set():
+                return True
+            try:
+                await self._check()
+            except Exception:
+                # A defect, not the machine: reading again would fail the same way.
+                log.exception("watch job failed", extra={"fields": {"job": "config"}})
+                return True
+            return self._refused is None
+
+        try:
+            await retry_until_done(attempt, self.engine.options.retry_delay, self._stopping)
+        finally:
+            self._retry = None

@@ -4,6 +4,7 @@ refused and changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import grp
 import logging
 import os
@@ -63,8 +64,10 @@ class Reloading:
         await until(lambda: self.watcher.jobs.pending == 0, "watch jobs done")
 
 
-@pytest.fixture
-async def r(tmp_path: Path) -> AsyncIterator[Reloading]:
+@contextlib.asynccontextmanager
+async def reloading(
+    tmp_path: Path, resync_period: float = 0.0, retry_delay: float = EngineOptions.retry_delay
+) -> AsyncIterator[Reloading]:
     sysfs = write_sysfs(
         MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2), tmp_path / "sys"
     )
@@ -77,9 +80,9 @@ async def r(tmp_path: Path) -> AsyncIterator[Reloading]:
             fake,
             tmp_path / "state",
             build_policy(options),
-            options=EngineOptions(record_delay=3600),
+            options=EngineOptions(record_delay=3600, retry_delay=retry_delay),
         )
-        watcher = Watcher(env.engine, resync_period=0)
+        watcher = Watcher(env.engine, resync_period=resync_period)
         watcher.start()
         reloader = ConfigReloader(watcher, options, build_policy)
         reloader.start()
@@ -92,6 +95,12 @@ async def r(tmp_path: Path) -> AsyncIterator[Reloading]:
             await watcher.stop()
             await env.engine.drain(5.0)
             env.channel.close()
+
+
+@pytest.fixture
+async def r(tmp_path: Path) -> AsyncIterator[Reloading]:
+    async with reloading(tmp_path) as reloader:
+        yield reloader
 
 
 async def pinned_and_shared(env: Env) -> tuple[str, str]:
@@ -467,12 +476,8 @@ async def test_a_sysfs_that_could_not_be_read_is_tried_again_at_the_full_look(
     assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
 
 
-async def test_a_file_refused_for_the_machines_sake_is_applied_once_the_machine_allows_it(
-    r: Reloading, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A socketGroup named before `groupadd` made it: the same bytes are good once the group
-    exists, and the next full look applies them, the reserved CPUs of the same edit too."""
-    group = "cpushim-reload-test"
+def group_made_later(monkeypatch: pytest.MonkeyPatch, group: str) -> Callable[[], None]:
+    """No group ``group`` on this node until the function returned is called (groupadd)."""
     real = grp.getgrnam
     made: list[str] = []
 
@@ -482,16 +487,87 @@ async def test_a_file_refused_for_the_machines_sake_is_applied_once_the_machine_
         return real(name)
 
     monkeypatch.setattr(grp, "getgrnam", getgrnam)  # shim.config asks it
+    return lambda: made.append(group)
+
+
+async def test_a_file_refused_for_the_machines_sake_is_applied_once_the_machine_allows_it(
+    r: Reloading, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A socketGroup named before `groupadd` made it: the same bytes are good once the group
+    exists, and the next full look applies them, the reserved CPUs of the same edit too."""
+    group = "cpushim-reload-test"
+    groupadd = group_made_later(monkeypatch, group)
     r.write(f'reservedSystemCPUs = "0-1"\nsocketGroup = "{group}"\n')
     await r.reloaded("config_errors")
     await r.watcher.look_everywhere()  # no group yet: not counted again
     await events_handled(r)
     assert r.env.engine.counters["config_errors"] == 1
-    made.append(group)  # groupadd
+    groupadd()
     await r.watcher.look_everywhere()
     await r.reloaded("config_reloads")
     assert r.env.engine.policy.reserved == CPUSet.parse("0-1")
     assert r.reloader.options.socket_group == group
+
+
+async def test_a_file_refused_for_the_machines_sake_applies_without_a_full_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With resyncPeriod 0 no full look reads it again: the file would wait for an edit or
+    a SIGHUP once the group is made, though nothing in it is wrong."""
+    groupadd = group_made_later(monkeypatch, "cpushim-reload-test")
+    async with reloading(tmp_path, retry_delay=0.01) as r:
+        r.write('reservedSystemCPUs = "0-1"\nsocketGroup = "cpushim-reload-test"\n')
+        await r.reloaded("config_errors")
+        groupadd()
+        await r.reloaded("config_reloads")
+        assert r.env.engine.policy.reserved == CPUSet.parse("0-1")
+        assert r.env.engine.counters["config_errors"] == 1
+        assert r.env.engine.counters["full_resyncs"] == 0
+        await until(lambda: r.reloader._retry is None, "the retry ended")
+
+
+async def test_a_sysfs_that_could_not_be_read_is_tried_again_without_a_full_look(
+    tmp_path: Path,
+) -> None:
+    async with reloading(tmp_path, retry_delay=0.01) as r:
+        online = r.sysfs / "devices/system/cpu/online"
+        aside = online.with_name("online.aside")
+        online.rename(aside)
+        r.write('reservedSystemCPUs = "0,4"\n')
+        await r.reloaded("config_errors")
+        aside.rename(online)
+        await r.reloaded("config_reloads")
+        assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+        assert r.env.engine.counters["full_resyncs"] == 0
+
+
+async def test_with_a_periodic_look_a_refused_file_waits_for_it(tmp_path: Path) -> None:
+    """The full look reads a refused file again: no retry of its own beside it."""
+    async with reloading(tmp_path, resync_period=3600, retry_delay=0.01) as r:
+        r.write("reservedSystemCPUs = [\n")
+        await r.reloaded("config_errors")
+        assert r.reloader._retry is None
+
+
+async def test_a_stopped_reloader_reads_a_refused_file_no_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with reloading(tmp_path, retry_delay=3600) as r:
+        r.write("reservedSystemCPUs = [\n")
+        await r.reloaded("config_errors")
+        assert r.reloader._retry is not None
+        reads: list[None] = []
+        real = r.reloader.reload
+
+        async def counted() -> None:
+            reads.append(None)
+            await real()
+
+        monkeypatch.setattr(r.reloader, "reload", counted)
+        r.reloader.stop()
+        # Its hour-long wait ends with the reloader, and no read follows.
+        await until(lambda: r.reloader._retry is None, "the retry ended")
+        assert reads == []
 
 
 async def test_a_file_truncated_or_linked_without_a_close_is_read_at_the_full_look(
