@@ -24,6 +24,7 @@ look now and then in case an event was lost.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine
@@ -328,15 +329,9 @@ class Watcher:
                     self._unwatched.pop(container_id, None)
                     continue  # its first check follows
                 refused = True
-                # What its watch would have told meanwhile: a drift, an exit.
-                try:
-                    await self.check(container_id)
-                except Exception:
-                    self.counters["internal_errors"] += 1
-                    log.exception(
-                        "watch job failed",
-                        extra={"fields": {"job": "watch-retry", "container_id": container_id}},
-                    )
+                # What its watch would have told meanwhile: a drift, an exit. Under the
+                # container's key, so that it never runs beside another check of it.
+                self.jobs.request(container_id, functools.partial(self.check, container_id))
             return not self._unwatched
 
         try:
