@@ -315,6 +315,11 @@ class FakeRuntime:
         self._check_name(method)
         self._failures.setdefault(method, deque()).extend([(status, message)] * count)
 
+    def clear_failures(self, method: str) -> None:
+        """Calls of ``method`` no longer fail: the failures still queued are dropped."""
+        self._check_name(method)
+        self._failures.pop(method, None)
+
     def gate(self, method: str) -> asyncio.Event:
         """Hold calls of ``method``: each is recorded, then waits until the returned event is
         set before doing anything. Gating a gated method returns the same event."""

@@ -981,8 +981,14 @@ class Engine:
         if found.ended:
             # Ended before its cgroup was looked for: no watch would see it.
             await self.container_exited(tracked.id)
-        elif tracked.cgroup is not None and self.watcher is not None:
+        elif self.watcher is None:
+            return
+        elif tracked.cgroup is not None:
             self.watcher.watch(tracked)
+        elif not found.answered:
+            # Unwatched, its exit would hold its CPUs until a full look, and with
+            # resyncPeriod 0 none comes.
+            self.watcher.watch_again_later(tracked.id)
 
     def _mark_exited(self, tracked: Tracked) -> None:
         tracked.phase = Phase.EXITED

@@ -66,6 +66,9 @@ class Found:
 
     cgroup: Path | None
     ended: bool = False
+    # False when the runtime did not answer (a failed call, an answer that does not decode):
+    # the container may be running there all the same, and asking again may tell.
+    answered: bool = True
 
 
 def _process_ended(pid: int) -> bool:
@@ -457,7 +460,8 @@ class Mover:
         it names is gone with the process it names. A process that ends at once can take its
         cgroup with it before it is looked for (systemd removes an emptied scope at once),
         while containerd still reports the container running until its shim has cleaned up:
-        no watch would then ever see the exit."""
+        no watch would then ever see the exit. Not ``answered`` when the runtime did not
+        say."""
         if self.layout is None:
             return Found(None)
         if just_started and self._derive(tracked):
@@ -469,11 +473,11 @@ class Mover:
         if reply.status is Status.NOT_FOUND:
             return Found(None, ended=True)
         if reply.status is not Status.OK or not reply.messages:
-            return Found(None)
+            return Found(None, answered=False)
         try:
             status = pb.ContainerStatusResponse.FromString(reply.messages[0])
         except DecodeError:
-            return Found(None)
+            return Found(None, answered=False)
         info = status.info.get("info", "")
         directory = self.cgroup_of(info)
         if directory is None:

@@ -17,8 +17,9 @@ look now and then in case an event was lost.
 - Overflow of the kernel's event queue, a watch the kernel refused, and a slow timer each lead
   to one full look: the runtime's containers cpushim does not track (shim/engine/sweeping.py),
   every container's cgroup against the state, and the state file. A watch the full look
-  cannot place either is asked for again on its own, with a growing wait, while the container
-  runs: the timer may be off (``resyncPeriod`` 0).
+  cannot place either, or a container whose cgroup the runtime did not say where to find, is
+  asked for again on its own, with a growing wait, while the container runs: the timer may be
+  off (``resyncPeriod`` 0).
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ class Watcher:
         self._lock_retry: asyncio.Task[None] | None = None
         # Sweeps again after one that left the runtime's containers unlooked at.
         self._sweep_retry: asyncio.Task[None] | None = None
-        # Running containers whose watch a full look could not place, in the order their
-        # watch is asked for again (the last refused last), and the one task that asks.
+        # Running containers with no watch that no event would bring: a full look could not
+        # place it, or the runtime did not say where their cgroup is (created ones too). In
+        # the order they are tried again (the last refused last), and the one task that does.
         self._unwatched: dict[str, None] = {}
         self._watch_retry: asyncio.Task[None] | None = None
         self._timer: asyncio.Task[None] | None = None
@@ -294,7 +296,7 @@ class Watcher:
             if look_on_failure:
                 self.jobs.request("full-resync", self.look_everywhere)
             else:
-                self._watch_again_later(container_id)
+                self.watch_again_later(container_id)
             return False
         self._unwatched.pop(container_id, None)
         self._containers[container_id] = subscriptions
@@ -303,23 +305,41 @@ class Watcher:
         self.jobs.request(container_id, lambda: self.check(container_id))
         return True
 
-    def _watch_again_later(self, container_id: str) -> None:
+    def watch_again_later(self, container_id: str) -> None:
         """Ask for the container's watch again after ``retry_delay``, doubling the wait up
-        to a minute, while it runs: with nothing watching it, its drift goes unrepaired and
-        its exit unseen until a full look, and with ``resyncPeriod`` 0 none comes. One task
-        for every such container: a kernel out of watches refuses them all together."""
+        to a minute, while it runs, and first for its cgroup when the runtime did not say
+        where it is: with nothing watching it, its drift goes unrepaired and its exit unseen
+        until a full look, and with ``resyncPeriod`` 0 none comes. One task for every such
+        container: a kernel out of watches, or a runtime that does not answer, refuses them
+        all together."""
+        if self._stopped:
+            return
         self._unwatched.pop(container_id, None)
         self._unwatched[container_id] = None  # last: the others are asked for first
-        if self._watch_retry is None and not self._stopped:
+        if self._watch_retry is None:
             self._watch_retry = self.engine._spawn(self._retry_watches())
 
     async def _retry_watches(self) -> None:
         async def attempt() -> bool:
             if self._stopped or self.engine._draining.is_set():
                 return True
-            refused = False
+            refused = unanswered = False
             for container_id in list(self._unwatched):
                 tracked = self.engine.containers.get(container_id)
+                if (
+                    tracked is not None
+                    and tracked.cgroup is None
+                    and tracked.phase is not Phase.EXITED
+                ):
+                    # One unanswered lookup a try: a runtime that did not answer for this
+                    # one would not for the rest either, each call waiting for its timeout.
+                    if unanswered:
+                        continue
+                    if not await self._look_up(tracked):
+                        # Asked for again (last) when still unanswered; else it ended, or
+                        # has no cgroup to watch.
+                        unanswered = container_id in self._unwatched
+                        continue
                 if tracked is None or tracked.phase is not Phase.RUNNING or tracked.cgroup is None:
                     self._unwatched.pop(container_id, None)
                     continue
@@ -329,6 +349,7 @@ class Watcher:
                     self._unwatched.pop(container_id, None)
                     continue  # its first check follows
                 refused = True
+                self._unwatched.setdefault(container_id, None)  # one just located
                 # What its watch would have told meanwhile: a drift, an exit. Under the
                 # container's key, so that it never runs beside another check of it.
                 self.jobs.request(container_id, functools.partial(self.check, container_id))
@@ -684,12 +705,11 @@ class Watcher:
             log.exception("a part of the full look failed", extra={"fields": fields})
 
     async def _look_at(self, tracked: Tracked) -> None:
-        if tracked.phase is Phase.CREATED:
-            await self.look_at_created(tracked)
+        if tracked.phase is Phase.CREATED and not await self._look_up(tracked):
+            return
         if tracked.phase is not Phase.RUNNING:
             return
-        if tracked.cgroup is None and (await self.engine.mover.find(tracked)).ended:
-            await self.engine.container_exited(tracked.id)
+        if tracked.cgroup is None and not await self._look_up(tracked):
             return
         await self.check(tracked.id)
         running = tracked.phase is Phase.RUNNING and tracked.cgroup is not None
@@ -701,31 +721,43 @@ class Watcher:
         start-up (both ask the runtime first, and a container stopped meanwhile has lost its
         cgroup by then): with nothing to watch, only a look tells its end, and the CPUs it
         was given would wait for the next full look."""
-        found = await self.engine.mover.find(tracked)
-        if found.ended:
-            await self.engine.container_exited(tracked.id)
-        elif found.cgroup is not None:
-            self.watch(tracked)  # not if stopped or removed through cpushim meanwhile
+        if await self._look_up(tracked):
+            self.watch(tracked)
 
     async def look_at_created(self, tracked: Tracked) -> None:
         """A container cpushim saw made and never saw started: one another CRI client started
         (taken in by a sweep, or at start-up, while created) runs with nothing watching it,
         and its exit would never give its CPUs back."""
+        if await self._look_up(tracked):
+            self.watch(tracked)
+
+    async def _look_up(self, tracked: Tracked) -> bool:
+        """Ask the runtime where the cgroup of a running (or created) container is: True
+        when it is found (to be watched; a created one is running). One that ended gives
+        its CPUs back; one the runtime did not answer for is asked about again later."""
+        phase = tracked.phase
         found = await self.engine.mover.find(tracked)
-        if (
-            tracked.phase is not Phase.CREATED
-            or self.engine.containers.get(tracked.id) is not tracked
-        ):
-            return  # started, stopped or removed through cpushim meanwhile
+        if tracked.phase is not phase or self.engine.containers.get(tracked.id) is not tracked:
+            # Started, stopped or removed through cpushim meanwhile: that call's own work
+            # looks after it.
+            self._unwatched.pop(tracked.id, None)
+            return False
+        if not found.answered:
+            self.watch_again_later(tracked.id)
+            return False
+        self._unwatched.pop(tracked.id, None)
         if found.ended:
             await self.engine.container_exited(tracked.id)
-        elif found.cgroup is not None:
+            return False
+        if found.cgroup is None:
+            return False
+        if phase is Phase.CREATED:
             tracked.phase = Phase.RUNNING
             log.info(
                 "a container cpushim saw created is running; watching it",
                 extra={"fields": {"container_id": tracked.id, "container": str(tracked.key)}},
             )
-            self.watch(tracked)
+        return True
 
 
 class Look(NamedTuple):

@@ -24,10 +24,12 @@ from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
 from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, fsync_directory, hold_directory
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
+from shim.cri.calls import UnaryCall
 from shim.engine import EngineOptions, watching
+from shim.engine import requests as rq
 from shim.engine.moves import MoveResult
 from shim.engine.retrying import retry_until_done
-from shim.engine.tracked import Tracked
+from shim.engine.tracked import Phase, Tracked
 from shim.engine.watching import Coalescer, Look, Watcher, _look
 from shim.fileio import identity
 from shim.inotify import FILE_CHANGES, Event, WatchError
@@ -1048,6 +1050,165 @@ async def test_a_stopped_watcher_tries_no_more_watches(
     assert kernel.refused == refused
 
 
+def statuses(w: Watched) -> int:
+    return len(w.env.fake.calls_of("ContainerStatus"))
+
+
+async def test_a_started_container_the_runtime_did_not_locate_is_looked_up_again(
+    retrying: Watched,
+) -> None:
+    """The look after the start got no answer (containerd restarting): with resyncPeriod 0
+    no full look comes, and its exit would hold its exclusive CPU, its drift go unrepaired,
+    for good."""
+    w = retrying
+    shared_id = await w.started("web")
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting", count=2)
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await w.env.kubelet.start_new(pod, "main", 1000)
+    await until(lambda: pinned_id in w.watcher._containers, "watched once the runtime answers")
+    assert statuses(w) >= 3
+    w.env.fake.exit_container(pinned_id)
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "its exit gives the CPU back")
+    assert w.counters["full_resyncs"] == 0
+    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+
+
+async def test_a_container_exited_before_the_runtime_answered_is_released_by_the_retry(
+    retrying: Watched,
+) -> None:
+    w = retrying
+    shared_id = await w.started("web")
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
+    gate = w.env.fake.gate("ContainerStatus")
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await w.env.kubelet.start_new(pod, "main", 1000)
+    await until(lambda: statuses(w) == 2, "the retry asks")
+    w.env.fake.exit_container(pinned_id)
+    w.env.fake.ungate("ContainerStatus")
+    gate.set()
+    await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "its exit gives the CPU back")
+    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    assert w.counters["exits_seen"] == 1
+    assert w.counters["full_resyncs"] == 0
+
+
+async def test_an_unlocated_container_the_runtime_did_not_answer_for_is_looked_up_again(
+    retrying: Watched,
+) -> None:
+    """Start-up's or a sweep's look for a running container's cgroup, unanswered."""
+    w = retrying
+    shared_id = await w.started("web")
+    w.watcher.unwatch(shared_id)
+    tracked = w.env.engine.containers[shared_id]
+    tracked.cgroup = None
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
+    await w.watcher.look_at_unlocated(tracked)
+    assert shared_id not in w.watcher._containers
+    await until(lambda: shared_id in w.watcher._containers, "watched once the runtime answers")
+    assert tracked.cgroup == w.env.fake.cgroup_dir(shared_id)
+    assert w.counters["full_resyncs"] == 0
+
+
+async def test_a_created_container_the_runtime_did_not_answer_for_is_looked_up_again(
+    retrying: Watched,
+) -> None:
+    """One cpushim saw made and another client started: unanswered, it would run unwatched
+    and be taken for created until a full look."""
+    w = retrying
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    reply = await w.env.kubelet.create(pod, "main", 1000)
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    start = pb.StartContainerRequest(container_id=container_id).SerializeToString()
+    await w.env.channel.unary(UnaryCall(rq.START_CONTAINER, (), start, 10.0))  # not through
+    tracked = w.env.engine.containers[container_id]
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
+    await w.watcher.look_at_created(tracked)
+    assert tracked.phase.value == "created"
+    await until(lambda: container_id in w.watcher._containers, "watched once the runtime answers")
+    assert tracked.phase.value == "running"
+    w.env.fake.exit_container(container_id)
+    await until(lambda: w.env.engine.state.holding(container_id) is None, "released")
+    assert w.counters["full_resyncs"] == 0
+
+
+async def test_a_full_look_that_could_not_locate_a_container_looks_it_up_again(
+    retrying: Watched,
+) -> None:
+    w = retrying
+    shared_id = await w.started("web")
+    w.watcher.unwatch(shared_id)
+    w.env.engine.containers[shared_id].cgroup = None
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
+    await w.watcher.look_everywhere()
+    await until(lambda: shared_id in w.watcher._containers, "watched once the runtime answers")
+    assert w.counters["full_resyncs"] == 1
+
+
+async def test_a_runtime_that_does_not_answer_is_asked_of_one_container_per_retry(
+    retrying: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One retry for them all, and one lookup at each of its tries: a runtime that did not
+    answer for one would not for the rest."""
+    w = retrying
+    ids = [await w.started(f"web{n}") for n in range(4)]
+    for container_id in ids:
+        w.watcher.unwatch(container_id)
+        w.env.engine.containers[container_id].cgroup = None
+    attempts = 0
+
+    async def counted(attempt: Any, first_delay: float, stop: asyncio.Event) -> None:
+        async def counting() -> bool:
+            nonlocal attempts
+            attempts += 1
+            return bool(await attempt())
+
+        await retry_until_done(counting, first_delay, stop)
+
+    monkeypatch.setattr(watching, "retry_until_done", counted)
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting", count=1000)
+    tasks = len(w.env.engine._tasks)
+    asked = statuses(w)
+    for container_id in ids:
+        await w.watcher.look_at_unlocated(w.env.engine.containers[container_id])
+    assert statuses(w) == asked + len(ids)
+    assert len(w.env.engine._tasks) <= tasks + 1
+    await until(lambda: attempts >= 3, "three tries")
+    assert statuses(w) - asked - len(ids) <= attempts
+    w.env.fake.clear_failures("ContainerStatus")
+    await until(lambda: all(i in w.watcher._containers for i in ids), "all watched")
+    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+
+
+async def test_a_container_the_runtime_says_is_gone_is_not_looked_up_again(
+    retrying: Watched,
+) -> None:
+    w = retrying
+    shared_id = await w.started("web")
+    w.watcher.unwatch(shared_id)
+    tracked = w.env.engine.containers[shared_id]
+    tracked.cgroup = None
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.NOT_FOUND)
+    await w.watcher.look_at_unlocated(tracked)
+    assert tracked.phase is Phase.EXITED
+    assert w.watcher._watch_retry is None
+    assert not w.watcher._unwatched
+
+
+async def test_a_stopped_watcher_looks_up_no_more(w: Watched) -> None:
+    shared_id = await w.started("web")
+    w.watcher.unwatch(shared_id)
+    tracked = w.env.engine.containers[shared_id]
+    tracked.cgroup = None
+    w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
+    await w.watcher.look_at_unlocated(tracked)
+    assert w.watcher._watch_retry is not None
+    asked = statuses(w)
+    await w.watcher.stop()
+    # Its wait (a second here) ends with the watcher, and the runtime is not asked.
+    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    assert statuses(w) == asked
+
+
 async def test_the_periodic_look_repairs_what_no_event_told(tmp_path: Path) -> None:
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
         async for w in watched_env(tmp_path, fake, resync_period=0.05):
@@ -1307,11 +1468,21 @@ async def test_a_container_whose_cgroup_went_before_it_was_located_gives_its_cpu
     assert w.counters["exits_seen"] == 1
 
 
+@pytest.fixture
+async def patient(tmp_path: Path) -> AsyncIterator[Watched]:
+    """No periodic look, and no retry during a test."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        async for watched in watched_env(tmp_path, fake, retry_delay=3600):
+            yield watched
+
+
 async def test_the_full_look_releases_a_container_that_exited_before_it_was_located(
-    w: Watched,
+    patient: Watched,
 ) -> None:
     """The look after the start told nothing (the runtime refused it), and the container
-    exited before the next: by the full look the runtime's record says so."""
+    exited before the next: by the full look (before the lookup's retry) the runtime's
+    record says so."""
+    w = patient
     shared_id = await w.started("web")
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "containerd restarting")
     pod = await w.env.kubelet.run_pod("db", "guaranteed")
@@ -1319,7 +1490,7 @@ async def test_the_full_look_releases_a_container_that_exited_before_it_was_loca
     await until(lambda: len(w.env.fake.calls_of("ContainerStatus")) == 2, "asked where it is")
     w.env.fake.exit_container(pinned_id, exit_code=1)  # its cgroup goes with it
     await w.settled()
-    # Nothing but the full look can tell: the start's look was refused, nothing is watched.
+    # Nothing but a look can tell: the start's look was refused, nothing is watched.
     assert w.env.engine.state.holding(pinned_id) is not None
     assert pinned_id not in w.watcher._containers
 
