@@ -118,8 +118,9 @@ class Watcher:
         self._state_identity: tuple[int, int] | None = None
         # The .lock another process held when this one tried to take it again (told once).
         self._contended_lock: tuple[int, int] | None = None
-        # Tries to take the state directory's lock again while another process holds it.
-        self._lock_retry: asyncio.Task[None] | None = None
+        # Tries the state directory again while it cannot be made, watched or locked again
+        # (another process holds its new lock).
+        self._state_retry: asyncio.Task[None] | None = None
         # Sweeps again after one that left the runtime's containers unlooked at.
         self._sweep_retry: asyncio.Task[None] | None = None
         # Running containers with no watch that no event would bring: a full look could not
@@ -156,6 +157,8 @@ class Watcher:
         self.engine.watcher = self
         self.engine.sweeper = self.sweep_soon
         self._watch_state_dir()
+        if self._state_watch is None:
+            self._state_dir_again_later()
         for tracked in list(self.engine.containers.values()):
             if tracked.phase is not Phase.RUNNING:
                 continue
@@ -171,11 +174,11 @@ class Watcher:
     async def stop(self) -> None:
         self._stopped = True
         self._stopping.set()
-        for task in (self._timer, self._lock_retry):
+        for task in (self._timer, self._state_retry):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        self._timer = self._lock_retry = None
+        self._timer = self._state_retry = None
         self.engine.watcher = None
         self.engine.sweeper = None
         for container_id in list(self._pidfds):
@@ -538,7 +541,7 @@ class Watcher:
             # follows still runs, and says what it finds.
             self.counters["watch_errors"] += 1
             log.warning(
-                "cannot make the state directory again; the periodic look tries again",
+                "cannot make the state directory again; tried again later",
                 extra={"fields": {"path": str(directory), "error": str(exc)}},
             )
             return
@@ -569,7 +572,7 @@ class Watcher:
         except WatchError as exc:
             self.counters["watch_errors"] += 1
             log.warning(
-                "cannot watch the state directory; the periodic look covers it",
+                "cannot watch the state directory; tried again later",
                 extra={"fields": {"path": str(directory), "error": str(exc)}},
             )
 
@@ -593,26 +596,42 @@ class Watcher:
     async def _hold_state_dir_again(self) -> None:
         """Take the lock of a state directory (or a ``.lock``) made again: the one held is on
         a file that is gone, and a second cpushim started now would not be refused. While
-        another process holds it, tried again with a growing wait."""
+        another process holds it, or the directory cannot be made, watched or locked again,
+        tried again with a growing wait."""
         # The lock held on the old .lock keeps the removed directory from going, so no event
         # says it went: the watch is moved to the directory there now.
         self._watch_state_dir_there_now()
-        if self._take_state_lock() or self._lock_retry is not None or self._stopped:
-            return
-        self._lock_retry = self.engine._spawn(self._retry_state_lock())
+        if not self._take_state_lock() or self._state_watch is None:
+            self._state_dir_again_later()
 
-    async def _retry_state_lock(self) -> None:
+    def _state_dir_again_later(self) -> None:
+        """Make, watch and lock the state directory again after ``retry_delay``, doubling
+        the wait up to a minute, until all three are done: unwatched, state.json is not
+        guarded, and unlocked, a second cpushim could start on it; and with ``resyncPeriod``
+        0 no full look would try again."""
+        if self._state_retry is None and not self._stopped:
+            self._state_retry = self.engine._spawn(self._retry_state_dir())
+
+    async def _retry_state_dir(self) -> None:
         async def attempt() -> bool:
-            return self._stopped or self._take_state_lock()
+            if self._stopped:
+                return True
+            watched = self._state_watch is not None
+            self._watch_state_dir_there_now()
+            if not watched and self._state_watch is not None:
+                # Made again or watched only now: its file may be missing, or changed unseen.
+                self.jobs.request("state", self.check_state)
+            return self._take_state_lock() and self._state_watch is not None
 
         try:
+            # Each try is synchronous: a stop's cancel cuts only a wait.
             await retry_until_done(attempt, self.engine.options.retry_delay, self.engine._draining)
         finally:
-            self._lock_retry = None
+            self._state_retry = None
 
     def _take_state_lock(self) -> bool:
         """Take the state directory's lock again if it needs it: False while another process
-        holds it (told of once for each of its lock files)."""
+        holds it (told of once for each of its lock files) or it cannot be taken."""
         checkpoint = self.engine.checkpoint
         try:
             if checkpoint.hold_again():
@@ -636,11 +655,12 @@ class Watcher:
         except OSError as exc:
             self.counters["watch_errors"] += 1
             log.warning(
-                "cannot take the state directory's lock again; the periodic look tries again",
+                "cannot take the state directory's lock again; tried again later",
                 extra={
                     "fields": {"path": str(self.engine.checkpoint.directory), "error": str(exc)}
                 },
             )
+            return False
         return True
 
     async def check_state(self) -> None:

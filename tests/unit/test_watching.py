@@ -572,7 +572,7 @@ async def test_a_lock_another_process_lets_go_is_taken_without_a_full_look(w: Wa
             await until(lambda: w.counters["watch_errors"] == 1, "told")
         finally:
             os.close(other)  # the other process ends
-        await until(lambda: w.watcher._lock_retry is None, "taken by a later try")
+        await until(lambda: w.watcher._state_retry is None, "taken by a later try")
         with pytest.raises(StateDirectoryInUseError):
             os.close(hold_directory(w.env.state_dir))
         assert w.counters["full_resyncs"] == 0
@@ -604,6 +604,98 @@ async def test_a_state_directory_made_again_while_another_holds_it_is_watched(
             os.close(other)
     finally:
         checkpoint.release()
+
+
+async def test_a_state_directory_that_could_not_be_made_again_is_made_later_without_a_look(
+    retrying: Watched,
+) -> None:
+    """Removed, and something stood in its way for a while (a file where it was, a
+    read-only file system): with resyncPeriod 0 no full look would make it again, watch it,
+    and take its lock, and state.json would go unguarded and a second cpushim could start."""
+    w = retrying
+    state_dir = w.env.state_dir
+    checkpoint = w.env.engine.checkpoint
+    checkpoint.hold()
+    try:
+        shutil.rmtree(state_dir)
+        state_dir.write_text("not a directory\n")  # before the loop runs the watcher
+        try:
+            await until(lambda: w.counters["watch_errors"] >= 2, "made and locked in vain, twice")
+        finally:
+            state_dir.unlink()
+        await until(lambda: (state_dir / "state.json").exists(), "made again, state rewritten")
+        await until(lambda: w.watcher._state_retry is None, "the retry ended")
+        with pytest.raises(StateDirectoryInUseError):
+            os.close(hold_directory(state_dir))
+        await w.settled()
+        (state_dir / "state.json").unlink()
+        await until(lambda: (state_dir / "state.json").exists(), "watched: rewritten again")
+        assert w.counters["full_resyncs"] == 0
+    finally:
+        checkpoint.release()
+
+
+async def test_a_state_directory_lock_that_could_not_be_taken_again_is_taken_later(
+    retrying: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taking the lock again failed (EACCES, a full disk refusing the new .lock): with
+    resyncPeriod 0 nothing would try again."""
+    w = retrying
+    checkpoint = w.env.engine.checkpoint
+    checkpoint.hold()
+    try:
+        hold_again = checkpoint.hold_again
+        failures = 2
+
+        def failing() -> bool:
+            nonlocal failures
+            if failures:
+                failures -= 1
+                raise PermissionError(errno.EACCES, "permission denied")
+            return hold_again()
+
+        monkeypatch.setattr(checkpoint, "hold_again", failing)
+        (w.env.state_dir / LOCK_FILE).unlink()
+        await until(lambda: failures == 0, "refused twice")
+        await until(lambda: w.watcher._state_retry is None, "taken by a later try")
+        with pytest.raises(StateDirectoryInUseError):
+            os.close(hold_directory(w.env.state_dir))
+        assert w.counters["full_resyncs"] == 0
+    finally:
+        checkpoint.release()
+
+
+async def test_a_state_directory_the_kernel_would_not_watch_is_watched_later(
+    retrying: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = retrying
+    state_dir = w.env.state_dir
+    kernel = OutOfWatches(w.watcher, state_dir, monkeypatch)
+    shutil.rmtree(state_dir)
+    await until(lambda: kernel.refused >= 2, "refused, and tried again")
+    assert w.watcher._state_watch is None
+    kernel.full = False
+    await until(lambda: w.watcher._state_watch is not None, "watched at last")
+    await until(lambda: w.watcher._state_retry is None, "the retry ended")
+    await w.settled()
+    (state_dir / "state.json").unlink()
+    await until(lambda: (state_dir / "state.json").exists(), "watched: rewritten")
+    assert w.counters["full_resyncs"] == 0
+
+
+async def test_a_stopped_watcher_tries_the_state_directory_no_more(w: Watched) -> None:
+    state_dir = w.env.state_dir
+    shutil.rmtree(state_dir)
+    state_dir.write_text("not a directory\n")  # before the loop runs the watcher
+    try:
+        await until(lambda: w.watcher._state_retry is not None, "a retry")
+        errors = w.counters["watch_errors"]
+        await w.watcher.stop()
+        assert w.watcher._state_retry is None
+    finally:
+        state_dir.unlink()
+    assert w.counters["watch_errors"] == errors
+    assert not state_dir.exists()
 
 
 async def test_a_deleted_state_file_is_rewritten(w: Watched) -> None:
