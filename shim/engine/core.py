@@ -144,6 +144,18 @@ class Engine:
         # Set by the watcher: asks for a sweep of the runtime's containers soon
         # (shim/engine/sweeping.py), after a create whose container cpushim did not record.
         self.sweeper: Callable[[], None] | None = None
+        # A container that shares and asks for exclusive CPUs found no room (at start-up, a
+        # reload, a sweep): a release then asks the watcher for an adoption (room_made), or
+        # it would wait for a full look. Cleared once none waits: a release costs nothing
+        # more then.
+        self.room_wanted = False
+        self.room_made: Callable[[], None] | None = None
+        # The CPUs free when the last adoption a release asked for left a container waiting
+        # (None after any other refusal): the next is tried only once others are free too.
+        # CPUs a waiting container cannot have (isolated ones it does not ask for) would
+        # otherwise make every release cost a runtime call per waiting container, under the
+        # lock.
+        self.room_tried: CPUSet | None = None
         # CreateContainer calls on their way: the runtime may have made their containers
         # before cpushim records them (the sweep waits for none to be on their way).
         self.creates_in_flight = 0
@@ -868,6 +880,12 @@ class Engine:
         request = exclusive_request(count, plan.isolated, memory_nodes)
         return self.policy.refusal(others, request, cpus) is None
 
+    def wait_for_room(self) -> None:
+        """A container that shares and asks for exclusive CPUs was refused them: the next
+        release asks for its adoption."""
+        self.room_wanted = True
+        self.room_tried = None
+
     def free_exclusive(self) -> CPUSet:
         """The CPUs the policy could hand out exclusively that nobody holds now."""
         held = CPUSet().union(*self.state.exclusive().values())
@@ -1218,6 +1236,7 @@ class Engine:
             for tracked in self.containers.values():
                 if tracked.key in refused:
                     tracked.adoption_refused = True
+                    self.wait_for_room()
             if self.projector is not None:
                 self.projector.topology = policy.topology
             await self._apply()
@@ -1313,6 +1332,8 @@ class Engine:
             },
         )
         await self._apply()
+        if self.room_wanted and self.room_made is not None:
+            self.room_made()
 
     async def _release_exited_in_pod(self, pod_uid: str, keep: ContainerKey) -> list[ContainerKey]:
         """Release the CPUs of this pod's containers that have exited by themselves (init

@@ -116,6 +116,8 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
         for tracked in engine.containers.values():
             # Told and counted here: the sweeps that try again do not tell it again.
             tracked.adoption_refused = str(tracked.key) in report.refused
+        if report.refused:
+            engine.wait_for_room()
         await engine._apply()
         for tracked in engine.containers.values():
             if tracked.cgroup is not None and tracked.applied != tracked.recorded:
@@ -626,7 +628,8 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             mems = tracked.kubelet_mems
             if mems is None:
                 mems = _kubelet_mems(engine, container)
-            # A refusal is told once per container: this runs at every full look.
+            # A refusal is told once per container: this runs at every full look, and
+            # after a release while one waits.
             cpus = _adopted_cpus(
                 engine,
                 state,
@@ -639,6 +642,7 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             )
             if cpus is None:
                 tracked.adoption_refused = True
+                engine.wait_for_room()
                 continue
             assignment = Assignment(
                 cpus, container.id, container.sandbox_id, container.attempt, pod.label, mems

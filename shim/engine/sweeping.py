@@ -107,12 +107,12 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
         # nothing to do, so the pods are marked here.
         async with engine.lock:
             await engine.mark_pods_with_pod_level_resources()
-    if _worth_adopting(engine, waiting_for_exclusive(engine)):
+    if worth_adopting(engine, waiting_for_exclusive(engine)):
         report.adopted_exclusive = await adopt_sharing(engine)
     return report
 
 
-def _worth_adopting(engine: Engine, waiting: list[Tracked]) -> bool:
+def worth_adopting(engine: Engine, waiting: list[Tracked]) -> bool:
     """Whether an adoption (a runtime call per waiting container, under the lock) may give
     or tell anything: a container not yet refused is waiting (its refusal is told once), or
     enough CPUs are free for the smallest request."""

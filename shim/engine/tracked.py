@@ -65,7 +65,7 @@ class Tracked:
     # while the runtime refused the rest. One move through the runtime gives them.
     settings_stale: bool = False
     # It asks for exclusive CPUs, shares, and an adoption found none for it (logged and
-    # counted once: adoption is tried again at every full look).
+    # counted once: adoption is tried again at every full look, and after a release).
     adoption_refused: bool = False
     # Its cgroup (v2) was seen without cpuset.cpus, and the warning given.
     no_cpuset_seen: bool = False

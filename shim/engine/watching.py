@@ -38,8 +38,9 @@ from shim.cgroups import CGROUP_EVENTS, CPUSET_CPUS, CgroupVersion
 from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, make_directory
 from shim.cpuset import CPUSet
 from shim.engine.core import Engine
+from shim.engine.resync import adopt_sharing, waiting_for_exclusive
 from shim.engine.retrying import retry_until_done
-from shim.engine.sweeping import sweep
+from shim.engine.sweeping import sweep, worth_adopting
 from shim.engine.tracked import Phase, Tracked
 from shim.fileio import identity, read_file
 from shim.inotify import (
@@ -156,6 +157,7 @@ class Watcher:
         self.inotify.start()
         self.engine.watcher = self
         self.engine.sweeper = self.sweep_soon
+        self.engine.room_made = self.adopt_soon
         self._watch_state_dir()
         if self._state_watch is None:
             self._state_dir_again_later()
@@ -181,6 +183,7 @@ class Watcher:
         self._timer = self._state_retry = None
         self.engine.watcher = None
         self.engine.sweeper = None
+        self.engine.room_made = None
         for container_id in list(self._pidfds):
             self._close_pidfd(container_id)
         self._containers.clear()
@@ -245,6 +248,29 @@ class Watcher:
             await retry_until_done(attempt, self.engine.options.retry_delay, self._stopping)
         finally:
             self._sweep_retry = None
+
+    def adopt_soon(self) -> None:
+        """Give the containers that share for lack of room the exclusive CPUs they ask for,
+        now that a release gave some back: with ``resyncPeriod`` 0 no full look's sweep
+        would."""
+        if not self._stopped:
+            self.jobs.request("adopt", self._adopt)
+
+    async def _adopt(self) -> None:
+        engine = self.engine
+        if self._stopped or engine._draining.is_set():
+            return
+        waiting = waiting_for_exclusive(engine)
+        tried = engine.room_tried
+        if worth_adopting(engine, waiting) and (
+            tried is None or not engine.free_exclusive().issubset(tried)
+        ):
+            await adopt_sharing(engine)
+            waiting = waiting_for_exclusive(engine)
+            engine.room_tried = engine.free_exclusive()
+        if not any(tracked.adoption_refused for tracked in waiting):
+            engine.room_wanted = False
+            engine.room_tried = None
 
     # --- containers -------------------------------------------------------------------------
 

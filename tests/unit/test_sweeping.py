@@ -22,9 +22,11 @@ from shim.engine import EngineOptions, watching
 from shim.engine import requests as rq
 from shim.engine.sweeping import sweep
 from shim.engine.watching import Watcher
+from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import milli_cpu_to_quota, milli_cpu_to_shares, pod_cgroup_parent
+from tests.harness.sysfs import MachineSpec, expected_topology
 from tests.unit.engine_env import (
     FIRST_SINGLE,
     SHARED_AFTER_FIRST_SINGLE,
@@ -547,6 +549,158 @@ async def test_a_stopped_watcher_sweeps_no_more(tmp_path: Path) -> None:
         # Its hour-long wait ends with the watcher, and no sweep follows.
         await until(lambda: watcher._sweep_retry is None, "the retry ended")
         assert len(env.fake.calls_of("ListContainers")) == listed + 1
+
+
+@pytest.fixture
+async def sharing(tmp_path: Path) -> AsyncIterator[tuple[Env, Watcher]]:
+    """The watcher with no periodic look."""
+    async with FakeRuntime() as fake, with_watcher(tmp_path, fake) as (env, watcher):
+        yield env, watcher
+
+
+class AskedJobs:
+    """The keys of the watch jobs asked for from now on."""
+
+    def __init__(self, watcher: Watcher, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.keys: list[str] = []
+        request = watcher.jobs.request
+
+        def recorded(key: str, job: Any) -> None:
+            self.keys.append(key)
+            request(key, job)
+
+        monkeypatch.setattr(watcher.jobs, "request", recorded)
+
+    @property
+    def adoptions(self) -> int:
+        return self.keys.count("adopt")
+
+
+async def test_a_release_that_makes_room_adopts_a_waiting_container_without_a_full_look(
+    sharing: tuple[Env, Watcher],
+) -> None:
+    """A container left sharing for lack of room waited for a full look after the CPUs
+    came back; with resyncPeriod 0 none comes, and it shared until cpushim restarted."""
+    env, watcher = sharing
+    holder = await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 2000)  # one CPU is left
+    watcher.sweep_soon()
+    await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
+    await env.kubelet.stop(holder)
+    key = ContainerKey(pod.uid, "main")
+    await until(lambda: len(CPUSet.parse(env.cpus(outsider))) == 2, "adopted once there is room")
+    assert key in env.engine.state.assignments
+    await until(lambda: watcher.jobs.pending == 0, "moved")
+    assert env.engine.counters["full_resyncs"] == 0
+    assert_consistent(env)
+
+
+async def test_a_release_that_makes_room_adopts_a_container_a_reload_displaced(
+    sharing: tuple[Env, Watcher],
+) -> None:
+    env, watcher = sharing
+    pods = [await env.kubelet.run_pod(name, "guaranteed") for name in ("db", "x")]
+    ids = {
+        ContainerKey(pods[0].uid, "main"): await env.kubelet.start_new(pods[0], "main", 3000),
+        ContainerKey(pods[1].uid, "main"): await env.kubelet.start_new(pods[1], "main", 1000),
+    }
+    [lost] = await env.engine.change_policy(static_policy("0-4"))  # 5-7 left: room for one
+    [other] = [key for key in ids if key != lost]
+    await env.kubelet.stop(ids[other])
+    await until(lambda: lost in env.engine.state.assignments, "adopted once there is room")
+    await until(lambda: watcher.jobs.pending == 0, "moved")
+    assert env.engine.counters["full_resyncs"] == 0
+    assert_consistent(env)
+
+
+async def test_a_release_with_no_container_waiting_for_room_asks_for_no_adoption(
+    sharing: tuple[Env, Watcher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod's stop costs nothing more when nobody waits (the churn benchmark's path); nor,
+    once the waiting one is adopted, do the releases after."""
+    env, watcher = sharing
+    jobs = AskedJobs(watcher, monkeypatch)
+    holder = await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "main", 1000)
+    await env.kubelet.stop(holder)
+    assert jobs.adoptions == 0
+
+    holder = await env.kubelet.start_new(await env.kubelet.run_pod("b", "guaranteed"), "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 2000)
+    watcher.sweep_soon()
+    await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
+    await env.kubelet.stop(holder)
+    await until(lambda: env.engine.state.holding(outsider) is not None, "adopted")
+    await until(lambda: watcher.jobs.pending == 0, "jobs done")
+    asked = jobs.adoptions
+    assert asked >= 1
+    other = await env.kubelet.start_new(await env.kubelet.run_pod("c", "guaranteed"), "main", 1000)
+    await env.kubelet.stop(other)
+    assert jobs.adoptions == asked
+
+
+async def test_a_release_that_frees_too_few_cpus_asks_the_runtime_nothing(
+    sharing: tuple[Env, Watcher],
+) -> None:
+    env, watcher = sharing
+    big = await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "main", 5000)
+    small = await env.kubelet.start_new(await env.kubelet.run_pod("b", "guaranteed"), "main", 1000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 3000)  # one CPU is left
+    watcher.sweep_soon()
+    await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
+    await until(lambda: watcher.jobs.pending == 0, "jobs done")
+    statuses = len(env.fake.calls_of("ContainerStatus"))
+    await env.kubelet.stop(small)  # two free: not enough for three
+    await until(lambda: watcher.jobs.pending == 0, "jobs done")
+    assert len(env.fake.calls_of("ContainerStatus")) == statuses
+    assert env.engine.state.holding(outsider) is None
+    await env.kubelet.stop(big)
+    await until(lambda: env.engine.state.holding(outsider) is not None, "adopted")
+    assert env.engine.counters["adoptions_refused"] == 1
+
+
+async def test_releases_do_not_ask_again_and_again_for_an_adoption_the_free_cpus_refused(
+    tmp_path: Path,
+) -> None:
+    """Free CPUs it cannot have (isolated ones, for a pod that does not ask for them) make
+    an adoption worth trying by count; tried at every release, it would cost a runtime call
+    per waiting container, under the lock, at each. Tried again once other CPUs are free."""
+    topology = expected_topology(
+        MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2, isolated=frozenset({3, 7}))
+    )
+    policy = StaticPolicy.create(topology, reserved=CPUSet.parse("0"))
+    isolated = {"cpushim.io/isolated-cpus": "require"}
+    async with FakeRuntime() as fake, with_watcher(tmp_path, fake, policy=policy) as (env, watcher):
+        holder = await env.kubelet.start_new(
+            await env.kubelet.run_pod("a", "guaranteed"), "main", 5000
+        )
+        first = await env.kubelet.start_new(
+            await env.kubelet.run_pod("rt", "guaranteed", isolated), "main", 1000
+        )
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        outsider = made_outside(env, pod, "main", 2000)
+        watcher.sweep_soon()
+        await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
+        await until(lambda: watcher.jobs.pending == 0, "jobs done")
+        statuses = len(env.fake.calls_of("ContainerStatus"))
+        await env.kubelet.stop(first)  # 3 and 7 free: two, but isolated
+        await until(lambda: len(env.fake.calls_of("ContainerStatus")) > statuses, "tried once")
+        await until(lambda: watcher.jobs.pending == 0, "jobs done")
+        statuses = len(env.fake.calls_of("ContainerStatus"))
+        for n in range(3):
+            again = await env.kubelet.start_new(
+                await env.kubelet.run_pod(f"rt{n}", "guaranteed", isolated), "main", 1000
+            )
+            await env.kubelet.stop(again)  # the same two free again
+            await until(lambda: watcher.jobs.pending == 0, "jobs done")
+        assert len(env.fake.calls_of("ContainerStatus")) == statuses
+        assert env.engine.state.holding(outsider) is None
+        await env.kubelet.stop(holder)
+        await until(lambda: env.engine.state.holding(outsider) is not None, "adopted")
+        await until(lambda: watcher.jobs.pending == 0, "jobs done")
+        assert not CPUSet.parse(env.cpus(outsider)) & CPUSet.parse("3,7")
 
 
 async def test_a_refusal_at_start_up_is_not_counted_again_by_the_sweeps(env: Env) -> None:
