@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import errno
 import grp
 import logging
 import os
@@ -33,6 +32,8 @@ from shim.cri.upstream import (
     ForwardedTwiceError,
     ReplySeen,
     RuntimeChannel,
+    backlog_hint,
+    connect_unix,
     reply_seen,
     unix_path,
 )
@@ -51,21 +52,6 @@ def send_frames(transport: asyncio.WriteTransport, chunks: Sequence[bytes]) -> N
         transport.write(b"".join(chunks))
     else:
         transport.writelines(chunks)
-
-
-def connect_unix(path: str) -> socket.socket:
-    """A non-blocking socket connected to ``path``. A Unix socket's connect never waits:
-    when the listener's backlog is full it fails at once with EAGAIN, which asyncio's own
-    connect (unlike uvloop's) takes for a connection in progress, handing back a socket that
-    is not connected. So there is nothing for a timeout to bound either."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        sock.connect(path)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 class Interceptor(Protocol):
@@ -337,9 +323,7 @@ class ClientConnection(asyncio.Protocol):
         except OSError as exc:
             if self._closed or self._finishing:
                 return  # no call of this connection's will be answered now
-            hint = ""
-            if exc.errno == errno.EAGAIN:
-                hint = " (listen backlog full: the runtime accepts no connections)"
+            hint = backlog_hint(exc)
             reason = f"{self.server.runtime.endpoint}: {exc.strerror or exc}{hint}"
             self.unavailable_message = f"cpushim: runtime {reason} is unavailable"
             log.warning(

@@ -8,7 +8,9 @@ included), which the message API would digest.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import struct
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -47,6 +49,42 @@ def unix_path(endpoint: str) -> str:
     if not path.startswith("/"):
         raise ValueError(f"endpoint {endpoint!r} must name an absolute socket path")
     return path
+
+
+def connect_unix(path: str) -> socket.socket:
+    """A non-blocking socket connected to ``path``. A Unix socket's connect never waits:
+    when the listener's backlog is full it fails at once with EAGAIN, which asyncio's own
+    connect (unlike uvloop's) takes for a connection in progress, handing back a socket that
+    is not connected. So there is nothing for a timeout to bound either."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def backlog_hint(exc: OSError) -> str:
+    """What to add to ``connect_unix``'s error: EAGAIN alone does not tell an operator that
+    the runtime is stuck."""
+    if exc.errno == errno.EAGAIN:
+        return " (listen backlog full: the runtime accepts no connections)"
+    return ""
+
+
+class _UnixChannel(Channel):
+    """grpclib's channel, its connections made by ``connect_unix`` so that a full backlog is
+    an error on asyncio's loop too. grpclib (0.4.9) has no hook for the socket or the
+    connect, so this overrides its private ``_create_connection``."""
+
+    async def _create_connection(self) -> H2Protocol:
+        assert self._path is not None
+        _, protocol = await asyncio.get_running_loop().create_unix_connection(
+            self._protocol_factory, sock=connect_unix(self._path)
+        )
+        return protocol
 
 
 # Called with the runtime's reply the moment it arrives, before the handler that forwarded the
@@ -159,11 +197,11 @@ class RuntimeChannel:
     async def _exchange(self, call: UnaryCall, body: bytes, written: list[bool]) -> Reply:
         if self._channel is None:
             # Made here, not in __init__: grpclib binds a channel to the loop it is made in.
-            self._channel = Channel(path=self._path)
+            self._channel = _UnixChannel(path=self._path)
         try:
             protocol: H2Protocol = await self._channel.__connect__()
-        except (OSError, ConnectionError) as exc:
-            raise _NotConnectedError(str(exc)) from exc
+        except OSError as exc:
+            raise _NotConnectedError(f"{exc}{backlog_hint(exc)}") from exc
         if protocol.processor.connection.is_closing():
             # Accepted and closed before a stream could be made (a runtime restarting):
             # grpclib has dropped its transport already, and the next call connects anew.

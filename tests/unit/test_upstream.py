@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from asyncio.selector_events import BaseSelectorEventLoop
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from shim.cri import upstream
 from shim.cri.calls import Status, UnaryCall
 from shim.cri.upstream import RuntimeChannel
 from shim.run import wait_for_runtime
@@ -31,14 +32,15 @@ def closes_at_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
             listener.bind(path)
             listener.listen(8)
-            connect = BaseSelectorEventLoop.sock_connect
+            connect = upstream.connect_unix
 
-            async def connect_then_closed(self: Any, sock: socket.socket, address: Any) -> None:
-                await connect(self, sock, address)
+            def connect_then_closed(address: str) -> socket.socket:
+                sock = connect(address)
                 peer, _ = listener.accept()  # queued already: no wait
                 peer.close()
+                return sock
 
-            monkeypatch.setattr(BaseSelectorEventLoop, "sock_connect", connect_then_closed)
+            monkeypatch.setattr(upstream, "connect_unix", connect_then_closed)
             yield f"unix://{path}"
 
 
@@ -53,6 +55,40 @@ async def test_a_connection_closed_at_once_is_unavailable(closes_at_once: str) -
             assert "closed the connection" in reply.status_message
     finally:
         channel.close()
+
+
+@pytest.mark.anyio
+async def test_a_runtime_whose_listen_backlog_is_full_is_unavailable_and_says_why() -> None:
+    """A stuck runtime that accepts nothing: the connect fails at once (EAGAIN). asyncio's own
+    connect took EAGAIN for a connection in progress and handed grpclib a socket that was not
+    connected, so the call was answered as if the runtime had closed the connection."""
+    assert isinstance(asyncio.get_running_loop(), BaseSelectorEventLoop)  # asyncio's, not uvloop
+    with (
+        short_tmpdir() as workdir,
+        socket.socket(socket.AF_UNIX) as stuck,
+        contextlib.ExitStack() as queued,
+    ):
+        path = f"{workdir}/runtime.sock"
+        stuck.bind(path)
+        stuck.listen(0)  # and never accepts
+        for _ in range(64):
+            waiting = queued.enter_context(socket.socket(socket.AF_UNIX))
+            waiting.setblocking(False)
+            try:
+                waiting.connect(path)
+            except BlockingIOError:
+                break
+        else:
+            raise AssertionError("the listen backlog never filled")
+        channel = RuntimeChannel(f"unix://{path}")
+        try:
+            for _ in range(2):  # and again on the next call
+                reply = await channel.unary(UnaryCall(VERSION, (), b"", 5.0))
+                assert reply.status is Status.UNAVAILABLE
+                assert not reply.unanswered  # nothing was sent: the runtime did nothing
+                assert "listen backlog full" in reply.status_message, reply.status_message
+        finally:
+            channel.close()
 
 
 @pytest.mark.anyio
