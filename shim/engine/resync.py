@@ -846,17 +846,22 @@ def _carries_exclusive_settings(
     CPUs (the annotation that keeps the quota leaves only those). One that holds no CPUs
     after the resync lost them while cpushim was down; its shared settings are written back.
     Settings equal to what a restore writes are not a mark, so a restored container is not
-    restored again; nor are the nodes kubelet's memory manager chose for a container on the
-    shared pool, which spans more nodes than they."""
+    restored again; nor are the nodes kubelet's memory manager chose for a container that
+    shares: one with kubelet's quota when its pod does not keep it (cpushim drops it), or
+    one on the shared pool, which may lie within one node."""
     if resources.cpu_quota == rq.NO_QUOTA and kubelet_quota > 0:
         return True
     if plan.exclusive is None or not resources.cpuset_mems:
+        return False
+    if resources.cpu_quota > 0 and not plan.keep_quota:
         return False
     topology = engine.policy.topology
     try:
         mems = CPUSet.parse(resources.cpuset_mems)
         cpus = CPUSet.parse(resources.cpuset_cpus)
     except ValueError:
+        return False
+    if cpus == engine.state.shared:
         return False
     nodes_of_cpus = CPUSet(topology.numa_nodes_of(cpus))
     return mems != CPUSet(topology.numa_nodes) and mems == nodes_of_cpus

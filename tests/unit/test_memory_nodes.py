@@ -265,6 +265,56 @@ async def test_under_the_none_policy_kubelets_nodes_survive_a_restart(env: Env) 
     assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")
 
 
+async def sharing_on_node_0(env: Env, keep_quota: bool) -> str:
+    """A container that asks for exclusive CPUs and shares (none were free when a restart
+    adopted it), its memory on node 0 by kubelet's memory manager, on a shared pool that lies
+    within node 0 (node 1 is all exclusive): its nodes are exactly those of the CPUs it runs
+    on, and narrower than all of them."""
+    filler = await env.kubelet.run_pod("filler", "guaranteed")
+    for index in range(4):
+        await create(env, filler, "1", name=f"c{index}")
+    annotations = {"cpushim.io/cfs-quota": "keep"} if keep_quota else {}
+    pod = await env.kubelet.run_pod("db", "guaranteed", annotations)
+    # Made while cpushim was down: 4 CPUs, and only 1,4,5 are free.
+    request = env.kubelet.create_request(pod, "main", 4000)
+    request.config.linux.resources.cpuset_mems = "0"
+    container_id = env.fake.add_container(pod.sandbox_id, request.config)
+    await env.restart()
+    assert ContainerKey(pod.uid, "main") not in env.engine.state.assignments
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == (str(env.engine.state.shared), "0")
+    return container_id
+
+
+@pytest.mark.parametrize("keep_quota", [False, True], ids=["quota removed", "quota kept"])
+async def test_kubelets_nodes_of_a_container_sharing_a_pool_within_one_node_survive_a_restart(
+    env: Env, keep_quota: bool
+) -> None:
+    """It never held exclusive CPUs: a restart must leave kubelet's nodes alone."""
+    container_id = await sharing_on_node_0(env, keep_quota)
+    await env.restart()  # an upgrade, say: nothing changed meanwhile
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-1,4-5", "0")
+    assert resources.cpu_quota == 400_000
+    assert not env.engine.containers[container_id].exclusive
+
+
+async def test_kubelets_nodes_of_a_sharing_container_survive_a_pool_grown_meanwhile(
+    env: Env,
+) -> None:
+    """A container of node 0 went while cpushim was down, so the pool is no longer the set
+    the sharing one runs on: kubelet's quota, which cpushim drops from a container it pins
+    (its pod does not keep it), still says it never held exclusive CPUs."""
+    other = await create(env, await env.kubelet.run_pod("other", "guaranteed"), "0")
+    container_id = await sharing_on_node_0(env, keep_quota=False)
+    assert env.cpus(container_id) == "0-1,5"
+    del env.fake.containers[other]
+    await env.restart()
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-1,4-5", "0")
+    assert resources.cpu_quota == 400_000
+
+
 @pytest.mark.parametrize("keep_quota", [False, True], ids=["quota removed", "quota kept"])
 async def test_a_switch_to_none_gives_back_kubelets_nodes_not_every_node(
     env: Env, keep_quota: bool
