@@ -457,6 +457,17 @@ def _reconcile(
             report.adopted_shared.append(container.id)
             continue
         candidates.append((container, plan.exclusive, plan, _kubelet_mems(engine, container)))
+    # The sets cpushim is seen to have handed out are kept first: under strict-cpu-reservation
+    # a container that shares a pool of as many CPUs as it asks for runs on a set that looks
+    # free, and keeping that ahead of them would leave a pinned container no pool CPU to
+    # spare. The attempts of one pod and name keep their order above.
+    pinned: dict[ContainerKey | None, bool] = {}
+    for container, _, plan, _ in candidates:
+        pinned.setdefault(
+            key_of(container),
+            container.id in replanned_ids or _shows_pinned(engine, container, plan),
+        )
+    candidates.sort(key=lambda candidate: not pinned[key_of(candidate[0])])
 
     # Two rounds: first every container that may keep the CPUs it runs on, then new choices
     # for the others, so that a new choice never takes a set a running container could keep.
@@ -499,6 +510,13 @@ def _reconcile(
             report.adopted_exclusive.append(str(adopted_key))
         candidates = pending
     return state.under(policy)
+
+
+def _shows_pinned(engine: Engine, container: LiveContainer, plan: ContainerPlan) -> bool:
+    """Whether the runtime's record shows the settings cpushim gives an exclusive container."""
+    resources = container.resources
+    quota = kubelet_cfs_quota(resources.cpu_shares, resources.cpu_quota, resources.cpu_period)
+    return _carries_exclusive_settings(engine, resources, plan, quota)
 
 
 def _current_cpus(container: LiveContainer) -> CPUSet:

@@ -14,6 +14,8 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
 from shim.engine.resync import adopt_sharing
 from shim.policy.none import NonePolicy
+from shim.policy.options import StaticPolicyOptions
+from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
 from tests.fake_runtime import FakeContainer
 from tests.unit.engine_env import (
@@ -504,4 +506,46 @@ async def test_a_container_adopted_at_a_reload_gets_back_the_cpus_its_key_releas
     await env.engine.change_policy(static_policy("0"))
     assert await adopt_sharing(env.engine) == [ContainerKey(second.uid, "main")]
     assert env.cpus(again) == "1"  # not the allocator's choice, 4
+    assert_consistent(env)
+
+
+async def test_recovery_keeps_a_pinned_container_before_one_that_shares_a_pool_its_size(
+    env: Env,
+) -> None:
+    """Under strict-cpu-reservation the shared pool is what the exclusive sets leave of the
+    CPUs that are not reserved, so a container that asks for as many exclusive CPUs as the
+    pool holds, and shares because a pin would empty it, runs on a set that looks free and
+    the right size. Recovery must not take that for the container's own: the containers
+    pinned on their CPUs keep them, whatever order the runtime lists them in."""
+    policy = StaticPolicy.create(
+        TOPOLOGY,
+        reserved=CPUSet.parse("0"),
+        options=StaticPolicyOptions(strict_cpu_reservation=True),
+    )
+    await env.restart(policy)
+    kubelet = env.kubelet
+    big = await kubelet.start_new(await kubelet.run_pod("big", "guaranteed"), "main", 4000)
+    # Listed last by the runtime.
+    pinned = renamed(
+        env,
+        await kubelet.start_new(await kubelet.run_pod("pinned", "guaranteed"), "main", 1000),
+        "f" * 64,
+    )
+    assert (env.cpus(big), env.cpus(pinned), str(env.engine.state.shared)) == (
+        "2-3,6-7",
+        FIRST_SINGLE,
+        "1,5",
+    )
+    pod = await kubelet.run_pod("db", "guaranteed")
+    # Made while cpushim was down (and listed first); at the restart there is no room for it.
+    request = kubelet.create_request(pod, "main", 2000)
+    sharing = renamed(env, env.fake.add_container(pod.sandbox_id, request.config), "0" * 64)
+    await env.restart()
+    assert ContainerKey(pod.uid, "main") not in env.engine.state.assignments
+    assert env.cpus(sharing) == "1,5"
+
+    await env.restart(recover=True)
+    held = {a.container_id: str(a.cpus) for a in env.engine.state.assignments.values()}
+    assert held == {big: "2-3,6-7", pinned: FIRST_SINGLE}
+    assert env.cpus(sharing) == "1,5"
     assert_consistent(env)
