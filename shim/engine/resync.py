@@ -118,6 +118,7 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
             tracked.adoption_refused = str(tracked.key) in report.refused
         if report.refused:
             engine.wait_for_room()
+        _whole_only_where_every_one_is(engine.containers.values())
         await engine._apply()
         for tracked in engine.containers.values():
             if tracked.cgroup is not None and tracked.applied != tracked.recorded:
@@ -370,6 +371,23 @@ def _with_pod_level_resources(
         if pod.uid in marked_before or (len(flags) >= 2 and all(flags)):
             marked[sandbox_id] = replace(pod, pod_level_resources=True)
     return marked
+
+
+def _whole_only_where_every_one_is(containers: Iterable[Tracked]) -> None:
+    """A container found taking its whole pod, in the runtime's record, shows pod-level
+    resources only while every sibling asking for exclusive CPUs does too: one resized in
+    place onto the pod's old totals looks the same, and :func:`_with_pod_level_resources`
+    left such a pod ordinary. Elsewhere the flags are cleared, so that a sweep or a
+    sibling's create does not mark the pod on them a moment later (a mark is for good); a
+    create asking for the whole pod tells it anew."""
+    asking: dict[str, list[Tracked]] = {}
+    for tracked in containers:
+        if tracked.cpus_asked is not None and tracked.phase is not Phase.EXITED:
+            asking.setdefault(tracked.key.pod_uid, []).append(tracked)
+    for siblings in asking.values():
+        if not all(tracked.whole_pod for tracked in siblings):
+            for tracked in siblings:
+                tracked.whole_pod = False
 
 
 def _reconcile(

@@ -534,3 +534,28 @@ async def test_restart_after_a_resize_onto_the_pods_old_totals_does_not_unpin_an
     await env.restart()
     assert not env.engine.pods[pod.sandbox_id].pod_level_resources, "ordinary pod marked"
     assert len(CPUSet.parse(env.cpus(sidecar))) == 1
+
+
+async def test_after_a_restart_neither_a_sweep_nor_a_sibling_unpins_a_resized_ordinary_pod(
+    env: Env,
+) -> None:
+    """The start-up left the pod above ordinary because the runtime's record, which is all
+    it had, cannot tell a container resized onto the pod's old totals from one that takes
+    the whole pod. What it read there must not mark the pod a moment later: not at the next
+    full look's sweep, nor at a sibling's next attempt (a mark is for good)."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    main = await start(env, pod, "main", 1000, GIB)
+    sidecar = await start(env, pod, "sidecar", 1000, GIB)
+    await resize_in_place(env, main, 2000, 2 * GIB)
+    await env.restart()
+    before = {k: a.cpus for k, a in env.engine.state.assignments.items()}
+    assert len(before) == 2
+    await sweep(env.engine)
+    assert env.engine.state.pod_level == frozenset(), "ordinary pod marked by a sweep"
+    assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == before
+    # The sidecar crashes; kubelet makes its next attempt.
+    env.fake.exit_container(sidecar, 1)
+    await env.engine.container_exited(sidecar)
+    await start(env, pod, "sidecar", 1000, GIB, attempt=1)
+    assert env.engine.state.pod_level == frozenset(), "ordinary pod marked by a create"
+    assert len(env.engine.state.assignments) == 2
