@@ -1096,6 +1096,21 @@ async def test_a_container_the_kernel_will_not_watch_is_still_repaired_and_seen_
     assert w.counters["full_resyncs"] == 1
 
 
+def counted_retries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tries the watcher's retries make from now on, in a one-item list."""
+    attempts = [0]
+
+    async def counted(attempt: Any, first_delay: float, stop: asyncio.Event) -> None:
+        async def counting() -> bool:
+            attempts[0] += 1
+            return bool(await attempt())
+
+        await retry_until_done(counting, first_delay, stop)
+
+    monkeypatch.setattr(watching, "retry_until_done", counted)
+    return attempts
+
+
 async def test_a_kernel_out_of_watches_for_many_containers_is_asked_once_per_retry(
     retrying: Watched, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1105,24 +1120,14 @@ async def test_a_kernel_out_of_watches_for_many_containers_is_asked_once_per_ret
     ids = [await w.started(f"web{n}") for n in range(4)]
     for container_id in ids:
         w.watcher.unwatch(container_id)
-    attempts = 0
-
-    async def counted(attempt: Any, first_delay: float, stop: asyncio.Event) -> None:
-        async def counting() -> bool:
-            nonlocal attempts
-            attempts += 1
-            return bool(await attempt())
-
-        await retry_until_done(counting, first_delay, stop)
-
-    monkeypatch.setattr(watching, "retry_until_done", counted)
+    attempts = counted_retries(monkeypatch)
     kernel = OutOfWatches(w.watcher, w.env.fake.cgroup_root, monkeypatch)
     tasks = len(w.env.engine._tasks)
     await w.watcher.look_everywhere()
     assert kernel.refused == len(ids)
     assert len(w.env.engine._tasks) <= tasks + 1
-    await until(lambda: attempts >= 3, "three tries")
-    assert kernel.refused - len(ids) <= attempts
+    await until(lambda: attempts[0] >= 3, "three tries")
+    assert kernel.refused - len(ids) <= attempts[0]
     kernel.full = False
     await until(lambda: all(i in w.watcher._containers for i in ids), "all watched")
 
@@ -1246,17 +1251,7 @@ async def test_a_runtime_that_does_not_answer_is_asked_of_one_container_per_retr
     for container_id in ids:
         w.watcher.unwatch(container_id)
         w.env.engine.containers[container_id].cgroup = None
-    attempts = 0
-
-    async def counted(attempt: Any, first_delay: float, stop: asyncio.Event) -> None:
-        async def counting() -> bool:
-            nonlocal attempts
-            attempts += 1
-            return bool(await attempt())
-
-        await retry_until_done(counting, first_delay, stop)
-
-    monkeypatch.setattr(watching, "retry_until_done", counted)
+    attempts = counted_retries(monkeypatch)
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting", count=1000)
     tasks = len(w.env.engine._tasks)
     asked = statuses(w)
@@ -1264,8 +1259,8 @@ async def test_a_runtime_that_does_not_answer_is_asked_of_one_container_per_retr
         await w.watcher.look_at_unlocated(w.env.engine.containers[container_id])
     assert statuses(w) == asked + len(ids)
     assert len(w.env.engine._tasks) <= tasks + 1
-    await until(lambda: attempts >= 3, "three tries")
-    assert statuses(w) - asked - len(ids) <= attempts
+    await until(lambda: attempts[0] >= 3, "three tries")
+    assert statuses(w) - asked - len(ids) <= attempts[0]
     w.env.fake.clear_failures("ContainerStatus")
     await until(lambda: all(i in w.watcher._containers for i in ids), "all watched")
     await until(lambda: w.watcher._watch_retry is None, "the retry ended")
