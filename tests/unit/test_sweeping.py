@@ -331,22 +331,6 @@ async def test_a_container_gone_since_the_listing_leaves_the_sweep_finished(env:
     assert not report.unfinished
 
 
-async def test_a_sweep_that_cannot_read_a_container_tries_again_without_a_full_look(
-    tmp_path: Path,
-) -> None:
-    async with (
-        FakeRuntime() as fake,
-        with_watcher(tmp_path, fake, options=EngineOptions(retry_delay=0.01)) as (env, watcher),
-    ):
-        pod = await env.kubelet.run_pod("tools", "besteffort")
-        outsider = made_outside(env, pod, "debug")
-        env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "busy", count=2)
-        watcher.sweep_soon()
-        await until(lambda: outsider in env.engine.containers, "taken in by a later sweep")
-        assert len(env.fake.calls_of("ListContainers")) >= 3
-        assert env.engine.counters["full_resyncs"] == 0
-
-
 async def test_the_full_look_sweeps(with_cgroups: tuple[Env, Watcher]) -> None:
     env, watcher = with_cgroups
     pod = await env.kubelet.run_pod("tools", "besteffort")
@@ -520,16 +504,20 @@ async def test_a_sweep_creates_kept_from_the_lock_tries_again_without_a_full_loo
         assert env.engine.counters["full_resyncs"] == 0
 
 
-async def test_a_sweep_that_cannot_list_tries_again_without_a_full_look(tmp_path: Path) -> None:
+@pytest.mark.parametrize("failing", ["ContainerStatus", "ListContainers"])
+async def test_a_sweep_that_cannot_list_or_read_tries_again_without_a_full_look(
+    tmp_path: Path, failing: str
+) -> None:
     """A lost create's answer (containerd restarting) asks for a sweep at once, when the
-    runtime may not list yet: with resyncPeriod 0 no full look would take its container in."""
+    runtime may not list or answer yet: with resyncPeriod 0 no full look would take its
+    container in."""
     async with (
         FakeRuntime() as fake,
         with_watcher(tmp_path, fake, options=EngineOptions(retry_delay=0.01)) as (env, watcher),
     ):
         pod = await env.kubelet.run_pod("tools", "besteffort")
         outsider = made_outside(env, pod, "debug")
-        env.fake.fail_next("ListContainers", GrpcStatus.UNAVAILABLE, "restarting", count=2)
+        env.fake.fail_next(failing, GrpcStatus.UNAVAILABLE, "restarting", count=2)
         watcher.sweep_soon()
         await until(lambda: outsider in env.engine.containers, "taken in by a later sweep")
         assert len(env.fake.calls_of("ListContainers")) >= 3
