@@ -289,12 +289,11 @@ async def test_no_answer_to_head_has_a_body(served: Served) -> None:
         assert body == b"", request_line
 
 
-async def test_a_client_that_never_reads_does_not_keep_its_connection(
+def huge_answer_served(
     env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Its answer fills the socket's buffers; the drain gives up after the read timeout, and
-    # the close must not then wait for the client to read the rest.
-    monkeypatch.setattr(metrics_module, "_READ_TIMEOUT", 0.2)
+) -> tuple[Metrics, list[asyncio.StreamWriter]]:
+    """Metrics whose answer fills the socket's buffers, and the writers of the connections
+    served, in the order they came."""
     metrics = Metrics(env.engine)
     body = b"#" * (32 << 20)  # more than the kernel's buffers and the transport's limit
     monkeypatch.setattr(metrics, "render", lambda: body)
@@ -306,6 +305,16 @@ async def test_a_client_that_never_reads_does_not_keep_its_connection(
         await serve_one(reader, writer, *args)
 
     monkeypatch.setattr(metrics_module, "_serve_one", seen)
+    return metrics, writers
+
+
+async def test_a_client_that_never_reads_does_not_keep_its_connection(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its answer fills the socket's buffers; the drain gives up after the read timeout, and
+    # the close must not then wait for the client to read the rest.
+    monkeypatch.setattr(metrics_module, "_READ_TIMEOUT", 0.2)
+    metrics, writers = huge_answer_served(env, monkeypatch)
     address = free_address()
     server = await serve_metrics(metrics, address, lambda: None)
     host, port = address.rsplit(":", 1)
@@ -561,17 +570,7 @@ async def test_the_shutdown_ends_the_connections_still_open(
     client sent nothing is kept for the read timeout (10 s), and one whose client does not read
     its answer for the drain's timeout and then the close's. The shutdown must not wait for
     them (it is bounded by the grace plus 2 s): it ends them."""
-    metrics = Metrics(env.engine)
-    body = b"#" * (32 << 20)  # more than the kernel's buffers and the transport's limit
-    monkeypatch.setattr(metrics, "render", lambda: body)
-    writers: list[asyncio.StreamWriter] = []
-    serve_one = metrics_module._serve_one
-
-    async def seen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *args: Any) -> None:
-        writers.append(writer)
-        await serve_one(reader, writer, *args)
-
-    monkeypatch.setattr(metrics_module, "_serve_one", seen)
+    metrics, writers = huge_answer_served(env, monkeypatch)
     address = free_address()
     server = await serve_metrics(metrics, address, lambda: None)
     host, port = address.rsplit(":", 1)
