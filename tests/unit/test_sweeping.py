@@ -221,15 +221,22 @@ class ReplyHeld:
         return reply
 
 
-async def test_a_create_on_its_way_is_not_taken_for_an_unknown_container(env: Env) -> None:
-    """The runtime has made the container and cpushim has not recorded it yet: the sweep
-    waits for the create instead of taking the container in as unknown."""
+async def create_on_its_way(env: Env) -> tuple[Pod, ReplyHeld, asyncio.Task[Reply]]:
+    """A BestEffort pod's container made by the runtime, its create's reply held from
+    cpushim (until ``release``): the pod, the forward, and the create's task."""
     pod = await env.kubelet.run_pod("web", "besteffort")
     request = env.kubelet.create_request(pod, "main").SerializeToString()
     call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
     forward = ReplyHeld(env.channel, call)
     create = asyncio.create_task(env.engine.handle(call, forward))
     await until(lambda: bool(env.fake.containers), "the runtime made the container")
+    return pod, forward, create
+
+
+async def test_a_create_on_its_way_is_not_taken_for_an_unknown_container(env: Env) -> None:
+    """The runtime has made the container and cpushim has not recorded it yet: the sweep
+    waits for the create instead of taking the container in as unknown."""
+    pod, forward, create = await create_on_its_way(env)
     [created] = env.fake.containers
     outsider = made_outside(env, pod, "other")
     assert env.engine.creates_in_flight == 1
@@ -484,12 +491,7 @@ async def test_a_sweep_creates_kept_from_the_lock_tries_again_without_a_full_loo
         FakeRuntime() as fake,
         with_watcher(tmp_path, fake, options=EngineOptions(retry_delay=0.01)) as (env, watcher),
     ):
-        pod = await env.kubelet.run_pod("web", "besteffort")
-        request = env.kubelet.create_request(pod, "main").SerializeToString()
-        call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
-        forward = ReplyHeld(env.channel, call)
-        create = asyncio.create_task(env.engine.handle(call, forward))
-        await until(lambda: bool(env.fake.containers), "the runtime made the container")
+        pod, forward, create = await create_on_its_way(env)
         outsider = made_outside(env, pod, "other")
         listed = len(env.fake.calls_of("ListContainers"))
         watcher.sweep_soon()
