@@ -1189,15 +1189,23 @@ async def test_a_container_exited_before_the_runtime_answered_is_released_by_the
     assert w.counters["full_resyncs"] == 0
 
 
+async def unlocated(w: Watched, name: str) -> Tracked:
+    """A running shared container, unwatched and with no cgroup known: as a lookup that
+    got no answer leaves it."""
+    container_id = await w.started(name)
+    w.watcher.unwatch(container_id)
+    tracked = w.env.engine.containers[container_id]
+    tracked.cgroup = None
+    return tracked
+
+
 async def test_an_unlocated_container_the_runtime_did_not_answer_for_is_looked_up_again(
     retrying: Watched,
 ) -> None:
     """Start-up's or a sweep's look for a running container's cgroup, unanswered."""
     w = retrying
-    shared_id = await w.started("web")
-    w.watcher.unwatch(shared_id)
-    tracked = w.env.engine.containers[shared_id]
-    tracked.cgroup = None
+    tracked = await unlocated(w, "web")
+    shared_id = tracked.id
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
     await w.watcher.look_at_unlocated(tracked)
     assert shared_id not in w.watcher._containers
@@ -1232,9 +1240,7 @@ async def test_a_full_look_that_could_not_locate_a_container_looks_it_up_again(
     retrying: Watched,
 ) -> None:
     w = retrying
-    shared_id = await w.started("web")
-    w.watcher.unwatch(shared_id)
-    w.env.engine.containers[shared_id].cgroup = None
+    shared_id = (await unlocated(w, "web")).id
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
     await w.watcher.look_everywhere()
     await until(lambda: shared_id in w.watcher._containers, "watched once the runtime answers")
@@ -1247,10 +1253,7 @@ async def test_a_runtime_that_does_not_answer_is_asked_of_one_container_per_retr
     """One retry for them all, and one lookup at each of its tries: a runtime that did not
     answer for one would not for the rest."""
     w = retrying
-    ids = [await w.started(f"web{n}") for n in range(4)]
-    for container_id in ids:
-        w.watcher.unwatch(container_id)
-        w.env.engine.containers[container_id].cgroup = None
+    ids = [(await unlocated(w, f"web{n}")).id for n in range(4)]
     attempts = counted_retries(monkeypatch)
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting", count=1000)
     tasks = len(w.env.engine._tasks)
@@ -1270,10 +1273,7 @@ async def test_a_container_the_runtime_says_is_gone_is_not_looked_up_again(
     retrying: Watched,
 ) -> None:
     w = retrying
-    shared_id = await w.started("web")
-    w.watcher.unwatch(shared_id)
-    tracked = w.env.engine.containers[shared_id]
-    tracked.cgroup = None
+    tracked = await unlocated(w, "web")
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.NOT_FOUND)
     await w.watcher.look_at_unlocated(tracked)
     assert tracked.phase is Phase.EXITED
@@ -1282,10 +1282,7 @@ async def test_a_container_the_runtime_says_is_gone_is_not_looked_up_again(
 
 
 async def test_a_stopped_watcher_looks_up_no_more(w: Watched) -> None:
-    shared_id = await w.started("web")
-    w.watcher.unwatch(shared_id)
-    tracked = w.env.engine.containers[shared_id]
-    tracked.cgroup = None
+    tracked = await unlocated(w, "web")
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
     await w.watcher.look_at_unlocated(tracked)
     assert w.watcher._watch_retry is not None
