@@ -153,6 +153,16 @@ def containerd_cgroups_path(cgroup_parent: str, container_id: str) -> str:
     return f"{cgroup_parent.rstrip('/')}/{container_id}"
 
 
+def cgroup_parent_of(cgroups_path: str) -> str:
+    """The cgroup parent a container's OCI ``cgroupsPath`` was made under, the other way
+    round from :func:`containerd_cgroups_path`: the slice of a systemd one, the directory
+    above any other; "" when it names none."""
+    if not cgroups_path.startswith("/") and cgroups_path.count(":") == 2:
+        return cgroups_path.split(":")[0]
+    parent = PurePosixPath(cgroups_path).parent
+    return str(parent) if parent.name else ""
+
+
 # What containerd's shims call themselves (``comm``, cut to 15 bytes by the kernel).
 CONTAINERD_SHIMS: Final = ("containerd-shim",)
 

@@ -215,6 +215,9 @@ class FakeRuntime:
         self.calls: list[tuple[str, Message]] = []
         self._failures: dict[str, deque[tuple[Status, str]]] = {}
         self._gates: dict[str, asyncio.Event] = {}
+        # Sandboxes whose shim does not answer: containerd asks it for the sandbox task's
+        # state when a PodSandboxStatus is verbose, so those fail while plain ones answer.
+        self.shims_hung: set[str] = set()
         self._next_pid = 1000
         # Gives started containers real processes (their pids go into ``cgroup.procs``), for
         # tests of what the engine does when a process exits; fake numbers otherwise.
@@ -536,6 +539,11 @@ class FakeRuntime:
         self, request: pb.PodSandboxStatusRequest
     ) -> pb.PodSandboxStatusResponse:
         sandbox = self._sandbox(request.pod_sandbox_id)
+        if request.verbose and sandbox.id in self.shims_hung:
+            raise GRPCError(
+                Status.UNKNOWN,
+                "failed to get sandbox container task: context deadline exceeded",
+            )
         config = sandbox.config
         reply = pb.PodSandboxStatusResponse(
             status=pb.PodSandboxStatus(

@@ -26,7 +26,7 @@ from shim.engine import requests as rq
 from shim.engine.core import Engine
 from shim.engine.moves import pid_of
 from shim.engine.tracked import Phase, Tracked
-from shim.kube import kubelet_cfs_quota
+from shim.kube import CgroupParentError, kubelet_cfs_quota, pod_cgroup
 from shim.pods import (
     AnnotationError,
     ContainerPlan,
@@ -86,13 +86,15 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
     checkpoint cannot be trusted or the runtime cannot be listed."""
     loaded = _load(engine, recover_from_runtime)
     try:
-        pods, stopped = await _sandboxes(engine)
+        pods, stopped, unplaced = await _sandboxes(engine)
         live, exited = await _containers(engine, stopped)
     except DecodeError as exc:
         raise StartupError(
             f"resync: {engine.runtime.endpoint} answered with a message that does not decode"
             f" ({exc}); is it a CRI runtime?"
         ) from exc
+    for sandbox_id in unplaced:
+        pods[sandbox_id] = _placed_or_told(pods[sandbox_id], live.values())
     report = ResyncReport()
     pods = _with_pod_level_resources(pods, live, loaded.pod_level if loaded is not None else ())
     async with engine.lock:
@@ -193,31 +195,105 @@ async def _call(engine: Engine, path: str, request: bytes) -> Reply:
     return reply
 
 
-async def _sandboxes(engine: Engine) -> tuple[dict[str, Pod], set[str]]:
-    """The listed pods by sandbox id, and the ids of the sandboxes that are not ready."""
+async def _sandboxes(engine: Engine) -> tuple[dict[str, Pod], set[str], set[str]]:
+    """The listed pods by sandbox id, the ids of the sandboxes that are not ready, and of those
+    whose pod's cgroup parent the runtime could not tell (:func:`sandbox_status`)."""
     reply = await _call(engine, rq.LIST_POD_SANDBOX, b"")
     pods: dict[str, Pod] = {}
     stopped: set[str] = set()
+    unplaced: set[str] = set()
     for item in pb.ListPodSandboxResponse.FromString(reply.messages[0]).items:
         if item.state != pb.SANDBOX_READY:
             stopped.add(item.id)
-        request = pb.PodSandboxStatusRequest(pod_sandbox_id=item.id, verbose=True)
-        status_reply = await engine.runtime.unary(
-            UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
-        )
-        if status_reply.status is Status.NOT_FOUND:
+        read = await sandbox_status(engine, item.id)
+        if read.error:
+            raise StartupError(f"resync: PodSandboxStatus {item.id} failed: {read.error}")
+        if read.status is None:
             continue  # removed since it was listed
-        if status_reply.status is not Status.OK or not status_reply.messages:
-            raise StartupError(
-                f"resync: PodSandboxStatus {item.id} failed: {status_reply.status.name}:"
-                f" {status_reply.status_message}"
-            )
-        status = pb.PodSandboxStatusResponse.FromString(status_reply.messages[0])
-        if status.status.state != pb.SANDBOX_READY:
+        if read.status.status.state != pb.SANDBOX_READY:
             # Stopped since it was listed: a container left created in it never runs.
             stopped.add(item.id)
-        pods[item.id] = Pod.from_config(item.id, sandbox_config(item, status))
-    return pods, stopped
+        if read.brief:
+            unplaced.add(item.id)
+        pods[item.id] = Pod.from_config(item.id, sandbox_config(item, read.status))
+    return pods, stopped, unplaced
+
+
+@dataclass(frozen=True)
+class SandboxRead:
+    # None when the sandbox is gone, or when the runtime could not say (``error``).
+    status: pb.PodSandboxStatusResponse | None
+    error: str = ""
+    # Without the runtime's verbose info, which names the pod's cgroup parent.
+    brief: bool = False
+
+
+async def sandbox_status(engine: Engine, sandbox_id: str) -> SandboxRead:
+    """The sandbox's status with the runtime's verbose info, else without it. containerd
+    asks the sandbox's shim for the task's state when the status is verbose, so one hung
+    shim would fail it (after the call's whole timeout) and, at start-up, keep cpushim and
+    with it kubelet's runtime down; the plain status comes from containerd's own store.
+    The pod's cgroup parent may then be found on its containers (:func:`placed_pod`)."""
+    read = await _sandbox_status(engine, sandbox_id, verbose=True)
+    if not read.error:
+        return read
+    log.warning(
+        "cannot read a sandbox's verbose status; asking for the plain one",
+        extra={"fields": {"sandbox_id": sandbox_id, "error": read.error}},
+    )
+    plain = await _sandbox_status(engine, sandbox_id, verbose=False)
+    if plain.error:
+        return SandboxRead(None, f"{read.error}; without verbose info: {plain.error}")
+    return replace(plain, brief=plain.status is not None)
+
+
+async def _sandbox_status(engine: Engine, sandbox_id: str, *, verbose: bool) -> SandboxRead:
+    request = pb.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=verbose)
+    reply = await engine.runtime.unary(
+        UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
+    )
+    if reply.status is Status.NOT_FOUND:
+        return SandboxRead(None)
+    if reply.status is not Status.OK or not reply.messages:
+        return SandboxRead(None, f"{reply.status.name}: {reply.status_message}")
+    try:
+        return SandboxRead(pb.PodSandboxStatusResponse.FromString(reply.messages[0]))
+    except DecodeError as exc:
+        return SandboxRead(None, f"the answer does not decode ({exc})")
+
+
+def _placed_or_told(pod: Pod, live: Iterable[LiveContainer]) -> Pod:
+    containers = [c for c in live if c.sandbox_id == pod.sandbox_id]
+    placed = placed_pod(pod, containers)
+    if placed.qos is None and containers:
+        log.warning(
+            "a pod's cgroup parent is unknown; its containers share",
+            extra={"fields": {"pod": pod.label, "sandbox_id": pod.sandbox_id}},
+        )
+    return placed
+
+
+def placed_pod(pod: Pod, containers: Iterable[LiveContainer]) -> Pod:
+    """``pod``, whose sandbox's status did not name its cgroup parent, with the parent its
+    containers' cgroups are under (containerd names a container's cgroup after its pod's),
+    and so its QoS class; as it was when none of them shows this pod's. Without one the
+    pod cannot be classified, and its containers share."""
+    for container in containers:
+        try:
+            spec = orjson.loads(container.info or "{}").get("runtimeSpec", {})
+            path = spec.get("linux", {}).get("cgroupsPath", "")
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+        if not isinstance(path, str):
+            continue
+        parent = cgroups.cgroup_parent_of(path)
+        try:
+            found = pod_cgroup(parent)
+        except CgroupParentError:
+            continue
+        if found.pod_uid == pod.uid:
+            return replace(pod, cgroup_parent=parent, qos=found.qos)
+    return pod
 
 
 def sandbox_config(item: pb.PodSandbox, status: pb.PodSandboxStatusResponse) -> pb.PodSandboxConfig:

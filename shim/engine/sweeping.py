@@ -40,8 +40,10 @@ from shim.engine.resync import (
     CALL_TIMEOUT,
     LiveContainer,
     adopt_sharing,
+    placed_pod,
     running_first,
     sandbox_config,
+    sandbox_status,
     status_read,
     superseded_attempts,
     tracked_from_runtime,
@@ -241,7 +243,7 @@ async def _found(
                 engine.never_running.add(container_id)
                 continue
         if container.sandbox_id not in engine.pods and container.sandbox_id not in pods:
-            pod, answered = await _pod(engine, container.sandbox_id)
+            pod, answered = await _pod(engine, container)
             if pod is None:
                 unread = unread or not answered
                 continue
@@ -360,32 +362,20 @@ async def _listing(engine: Engine) -> _Listing | None:
     return _Listing(unknown, sorted(tracked_before - listed_ids))
 
 
-async def _pod(engine: Engine, sandbox_id: str) -> tuple[Pod | None, bool]:
-    """A sandbox cpushim never saw made: its pod as the runtime reports it, None when the
-    sandbox is gone or not ready (the runtime starts no container in a stopped one); and
-    False when the runtime did not say."""
-    request = pb.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True)
-    reply = await engine.runtime.unary(
-        UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
-    )
-    if reply.status is Status.NOT_FOUND:
-        return None, True
-    if reply.status is not Status.OK or not reply.messages:
+async def _pod(engine: Engine, container: LiveContainer) -> tuple[Pod | None, bool]:
+    """The pod of a container whose sandbox cpushim never saw made, as the runtime reports
+    it: None when the sandbox is gone or not ready (the runtime starts no container in a
+    stopped one); and False when the runtime did not say."""
+    sandbox_id = container.sandbox_id
+    read = await sandbox_status(engine, sandbox_id)
+    if read.error:
         log.warning(
             "cannot read a sandbox's state; its containers are looked at later",
-            extra={
-                "fields": {
-                    "sandbox_id": sandbox_id,
-                    "error": f"{reply.status.name}: {reply.status_message}",
-                }
-            },
+            extra={"fields": {"sandbox_id": sandbox_id, "error": read.error}},
         )
         return None, False
-    try:
-        status = pb.PodSandboxStatusResponse.FromString(reply.messages[0])
-    except DecodeError:
-        return None, False
-    if status.status.state != pb.SANDBOX_READY:
+    status = read.status
+    if status is None or status.status.state != pb.SANDBOX_READY:
         return None, True
     item = pb.PodSandbox(
         id=sandbox_id,
@@ -393,7 +383,8 @@ async def _pod(engine: Engine, sandbox_id: str) -> tuple[Pod | None, bool]:
         annotations=status.status.annotations,
         state=status.status.state,
     )
-    return Pod.from_config(sandbox_id, sandbox_config(item, status)), True
+    pod = Pod.from_config(sandbox_id, sandbox_config(item, status))
+    return (placed_pod(pod, [container]) if read.brief else pod), True
 
 
 def _key_of(engine: Engine, container: LiveContainer) -> ContainerKey | None:

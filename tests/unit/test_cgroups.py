@@ -10,6 +10,7 @@ from shim.cgroups import (
     CgroupError,
     CgroupLayout,
     CgroupVersion,
+    cgroup_parent_of,
     containerd_cgroups_path,
     expand_slice,
     first_process,
@@ -280,3 +281,27 @@ def test_other_shims_can_be_named(tmp_path: Path) -> None:
 def test_no_first_process_without_the_cgroup_or_in_an_empty_one(tmp_path: Path) -> None:
     assert first_process(tmp_path / "gone") == 0
     assert first_process(cgroup_with(tmp_path, [])) == 0
+
+
+@pytest.mark.parametrize(
+    ("cgroups_path", "parent"),
+    [
+        ("/kubepods/burstable/pod-1/c1", "/kubepods/burstable/pod-1"),
+        ("kubepods-burstable-pod_1.slice:cri-containerd:c1", "kubepods-burstable-pod_1.slice"),
+        # kubelet's full systemd path, as the sandbox's parent names it.
+        (
+            "/kubepods.slice/kubepods-pod_2.slice/cri-containerd-c1.scope",
+            "/kubepods.slice/kubepods-pod_2.slice",
+        ),
+        ("c1", ""),
+        ("/c1", ""),
+        ("", ""),
+    ],
+)
+def test_the_cgroup_parent_of_a_containers_cgroups_path(cgroups_path: str, parent: str) -> None:
+    assert cgroup_parent_of(cgroups_path) == parent
+
+
+def test_the_cgroup_parent_of_containerds_path_is_the_parent_it_was_made_under() -> None:
+    for parent in ("/kubepods/burstable/pod-1", "kubepods-burstable-pod_1.slice"):
+        assert cgroup_parent_of(containerd_cgroups_path(parent, "c1")) == parent

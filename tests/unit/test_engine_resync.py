@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from grpclib.const import Status as GrpcStatus
@@ -12,12 +14,13 @@ from grpclib.const import Status as GrpcStatus
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
-from shim.engine.resync import adopt_sharing
+from shim.engine.resync import StartupError, adopt_sharing, live_status, placed_pod
+from shim.kube import QOSClass
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
-from tests.fake_runtime import FakeContainer
+from tests.fake_runtime import FakeContainer, FakeRuntime
 from tests.unit.engine_env import (
     FIRST_SINGLE,
     TOPOLOGY,
@@ -25,6 +28,7 @@ from tests.unit.engine_env import (
     Pod,
     assert_consistent,
     env,
+    make_env,
     second_of_two_released,
     static_policy,
     until,
@@ -549,3 +553,71 @@ async def test_recovery_keeps_a_pinned_container_before_one_that_shares_a_pool_i
     assert held == {big: "2-3,6-7", pinned: FIRST_SINGLE}
     assert env.cpus(sharing) == "1,5"
     assert_consistent(env)
+
+
+@pytest.fixture(params=["cgroupfs", "systemd"])
+async def driven_env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
+    """``env`` under each cgroup driver: the form of the pods' cgroup parents."""
+    async with FakeRuntime(cgroup_driver=request.param) as fake:
+        environment = await make_env(fake, tmp_path / "state")
+        yield environment
+        environment.channel.close()
+
+
+@pytest.mark.parametrize("recover", [False, True], ids=["checkpoint", "recovered"])
+async def test_a_sandbox_whose_shim_hangs_keeps_neither_cpushim_down_nor_its_pod_unpinned(
+    driven_env: Env, recover: bool
+) -> None:
+    """containerd asks the sandbox's shim when a PodSandboxStatus is verbose: one hung shim
+    used to fail the whole start-up. The plain status serves, and the pod's QoS class comes
+    from its container's cgroup, so its exclusive CPU stays (or is adopted) as it was."""
+    env = driven_env
+    pinned = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    sharing = await env.kubelet.run_pod("web", "burstable")
+    sharing_id = await env.kubelet.start_new(sharing, "main", 500)
+    await env.engine.checkpoint_written()
+    env.fake.shims_hung.add(pinned.sandbox_id)
+
+    await env.restart(recover=recover)
+    assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert FIRST_SINGLE not in env.cpus(sharing_id).split(",")
+    pod = env.engine.pods[pinned.sandbox_id]
+    assert pod.qos is QOSClass.GUARANTEED
+    assert pod.uid == pinned.uid
+    asked = [
+        request.verbose
+        for request in env.fake.calls_of("PodSandboxStatus")
+        if isinstance(request, pb.PodSandboxStatusRequest)
+        and request.pod_sandbox_id == pinned.sandbox_id
+    ]
+    assert asked[-2:] == [True, False]
+    assert_consistent(env)
+
+
+async def test_a_sandbox_whose_plain_status_fails_too_stops_start_up(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pod, "main", 1000)
+    env.fake.fail_next("PodSandboxStatus", GrpcStatus.UNAVAILABLE, "restarting", count=2)
+    failed = f"PodSandboxStatus {pod.sandbox_id} failed: UNAVAILABLE"
+    with pytest.raises(StartupError, match=failed):
+        await env.restart()
+
+
+async def test_a_pod_whose_containers_name_another_pods_cgroup_is_not_classified_by_them(
+    env: Env,
+) -> None:
+    """The parent found on a container is the pod's only when it names the pod's UID."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    container = await live_status(env.engine, container_id, pod.sandbox_id)
+    assert container is not None
+    unplaced = dataclasses.replace(
+        env.engine.pods[pod.sandbox_id], qos=None, cgroup_parent="", uid="another"
+    )
+    assert placed_pod(unplaced, [container]) == unplaced
+    own = dataclasses.replace(unplaced, uid=pod.uid)
+    placed = placed_pod(own, [container])
+    assert placed.qos is QOSClass.GUARANTEED
+    assert placed.cgroup_parent == pod.config.linux.cgroup_parent

@@ -308,11 +308,32 @@ async def test_a_sandbox_whose_state_cannot_be_read_leaves_the_sweep_unfinished(
         linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent("besteffort", uid)),
     )
     outsider = made_outside(env, Pod(env.fake.add_sandbox(config), config, "besteffort"), "main")
-    env.fake.fail_next("PodSandboxStatus", GrpcStatus.DEADLINE_EXCEEDED)
+    # Its verbose status, then its plain one.
+    env.fake.fail_next("PodSandboxStatus", GrpcStatus.DEADLINE_EXCEEDED, count=2)
     report = await sweep(env.engine)
     assert report.tracked == []
     assert report.unfinished
     assert (await sweep(env.engine)).tracked == [outsider]
+
+
+async def test_a_container_in_a_sandbox_whose_shim_hangs_is_pinned_by_its_cgroup(
+    env: Env,
+) -> None:
+    """containerd asks the sandbox's shim for a verbose PodSandboxStatus: the plain status
+    serves, and the container's cgroup tells the pod's QoS class."""
+    uid = str(uuid.uuid4())
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name="direct", uid=uid, namespace="default"),
+        linux=pb.LinuxPodSandboxConfig(cgroup_parent=pod_cgroup_parent("guaranteed", uid)),
+    )
+    pod = Pod(env.fake.add_sandbox(config), config, "guaranteed")
+    outsider = made_outside(env, pod, "main", 1000)
+    env.fake.shims_hung.add(pod.sandbox_id)
+    report = await sweep(env.engine)
+    assert report.tracked == [outsider]
+    assert not report.unfinished
+    assert report.adopted_exclusive == [ContainerKey(uid, "main")]
+    assert env.cpus(outsider) == FIRST_SINGLE
 
 
 async def test_a_created_container_whose_sandboxes_cannot_be_listed_leaves_the_sweep_unfinished(
