@@ -218,6 +218,9 @@ class FakeRuntime:
         # Sandboxes whose shim does not answer: containerd asks it for the sandbox task's
         # state when a PodSandboxStatus is verbose, so those fail while plain ones answer.
         self.shims_hung: set[str] = set()
+        # containerd before 1.6.9 gives no resources in ContainerStatus (its verbose info's
+        # OCI spec has them).
+        self.reports_resources = True
         self._next_pid = 1000
         # Gives started containers real processes (their pids go into ``cgroup.procs``), for
         # tests of what the engine does when a process exits; fake numbers otherwise.
@@ -684,7 +687,8 @@ class FakeRuntime:
             mounts=config.mounts,
             log_path=config.log_path,
         )
-        status.resources.linux.CopyFrom(container.resources)
+        if self.reports_resources:
+            status.resources.linux.CopyFrom(container.resources)
         reply = pb.ContainerStatusResponse(status=status)
         if request.verbose:
             reply.info["info"] = json.dumps(self._container_info(container))

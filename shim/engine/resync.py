@@ -320,16 +320,15 @@ def sandbox_config(item: pb.PodSandbox, status: pb.PodSandboxStatusResponse) -> 
     return config
 
 
-def _json_int(value: object) -> int:
+def _json_int(value: object, *, signed: bool = False) -> int:
     """An integer of a runtime's JSON: a number (Go's encoding/json, containerd's) or a
-    string of digits (protobuf's JSON mapping of 64-bit integers); 0 otherwise."""
-    if isinstance(value, bool):
+    string of digits (protobuf's JSON mapping of 64-bit integers); 0 otherwise, and for a
+    negative one unless ``signed``."""
+    if isinstance(value, str) and value.removeprefix("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
         return 0
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    return 0
+    return value if signed or value >= 0 else 0
 
 
 async def _containers(
@@ -396,15 +395,45 @@ def live_container(
     metadata: pb.ContainerMetadata,
     response: pb.ContainerStatusResponse,
 ) -> LiveContainer:
+    info = response.info.get("info", "")
     return LiveContainer(
         id=container_id,
         sandbox_id=sandbox_id,
         name=metadata.name,
         attempt=metadata.attempt,
         state=response.status.state,
-        resources=response.status.resources.linux,
-        info=response.info.get("info", ""),
+        resources=(
+            response.status.resources.linux
+            if response.status.resources.HasField("linux")
+            else spec_resources(info)
+        ),
+        info=info,
     )
+
+
+def spec_resources(info: str) -> pb.LinuxContainerResources:
+    """A container's resources as its OCI spec in the runtime's verbose info holds them:
+    containerd fills ContainerStatus' resources from 1.6.9 on, so a container created by
+    an older one (and running on through the upgrade) shows none there, and would be taken
+    as asking for no CPU. Empty when the info has none."""
+    resources = pb.LinuxContainerResources()
+    try:
+        spec = orjson.loads(info or "{}").get("runtimeSpec", {})
+        linux = spec.get("linux", {}).get("resources") or {}
+        cpu = linux.get("cpu") or {}
+        memory = linux.get("memory") or {}
+        resources.cpu_shares = _json_int(cpu.get("shares"))
+        resources.cpu_quota = _json_int(cpu.get("quota"), signed=True)
+        resources.cpu_period = _json_int(cpu.get("period"))
+        resources.memory_limit_in_bytes = _json_int(memory.get("limit"), signed=True)
+        cpus, mems = cpu.get("cpus", ""), cpu.get("mems", "")
+    except (orjson.JSONDecodeError, AttributeError, ValueError):
+        return pb.LinuxContainerResources()
+    if isinstance(cpus, str):
+        resources.cpuset_cpus = cpus
+    if isinstance(mems, str):
+        resources.cpuset_mems = mems
+    return resources
 
 
 def running_first(containers: Iterable[LiveContainer]) -> list[LiveContainer]:

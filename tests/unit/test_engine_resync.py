@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,7 +15,13 @@ from grpclib.const import Status as GrpcStatus
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
-from shim.engine.resync import StartupError, adopt_sharing, live_status, placed_pod
+from shim.engine.resync import (
+    StartupError,
+    adopt_sharing,
+    live_status,
+    placed_pod,
+    spec_resources,
+)
 from shim.kube import QOSClass
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
@@ -621,3 +628,58 @@ async def test_a_pod_whose_containers_name_another_pods_cgroup_is_not_classified
     placed = placed_pod(own, [container])
     assert placed.qos is QOSClass.GUARANTEED
     assert placed.cgroup_parent == pod.config.linux.cgroup_parent
+
+
+@pytest.mark.parametrize("recover", [False, True], ids=["checkpoint", "recovered"])
+async def test_a_runtime_without_resources_in_its_status_is_read_from_the_containers_spec(
+    env: Env, recover: bool
+) -> None:
+    """containerd before 1.6.9 gives no resources in ContainerStatus: the OCI spec in its
+    verbose info has them, so a pinned container stays pinned, its quota still cpushim's."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    sharing = await env.kubelet.run_pod("web", "burstable")
+    sharing_id = await env.kubelet.start_new(sharing, "main", 500)
+    await env.engine.checkpoint_written()
+    env.fake.reports_resources = False
+
+    await env.restart(recover=recover)
+    assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert FIRST_SINGLE not in env.cpus(sharing_id).split(",")
+    assert env.fake.containers[pinned_id].resources.cpu_quota == -1
+    tracked = env.engine.containers[pinned_id]
+    assert tracked.cpus_asked == 1
+    assert_consistent(env)
+
+
+@pytest.mark.parametrize(
+    ("info", "expected"),
+    [
+        (
+            {"cpu": {"shares": 1024, "quota": -1, "period": 100000, "cpus": "4", "mems": "0"}},
+            pb.LinuxContainerResources(
+                cpu_shares=1024,
+                cpu_quota=-1,
+                cpu_period=100000,
+                cpuset_cpus="4",
+                cpuset_mems="0",
+            ),
+        ),
+        # protobuf's JSON mapping gives 64-bit integers as strings.
+        (
+            {"cpu": {"shares": "2048", "quota": "-1"}, "memory": {"limit": "1073741824"}},
+            pb.LinuxContainerResources(
+                cpu_shares=2048, cpu_quota=-1, memory_limit_in_bytes=1073741824
+            ),
+        ),
+        ({"cpu": {"shares": -2, "cpus": 4, "quota": "--5"}}, pb.LinuxContainerResources()),
+        ({"cpu": {"shares": 2**70}}, pb.LinuxContainerResources()),
+        ({"cpu": "lots"}, pb.LinuxContainerResources()),
+        (None, pb.LinuxContainerResources()),
+    ],
+)
+def test_resources_read_from_a_containers_spec(info: object, expected: object) -> None:
+    document = json.dumps({"runtimeSpec": {"linux": {"resources": info}}})
+    assert spec_resources(document) == expected
+    assert spec_resources("not json") == pb.LinuxContainerResources()
