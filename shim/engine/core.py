@@ -1173,12 +1173,12 @@ class Engine:
         if asked == held or asked == tracked.cpus_asked:
             # What it holds, or what it was created asking for (a memory resize of a
             # container that lost its CPUs to a new policy, or that shares since before one).
-            tracked.resize_noted = None
+            self._resize_noted(tracked, None)
             return
         noted = asked if asked is not None else 0
         if tracked.resize_noted == noted:
             return
-        tracked.resize_noted = noted
+        self._resize_noted(tracked, noted)
         self.counters["cpu_resizes_not_applied"] += 1
         log.warning(
             "kubelet asks for another count of exclusive CPUs for a running container; its"
@@ -1194,6 +1194,15 @@ class Engine:
                 }
             },
         )
+
+    def _resize_noted(self, tracked: Tracked, noted: int | None) -> None:
+        """An adoption plans for the count a resize noted: one waiting for room may fit now,
+        and would otherwise wait for a release or a full look."""
+        changed = tracked.resize_noted != noted
+        tracked.resize_noted = noted
+        if changed and tracked.adoption_refused and self.room_made is not None:
+            self.room_tried = None
+            self.room_made()
 
     # --- a new policy while running ------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from tests.unit.engine_env import (
     static_policy,
     until,
 )
+from tests.unit.test_engine import kubelet_resize
 from tests.unit.test_engine_failures import ReplyLost
 
 pytestmark = pytest.mark.anyio
@@ -1204,4 +1205,28 @@ async def test_a_container_that_ends_while_the_sweep_waits_for_the_lock_gives_it
     await until(lambda: env.engine.state.assignments == {}, "its CPUs back", 2.0)
     assert env.engine.containers[orphan].phase.value == "exited"
     assert env.engine.counters["exits_seen"] == 1
+    assert_consistent(env)
+
+
+async def test_a_resize_down_that_makes_room_adopts_a_waiting_container_without_a_full_look(
+    sharing: tuple[Env, Watcher],
+) -> None:
+    """A container left sharing for lack of room, resized in place to a count that fits,
+    waited for a full look; with resyncPeriod 0 none comes."""
+    env, watcher = sharing
+    await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = made_outside(env, pod, "main", 2000)  # one CPU is left
+    watcher.sweep_soon()
+    await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
+    # The sweep that follows one that took containers in, done too.
+    await until(lambda: watcher.jobs.pending == 0, "the sweeps done")
+    swept = len(env.fake.calls_of("ListContainers"))
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(outsider, 1000))
+    key = ContainerKey(pod.uid, "main")
+    await until(lambda: key in env.engine.state.assignments, "adopted at the count it fits")
+    await until(lambda: watcher.jobs.pending == 0, "moved")
+    assert len(CPUSet.parse(env.cpus(outsider))) == 1
+    assert len(env.fake.calls_of("ListContainers")) == swept  # no sweep did it
+    assert env.engine.counters["full_resyncs"] == 0
     assert_consistent(env)
