@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from shim.cpuset import CPUSet
 from shim.cri.upstream import unix_path
+from shim.fileio import read_regular_file
 from shim.log import LEVELS
 from shim.policy.options import OptionsError, StaticPolicyOptions
 
@@ -332,7 +333,8 @@ def load_config(path: Path) -> ConfigValues:
     """The values of the file at ``path``; ConfigError naming the path when it cannot be read
     or is not a good config."""
     try:
-        data = path.read_bytes()
+        # A FIFO put there would hold start-up until something wrote into it.
+        data = read_regular_file(path)
     except OSError as exc:
         raise ConfigError(path, f"cannot read the config file: {exc.strerror or exc}") from None
     return config_from_bytes(data, path)

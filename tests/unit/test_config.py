@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import grp
+import os
 import re
 import subprocess
 import sys
+import threading
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -446,6 +448,33 @@ def test_missing_file_names_the_path(tmp_path: Path) -> None:
 def test_a_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path))}: cannot read"):
         load_config(tmp_path)
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    """A FIFO at the path held start-up for as long as nobody wrote into it."""
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_config(fifo)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():
+        # Let the blocked open through, so that the thread ends.
+        os.close(os.open(fifo, os.O_WRONLY))
+        reader.join(timeout=10)
+        pytest.fail("load_config waited for a writer on a FIFO")
+    [raised] = outcome
+    assert isinstance(raised, ConfigError)
+    assert str(raised) == f"{fifo}: cannot read the config file: not a regular file"
 
 
 def test_bytes_that_are_not_utf8_are_refused(tmp_path: Path) -> None:
