@@ -249,6 +249,14 @@ def _policy_options(value: object) -> tuple[str, ...]:
         raise _Invalid(f'want a table of option = "true" or "false", got {_show(value)}')
     raw: dict[str, str] = {}
     for name, setting in value.items():
+        if name in KEYS_BY_NAME:
+            # A line added at the end of a file that ends with this table, as the sample
+            # does, lands in it: "unknown option" would not say how to fix that.
+            raise _Invalid(
+                f"{name} is a top-level key, read here as a policy option because it comes"
+                " after the [cpuManagerPolicyOptions] header: move it above that header",
+                subkey=name,
+            )
         if isinstance(setting, bool):
             setting = "true" if setting else "false"
         elif not isinstance(setting, str):

@@ -505,6 +505,23 @@ def test_sample_shows_every_key() -> None:
             assert re.search(rf"^(# )?{key.name} = ", text, re.MULTILINE), key.name
 
 
+@pytest.mark.parametrize("line", ['reservedSystemCPUs = "0,1"', "reservedCPUCount = 2"])
+def test_a_key_added_below_the_samples_table_says_to_move_it_above(line: str) -> None:
+    """The natural edit, a line added at the end of the installed file, lands in the
+    [cpuManagerPolicyOptions] table that the file ends with: say so, not that the option is
+    unknown."""
+    text = SAMPLE.read_text() + line + "\n"
+    name = line.split()[0]
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text, SAMPLE)
+    error = raised.value
+    assert (error.line, error.key) == (len(text.splitlines()), f"cpuManagerPolicyOptions.{name}")
+    assert error.message == (
+        f"{name} is a top-level key, read here as a policy option because it comes after the"
+        " [cpuManagerPolicyOptions] header: move it above that header"
+    )
+
+
 def test_sample_lines_commented_out_are_good_values(monkeypatch: pytest.MonkeyPatch) -> None:
     # The sample's socket group is one the operator makes first.
     monkeypatch.setattr(grp, "getgrnam", lambda name: grp.getgrgid(0))
