@@ -16,7 +16,10 @@
 #
 # It stops and restarts nothing. Put kubelet back on containerd first (docs/operations.md,
 # "Roll back"): remove the drop-in or run this script, `systemctl restart kubelet`, and only
-# then `systemctl stop cpushim`. Running it again is harmless.
+# then `systemctl stop cpushim`. Running it again is harmless. It warns of kubelet settings it
+# leaves that still name cpushim's socket (/etc/default/kubelet, /etc/sysconfig/kubelet,
+# /var/lib/kubelet/config.yaml, kubeadm-flags.env, kubelet.service and its other drop-ins in
+# /etc/systemd/system): set containerd's endpoint back there before restarting kubelet.
 #
 #   --root DIR       uninstall from under DIR instead of / (default: $DESTDIR, else /);
 #                    systemctl is never run then
@@ -103,3 +106,18 @@ if [ "$systemctl_mode" = yes ]; then
     systemctl daemon-reload
     say "systemctl daemon-reload done"
 fi
+
+# The drop-in is not the only way kubelet may have been pointed at cpushim: install.sh sends
+# an operator whose /etc/default/kubelet sets KUBELET_EXTRA_ARGS to add the flag there, and the
+# drop-in's comments send one without $KUBELET_EXTRA_ARGS to the KubeletConfiguration. Such an
+# endpoint outlives this script, and kubelet would lose its runtime at `systemctl stop cpushim`.
+shopt -s nullglob
+for file in "$root/etc/default/kubelet" "$root/etc/sysconfig/kubelet" \
+    "$root/var/lib/kubelet/config.yaml" "$root/var/lib/kubelet/kubeadm-flags.env" \
+    "$root/etc/systemd/system/kubelet.service" "$root/etc/systemd/system/kubelet.service.d"/*.conf; do
+    if [ -f "$file" ] && grep -Eq '^[^#]*/run/cpushim/cri\.sock' "$file"; then
+        say "WARNING: $file still points kubelet at cpushim's socket (/run/cpushim/cri.sock):" \
+            "put containerd's endpoint back there before restarting kubelet, or kubelet loses" \
+            "its runtime when cpushim stops."
+    fi
+done

@@ -291,3 +291,48 @@ def test_install_is_quiet_about_an_environment_file_that_leaves_the_variable_alo
     (root / "etc/default").mkdir(parents=True)
     (root / "etc/default/kubelet").write_text("# nothing here\nOTHER=1\n")
     assert "KUBELET_EXTRA_ARGS" not in run(INSTALL, "--root", str(root), "--skip-package")
+
+
+# kubelet settings that name cpushim's socket outside the drop-in.
+ENDPOINT_ELSEWHERE = [
+    # Where install.sh tells the operator to put the flag.
+    ("etc/default/kubelet", 'KUBELET_EXTRA_ARGS="--container-runtime-endpoint=unix:///run/cpushim/cri.sock"\n'),
+    ("etc/sysconfig/kubelet", "KUBELET_EXTRA_ARGS=--container-runtime-endpoint=unix:///run/cpushim/cri.sock\n"),
+    # Where the drop-in's comments send a kubelet.service without $KUBELET_EXTRA_ARGS.
+    ("var/lib/kubelet/config.yaml", "kind: KubeletConfiguration\ncontainerRuntimeEndpoint: unix:///run/cpushim/cri.sock\n"),
+    ("etc/systemd/system/kubelet.service.d/20-local.conf", '[Service]\nEnvironment="KUBELET_EXTRA_ARGS=--container-runtime-endpoint=unix:///run/cpushim/cri.sock"\n'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "text"), ENDPOINT_ELSEWHERE, ids=[name for name, _ in ENDPOINT_ELSEWHERE]
+)
+def test_uninstall_warns_of_kubelet_settings_still_naming_the_socket(
+    tmp_path: Path, name: str, text: str
+) -> None:
+    """Removing the drop-in puts kubelet back on containerd only where the drop-in was the
+    one to name cpushim's socket: an endpoint set elsewhere outlives the uninstall, and the
+    roll back's `systemctl stop cpushim` would then leave kubelet without a runtime."""
+    root = tmp_path / "root"
+    run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
+    named = root / name
+    named.parent.mkdir(parents=True, exist_ok=True)
+    named.write_text(text)
+    said = run(UNINSTALL, "--root", str(root), "--no-systemctl")
+    assert re.search(rf"WARNING: {re.escape(str(named))} .*cpushim's socket", said), said
+    assert named.read_text() == text  # the operator's file: warned of, not edited
+
+
+def test_uninstall_is_quiet_about_kubelet_settings_naming_containerd(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
+    (root / "etc/default").mkdir(parents=True)
+    (root / "etc/default/kubelet").write_text(
+        "# KUBELET_EXTRA_ARGS=--container-runtime-endpoint=unix:///run/cpushim/cri.sock\n"
+        "KUBELET_EXTRA_ARGS=\n"
+    )
+    (root / "var/lib/kubelet").mkdir(parents=True)
+    (root / "var/lib/kubelet/config.yaml").write_text(
+        "containerRuntimeEndpoint: unix:///run/containerd/containerd.sock\n"
+    )
+    assert "WARNING" not in run(UNINSTALL, "--root", str(root), "--no-systemctl")
