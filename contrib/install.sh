@@ -23,7 +23,8 @@
 #                    installed this way runs where it is (tests, a chroot), not copied elsewhere.
 #   --wheel FILE     install this wheel instead of the checkout
 #   --python PYTHON  the Python (3.11 or later, with the venv module) the virtualenv is made
-#                    with (default: python3)
+#                    with (default: python3); checked first, and a virtualenv it could not
+#                    make is removed
 #   --skip-package   leave /opt/cpushim and /usr/bin/cpushim alone: units and config only
 #   --no-systemctl   do not run systemctl daemon-reload (default: run it when the root is /
 #                    and systemd is running, i.e. /run/systemd/system exists)
@@ -81,9 +82,25 @@ if [ "$skip_package" = 0 ]; then
         exit 1
     fi
     if [ ! -x "$venv/bin/python" ]; then
+        # Before the virtualenv: one made with an older Python would only refuse cpushim
+        # at pip's turn, and later runs keep a virtualenv's Python.
+        if ! version="$("$python" -c 'import sys; print(sys.version.split()[0])
+sys.exit(sys.version_info < (3, 11))' 2>/dev/null)"; then
+            echo "install.sh: cpushim needs Python 3.11 or later; $python is" \
+                "${version:-not a Python that runs} (--python PYTHON names another)" >&2
+            exit 1
+        fi
         say "creating the virtualenv $venv"
+        venv_was_there=0
+        [ ! -e "$venv" ] || venv_was_there=1
         mkdir -p "$(dirname "$venv")"
-        "$python" -m venv "$venv"
+        if ! "$python" -m venv "$venv"; then
+            # Debian's python3 without python3-venv leaves bin/python and no pip: the next
+            # run would take that for a virtualenv to upgrade, and fail at pip every time.
+            [ "$venv_was_there" = 1 ] || rm -rf -- "$venv"
+            echo "install.sh: could not create the virtualenv $venv with $python" >&2
+            exit 1
+        fi
     elif [ "$python_given" = 1 ]; then
         say "upgrading the virtualenv $venv with the Python it was made with, not $python" \
             "(remove $venv first to make it again)"

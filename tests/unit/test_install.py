@@ -336,3 +336,58 @@ def test_uninstall_is_quiet_about_kubelet_settings_naming_containerd(tmp_path: P
         "containerRuntimeEndpoint: unix:///run/containerd/containerd.sock\n"
     )
     assert "WARNING" not in run(UNINSTALL, "--root", str(root), "--no-systemctl")
+
+
+def _python_stub(tmp_path: Path, script: str) -> Path:
+    stub = tmp_path / "python-stub"
+    stub.write_text(f'#!/bin/sh\n{script}\nexec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def _install_refused(root: Path, python: Path) -> str:
+    done = subprocess.run(
+        ["bash", str(INSTALL), "--root", str(root), "--python", str(python), "--no-systemctl"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    return done.stderr
+
+
+def test_a_virtualenv_that_could_not_be_made_is_not_left_behind(tmp_path: Path) -> None:
+    """Debian's python3 without python3-venv makes bin/python, then fails for want of
+    ensurepip. Left there, the next run (python3-venv installed meanwhile) would take it for
+    a virtualenv to upgrade, and fail with "No module named pip" every time after."""
+    stub = _python_stub(
+        tmp_path,
+        'if [ "$1" = -m ] && [ "$2" = venv ]; then\n'
+        '    mkdir -p "$3/bin" && ln -s /bin/false "$3/bin/python"\n'
+        '    echo "The virtual environment was not created successfully" >&2\n'
+        "    exit 1\n"
+        "fi",
+    )
+    root = tmp_path / "root"
+    _install_refused(root, stub)
+    assert not (root / "opt/cpushim").exists()
+    assert not (root / "usr/bin/cpushim").exists()
+
+
+def test_a_python_older_than_3_11_is_refused_before_the_virtualenv(tmp_path: Path) -> None:
+    # As Python 3.9 would answer install.sh's check, and make a virtualenv (whose pip
+    # would refuse cpushim, after the dependencies were fetched).
+    stub = _python_stub(
+        tmp_path,
+        'if [ "$1" = -c ]; then echo 3.9.2; exit 1; fi\n'
+        'if [ "$1" = -m ] && [ "$2" = venv ]; then\n'
+        '    mkdir -p "$3/bin" && ln -s /bin/false "$3/bin/python"\n'
+        "    exit 0\n"
+        "fi",
+    )
+    root = tmp_path / "root"
+    said = _install_refused(root, stub)
+    assert f"needs Python 3.11 or later; {stub} is 3.9.2" in said
+    assert not (root / "opt").exists()
