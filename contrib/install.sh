@@ -137,6 +137,24 @@ for env_file in "$root/etc/default/kubelet" "$root/etc/sysconfig/kubelet"; do
     fi
 done
 
+# Among drop-ins, systemd keeps the last assignment of a variable, in file name order over all
+# their directories: another drop-in that sets KUBELET_EXTRA_ARGS either drops the endpoint
+# (after ours) or loses its own flags to ours (before it).
+drop_in_dirs=("$root/etc/systemd/system" "$root/run/systemd/system" "$root/usr/lib/systemd/system")
+[ "$root/lib" -ef "$root/usr/lib" ] || drop_in_dirs+=("$root/lib/systemd/system")
+for dir in "${drop_in_dirs[@]}"; do
+    for other in "$dir"/kubelet.service.d/*.conf; do
+        if [ -f "$other" ] && [ "$(basename "$other")" != 10-cpushim.conf ] &&
+            grep -Eq '^[[:space:]]*Environment=.*KUBELET_EXTRA_ARGS=' "$other" &&
+            ! grep -q 'unix:///run/cpushim/cri.sock' "$other"; then
+            say "WARNING: $other also sets KUBELET_EXTRA_ARGS, and only the drop-in last by" \
+                "name counts: kubelet loses either cpushim's endpoint or that file's flags. Add" \
+                "--container-runtime-endpoint=unix:///run/cpushim/cri.sock to its" \
+                "KUBELET_EXTRA_ARGS, in a drop-in named to sort after 10-cpushim.conf."
+        fi
+    done
+done
+
 # -- the config, never overwritten ------------------------------------------------------------
 config="$root/etc/cpushim/config.toml"
 if [ -e "$config" ] || [ -L "$config" ]; then

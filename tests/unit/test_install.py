@@ -391,3 +391,42 @@ def test_a_python_older_than_3_11_is_refused_before_the_virtualenv(tmp_path: Pat
     said = _install_refused(root, stub)
     assert f"needs Python 3.11 or later; {stub} is 3.9.2" in said
     assert not (root / "opt").exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "etc/systemd/system/kubelet.service.d/20-extra-args.conf",
+        "etc/systemd/system/kubelet.service.d/05-node-ip.conf",
+        "usr/lib/systemd/system/kubelet.service.d/20-extra-args.conf",
+    ],
+)
+def test_install_warns_when_another_drop_in_sets_the_variable(tmp_path: Path, name: str) -> None:
+    """systemd keeps the last Environment= assignment of a variable, drop-ins taken in name
+    order: one sorted after ours drops the endpoint (kubelet keeps calling containerd), one
+    before it loses its own flags to ours. Either way the operator must merge the two."""
+    root = tmp_path / "root"
+    drop_in = root / name
+    drop_in.parent.mkdir(parents=True)
+    drop_in.write_text('[Service]\nEnvironment="KUBELET_EXTRA_ARGS=--node-ip=10.0.0.5"\n')
+    said = run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
+    assert re.search(rf"WARNING: {re.escape(str(drop_in))} .*KUBELET_EXTRA_ARGS", said), said
+    assert "--container-runtime-endpoint=unix:///run/cpushim/cri.sock" in said
+
+
+def test_install_is_quiet_about_drop_ins_that_leave_the_variable_alone(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    kubeadm = root / "usr/lib/systemd/system/kubelet.service.d/10-kubeadm.conf"
+    kubeadm.parent.mkdir(parents=True)
+    # As kubeadm's packages ship it: the variable is only read, from files and on ExecStart.
+    kubeadm.write_text(
+        "[Service]\n"
+        'Environment="KUBELET_KUBECONFIG_ARGS=--kubeconfig=/etc/kubernetes/kubelet.conf"\n'
+        "EnvironmentFile=-/var/lib/kubelet/kubeadm-flags.env\n"
+        "ExecStart=\n"
+        "ExecStart=/usr/bin/kubelet $KUBELET_KUBECONFIG_ARGS $KUBELET_EXTRA_ARGS\n"
+    )
+    said = run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
+    assert "WARNING" not in said
+    # Installed twice: its own drop-in is no other.
+    assert "WARNING" not in run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
