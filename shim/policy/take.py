@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import combinations
+from typing import TypeAlias
 
 from shim.cpuset import CPUSet
 from shim.policy.options import StaticPolicyOptions
@@ -375,6 +376,7 @@ def _take_distributed(topology: Topology, avail: int, count: int, group: int, sp
     numas = _Accumulator(topology, avail, count, spread).sorted_numas()
     free = {n: (numa_masks[n] & avail).bit_count() for n in numas}
     fewest, most = _numa_count_range(topology, len(numas), count, group)
+    searched: dict[tuple[tuple[int, ...], int], _Remainder] = {}
 
     for size in range(fewest, most + 1):
         best: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
@@ -391,7 +393,7 @@ def _take_distributed(topology: Topology, avail: int, count: int, group: int, sp
             if remainder == 0:
                 placed: tuple[int, tuple[int, ...]] | None = (_spread_score(after.values()), ())
             else:
-                placed = _place_remainder(after, combo, remainder, group)
+                placed = _place_remainder(after, combo, remainder, group, searched)
             if placed is not None and (best is None or placed[0] < best[0]):
                 best = (placed[0], combo, placed[1])
                 if best[0] == 0:
@@ -421,21 +423,53 @@ def _take_distributed(topology: Topology, avail: int, count: int, group: int, sp
     return _take_packed(topology, avail, count, spread, uncore=False)
 
 
+# Where a combination's remainder goes: positions in the combination, and the counts left.
+_Remainder: TypeAlias = tuple[tuple[int, ...], tuple[int, ...]] | None
+
+
 def _place_remainder(
-    after: dict[int, int], combo: tuple[int, ...], remainder: int, group: int
+    after: dict[int, int],
+    combo: tuple[int, ...],
+    remainder: int,
+    group: int,
+    searched: dict[tuple[tuple[int, ...], int], _Remainder],
 ) -> tuple[int, tuple[int, ...]] | None:
     """The subset of ``combo`` to take the remainder from that leaves the NUMA nodes most
-    evenly used; bigger subsets are tried first so CPUs stay spread."""
-    candidates = [n for n in combo if after[n] >= group]
-    best: tuple[int, tuple[int, ...]] | None = None
+    evenly used, and that score; bigger subsets are tried first so CPUs stay spread.
+
+    Every subset takes the same ``remainder`` CPUs from ``combo``, so the total left stays
+    the same and the variance over all nodes moves with the sum of squares over ``combo``
+    alone: the winner depends only on ``combo``'s counts, in order. Combinations with the
+    same counts (every one, on an idle machine of equal nodes) share one search through
+    ``searched``. Searching per combination took 15 s for 195 CPUs on 16 idle nodes of 30,
+    all of it on the CRI path."""
+    counts = tuple(after[n] for n in combo)
+    key = (counts, remainder)
+    if key not in searched:
+        searched[key] = _best_remainder(counts, remainder, group)
+    found = searched[key]
+    if found is None:
+        return None
+    positions, left = found
+    trial = dict(after)
+    trial.update(zip(combo, left, strict=True))
+    return _spread_score(trial.values()), tuple(combo[i] for i in positions)
+
+
+def _best_remainder(counts: tuple[int, ...], remainder: int, group: int) -> _Remainder:
+    """For free ``counts`` of a combination's nodes: the positions to hand ``remainder`` out
+    over that leave the smallest sum of squares (the first such, bigger subsets first), and
+    the counts they leave."""
+    candidates = [i for i, free in enumerate(counts) if free >= group]
+    best: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
     for size in range(len(candidates), 0, -1):
         for subset in combinations(candidates, size):
-            if sum(after[n] for n in subset) < remainder:
+            if sum(counts[i] for i in subset) < remainder:
                 continue
-            trial = dict(after)
+            trial = dict(enumerate(counts))
             if not _hand_out(trial, subset, remainder, group):
                 continue
-            score = _spread_score(trial.values())
-            if best is None or score < best[0]:
-                best = (score, subset)
-    return best
+            squares = sum(v * v for v in trial.values())
+            if best is None or squares < best[0]:
+                best = (squares, subset, tuple(trial.values()))
+    return None if best is None else best[1:]

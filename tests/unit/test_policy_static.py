@@ -7,7 +7,7 @@ results kubelet's own tests expect for the same machine shapes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -15,6 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from shim.cpuset import CPUSet
+from shim.policy import take
 from shim.policy.options import OptionsError, StaticPolicyOptions
 from shim.policy.reserved import ReservedCPUsError, reserved_cpus
 from shim.policy.static import (
@@ -1081,3 +1082,26 @@ def test_reserved_by_count_stays_on_cpu_0s_socket_where_ids_alternate(
     if count < 8:
         # The same as kubelet's packed best fit takes on this uniform machine.
         assert take_by_topology(INTERLEAVED, INTERLEAVED.online, count) == P(expected)
+
+
+def test_distribute_across_numa_searches_the_remainder_once_per_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 8 NUMA nodes of 4 CPUs, all free: 18 CPUs go 3 to each of 5 nodes, and the 3 left over
+    # are placed by trying subsets of the 5. All 56 combinations of 5 nodes leave the same
+    # counts (1, 1, 1, 1, 1), so one search must serve them all: searching again per
+    # combination is what made 195 CPUs on 16 such nodes take 15 s, on the CRI path.
+    topology = expected_topology(MachineSpec(sockets=2, cores_per_die=16, numa_per_socket=4))
+    hand_out = take._hand_out
+    calls = 0
+
+    def counted(free: dict[int, int], nodes: Sequence[int], amount: int, group: int) -> bool:
+        nonlocal calls
+        calls += 1
+        return hand_out(free, nodes, amount, group)
+
+    monkeypatch.setattr(take, "_hand_out", counted)
+    got = take_by_topology(topology, topology.online, 18, options=NUMA)
+    assert got == P("0-14,16-18")
+    # One search: the subsets of 5, 4 and 3 nodes that can absorb 3 CPUs.
+    assert calls == 1 + 5 + 10
