@@ -77,7 +77,8 @@ FailurePolicy = Literal["fail-closed", "fail-open"]
 @dataclass(frozen=True)
 class EngineOptions:
     failure_policy: FailurePolicy = "fail-closed"
-    # How many UpdateContainerResources calls run at once when containers move.
+    # How many UpdateContainerResources calls run at once when containers move, and how many
+    # records of cpusets written straight into cgroups (shim/engine/moves.py).
     update_concurrency: int = 8
     update_timeout: float = 10.0
     # How long a cpuset written straight into a cgroup waits before the runtime is told of it
@@ -176,6 +177,7 @@ class Engine:
             record_delay=self.options.record_delay,
             record_max_delay=self.options.record_max_delay,
             spawn=self._spawn,
+            concurrency=self.options.update_concurrency,
         )
         self.projection = projection
         # None: no projection directories (shim/engine/projecting.py).

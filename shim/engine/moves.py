@@ -7,7 +7,8 @@ without cpushim (docs/performance.md). The runtime is told afterwards, so its ow
 spec, what ContainerStatus reports, what systemd holds for the scope) stays true: one update
 carrying the latest cpuset once the container's cpuset has stayed put for ``record_delay``
 seconds, so a burst of moves costs one ``runc update``; a container that keeps moving (a node
-churning pods) is still recorded every ``record_max_delay`` seconds. An update in flight is
+churning pods) is still recorded every ``record_max_delay`` seconds. Records run at most
+``concurrency`` at a time, as moves through the runtime do. An update in flight is
 waited for before the next direct write, so an older cpuset can never overwrite a newer one.
 An update the runtime refuses is logged, counted (``runtime_record_errors``) and tried again
 after the record delay, a second at least, the wait doubling up to a minute while it keeps
@@ -109,6 +110,7 @@ class Mover:
         record_delay: float,
         record_max_delay: float,
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+        concurrency: int = 8,
     ) -> None:
         self.runtime = runtime
         self.layout = layout
@@ -118,6 +120,9 @@ class Mover:
         self.record_max_delay = record_max_delay
         self._spawn = spawn
         self._recorders: dict[str, asyncio.Task[None]] = {}
+        # Records fall due together (every shared container moves at once): each is a
+        # ``runc update``, and holds its container's write lock while it runs.
+        self._recording = asyncio.Semaphore(concurrency)
         self._flush = asyncio.Event()
         # The names a container's first process's parent may have (tests run their own).
         self.shims = cgroups.CONTAINERD_SHIMS
@@ -379,7 +384,9 @@ class Mover:
         try:
             while tracked.phase is not Phase.EXITED:
                 await self._until_due(tracked, behind_since, retry_at)
-                async with tracked.write_lock:
+                # The turn first, then the lock: one waiting its turn holding the lock would
+                # hold up a direct write of the container.
+                async with self._recording, tracked.write_lock:
                     cpus = tracked.applied
                     if cpus is None or cpus == tracked.recorded:
                         return

@@ -19,8 +19,9 @@ from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.cri.calls import Status
+from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import EngineOptions, moves
+from shim.engine import requests as rq
 from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver, wait_for
 from tests.unit.engine_env import (
@@ -520,3 +521,39 @@ async def test_a_restart_records_at_once_a_shrink_systemds_copy_would_undo(
     assert engine.counters["systemd_records_at_once"] == 1
     await engine.drain(5.0)
     await old.drain(5.0)
+
+
+async def test_records_run_no_more_at_once_than_moves_through_the_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shared container moves in the same instant, so their records fall due together:
+    a node's hundred shared containers would each fork a ``runc update`` at once, and hold
+    their write locks (a create meanwhile waiting on them) until all were done. They run
+    ``update_concurrency`` at a time, as moves through the runtime do."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(record_delay=0.0, record_max_delay=NEVER, update_concurrency=2)
+        env = await make_env(fake, tmp_path / "state", options=options)
+        shared = [await start_located(env, f"web-{index}") for index in range(5)]
+        channel = env.engine.mover.runtime
+        unary = channel.unary
+        in_flight = 0
+        most = 0
+
+        async def counted(call: UnaryCall, request: bytes | None = None) -> Reply:
+            nonlocal in_flight, most
+            if call.path != rq.UPDATE_CONTAINER_RESOURCES:
+                return await unary(call, request)
+            in_flight += 1
+            most = max(most, in_flight)
+            try:
+                return await unary(call, request)
+            finally:
+                in_flight -= 1
+
+        monkeypatch.setattr(channel, "unary", counted)
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(pod, "main", 1000)
+        await until(lambda: env.engine.counters["runtime_records"] == len(shared), "recorded")
+        assert [updates_to(fake, i) for i in shared] == [[SHARED_AFTER_FIRST_SINGLE]] * 5
+        assert most == 2
+        env.channel.close()
