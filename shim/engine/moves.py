@@ -80,7 +80,8 @@ def _process_ended(pid: int) -> bool:
         return False
     try:
         stat = read_file(f"/proc/{pid}/stat")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # ESRCH: opened, then reaped before the read.
         return True
     except OSError:
         return False

@@ -7,6 +7,7 @@ driver): ``Env.kernel_cpus`` is what that tree says, ``Env.cpus`` what the runti
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import subprocess
@@ -462,6 +463,20 @@ def test_a_process_that_ended_is_told_from_one_that_runs() -> None:
     assert moves._process_ended(child.pid)  # reaped: gone
     assert not moves._process_ended(0)  # not known: taken as running
     assert not moves._process_ended(os.getpid())
+
+
+def test_a_process_reaped_between_the_open_and_the_read_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """procfs answers a read of an open ``/proc/<pid>/stat`` with ESRCH once the process has
+    been reaped since the open: gone, not unknown (taken for running, the container would
+    keep its CPUs, unwatched, until a full look)."""
+
+    def reaped(path: str | Path) -> bytes:
+        raise ProcessLookupError(errno.ESRCH, os.strerror(errno.ESRCH), str(path))
+
+    monkeypatch.setattr(moves, "read_file", reaped)
+    assert moves._process_ended(4242)
 
 
 async def test_after_kubelets_refused_update_systemds_copy_is_taken_for_unknown(
