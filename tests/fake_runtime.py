@@ -216,8 +216,10 @@ class FakeRuntime:
         self._failures: dict[str, deque[tuple[Status, str]]] = {}
         self._gates: dict[str, asyncio.Event] = {}
         # Sandboxes whose shim does not answer: containerd asks it for the sandbox task's
-        # state when a PodSandboxStatus is verbose, so those fail while plain ones answer.
+        # state when a PodSandboxStatus is verbose, so those hang (until the fake closes)
+        # while plain ones answer.
         self.shims_hung: set[str] = set()
+        self._closing = asyncio.Event()
         # containerd before 1.6.9 gives no resources in ContainerStatus (its verbose info's
         # OCI spec has them).
         self.reports_resources = True
@@ -265,6 +267,7 @@ class FakeRuntime:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._closing.set()
         try:
             if self._server is not None:
                 self._server.close()
@@ -305,6 +308,13 @@ class FakeRuntime:
             await gate.wait()
         if failure is not None:
             raise GRPCError(*failure)
+        if (
+            isinstance(request, pb.PodSandboxStatusRequest)
+            and request.verbose
+            and request.pod_sandbox_id in self.shims_hung
+        ):
+            await self._closing.wait()
+            raise GRPCError(Status.UNAVAILABLE, "the runtime is closing")
         handler = self._handlers.get(method.name)
         if handler is None or method.server_streaming:
             raise GRPCError(Status.UNIMPLEMENTED, f"method {method.name} not implemented")
@@ -542,11 +552,6 @@ class FakeRuntime:
         self, request: pb.PodSandboxStatusRequest
     ) -> pb.PodSandboxStatusResponse:
         sandbox = self._sandbox(request.pod_sandbox_id)
-        if request.verbose and sandbox.id in self.shims_hung:
-            raise GRPCError(
-                Status.UNKNOWN,
-                "failed to get sandbox container task: context deadline exceeded",
-            )
         config = sandbox.config
         reply = pb.PodSandboxStatusResponse(
             status=pb.PodSandboxStatus(

@@ -48,6 +48,11 @@ from shim.state import (
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 10.0
+# A verbose PodSandboxStatus asks the sandbox's shim (containerd), which answers in
+# milliseconds or, hung, never: each hung one would cost start-up the whole call timeout
+# (systemd gives it two minutes), and the plain status that follows loses nothing the pod's
+# containers cannot tell.
+SANDBOX_INFO_TIMEOUT = 3.0
 
 RECOVERY_HINT = (
     "To rebuild the state from what the runtime reports, start once with"
@@ -231,7 +236,7 @@ class SandboxRead:
 async def sandbox_status(engine: Engine, sandbox_id: str) -> SandboxRead:
     """The sandbox's status with the runtime's verbose info, else without it. containerd
     asks the sandbox's shim for the task's state when the status is verbose, so one hung
-    shim would fail it (after the call's whole timeout) and, at start-up, keep cpushim and
+    shim would fail it (after ``SANDBOX_INFO_TIMEOUT``) and, at start-up, keep cpushim and
     with it kubelet's runtime down; the plain status comes from containerd's own store.
     The pod's cgroup parent may then be found on its containers (:func:`placed_pod`)."""
     read = await _sandbox_status(engine, sandbox_id, verbose=True)
@@ -249,8 +254,9 @@ async def sandbox_status(engine: Engine, sandbox_id: str) -> SandboxRead:
 
 async def _sandbox_status(engine: Engine, sandbox_id: str, *, verbose: bool) -> SandboxRead:
     request = pb.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=verbose)
+    deadline = SANDBOX_INFO_TIMEOUT if verbose else CALL_TIMEOUT
     reply = await engine.runtime.unary(
-        UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
+        UnaryCall(rq.POD_SANDBOX_STATUS, (), request.SerializeToString(), deadline)
     )
     if reply.status is Status.NOT_FOUND:
         return SandboxRead(None)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -151,6 +153,52 @@ def test_containers_created_while_cpushim_was_down_are_adopted(
     assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
     assert_kernel(direct.kernel_cpus(pinned_id), "1")
     assert_kernel(direct.kernel_cpus(shared_id), "0")
+
+
+@contextlib.contextmanager
+def shim_stopped(client: KubeletClient, sandbox_id: str) -> Iterator[int]:
+    """The sandbox's containerd shim stopped (SIGSTOP), as a hung one: containerd's verbose
+    PodSandboxStatus asks it for the task's state, and waits. Its pid; continued after."""
+    pause = json.loads(client.pod_sandbox_status(sandbox_id, verbose=True).info["info"])["pid"]
+    shim_pid = parent_pid(pause)
+    assert Path(f"/proc/{shim_pid}/comm").read_text().startswith("containerd-shim")
+    os.kill(shim_pid, signal.SIGSTOP)
+    try:
+        yield shim_pid
+    finally:
+        os.kill(shim_pid, signal.SIGCONT)
+
+
+def parent_pid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rfind(")") + 2 :].split()[1])
+
+
+@pytest.mark.parametrize("recover", [False, True], ids=["checkpoint", "recovered"])
+def test_a_pod_whose_shim_hangs_keeps_neither_cpushim_down_nor_its_cpu(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient], recover: bool
+) -> None:
+    """One hung shim used to stop cpushim's start-up (and so kubelet's runtime): the pod's
+    class now comes from its container's cgroup, and its CPU stays."""
+    shim.start()
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(via())
+    shim.stop()
+    with shim_stopped(direct, pinned_pod.id):
+        shim.start(*(["--recover-from-runtime"] if recover else []))
+        assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+        assert_kernel(direct.kernel_cpus(pinned_id), "1")
+        assert_kernel(direct.kernel_cpus(shared_id), "0")
+        assert shim.process is not None
+        assert "cannot read a sandbox's verbose status" in shim.process.log()
+        # It serves, and knows CPU 1 is taken.
+        kubelet = via()
+        late_pod = kubelet.run_pod_sandbox("late", "default", new_pod_uid(), "guaranteed")
+        error = rpc_error(
+            lambda: kubelet.create_container(
+                late_pod, "main", TEST_IMAGE, WORKLOAD, resources=ContainerResources(1000, 1000)
+            )
+        )
+        assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_a_container_kubelets_static_policy_pinned_is_adopted_with_its_cpu_and_no_quota(

@@ -14,7 +14,9 @@ from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.cri.calls import Status
+from shim.cri.calls import Reply, Status, UnaryCall
+from shim.engine import requests as rq
+from shim.engine import resync
 from shim.engine.resync import (
     StartupError,
     adopt_sharing,
@@ -573,12 +575,24 @@ async def driven_env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
 
 @pytest.mark.parametrize("recover", [False, True], ids=["checkpoint", "recovered"])
 async def test_a_sandbox_whose_shim_hangs_keeps_neither_cpushim_down_nor_its_pod_unpinned(
-    driven_env: Env, recover: bool
+    driven_env: Env, recover: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """containerd asks the sandbox's shim when a PodSandboxStatus is verbose: one hung shim
-    used to fail the whole start-up. The plain status serves, and the pod's QoS class comes
-    from its container's cgroup, so its exclusive CPU stays (or is adopted) as it was."""
+    used to fail the whole start-up, after the call's 10 s. The verbose call is given up
+    sooner, the plain status serves, and the pod's QoS class comes from its container's
+    cgroup, so its exclusive CPU stays (or is adopted) as it was."""
     env = driven_env
+    monkeypatch.setattr(resync, "SANDBOX_INFO_TIMEOUT", 0.2)
+    deadlines: dict[bool, float | None] = {}
+    unary = env.channel.unary
+
+    async def recorded(call: UnaryCall, request: bytes | None = None) -> Reply:
+        if call.path == rq.POD_SANDBOX_STATUS:
+            asked = pb.PodSandboxStatusRequest.FromString(call.request)
+            deadlines[asked.verbose] = call.timeout
+        return await unary(call, request)
+
+    monkeypatch.setattr(env.channel, "unary", recorded)
     pinned = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
     sharing = await env.kubelet.run_pod("web", "burstable")
@@ -600,6 +614,7 @@ async def test_a_sandbox_whose_shim_hangs_keeps_neither_cpushim_down_nor_its_pod
         and request.pod_sandbox_id == pinned.sandbox_id
     ]
     assert asked[-2:] == [True, False]
+    assert deadlines == {True: 0.2, False: resync.CALL_TIMEOUT}
     assert_consistent(env)
 
 

@@ -18,7 +18,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.upstream import ChannelForward, ReplySeen, RuntimeChannel
-from shim.engine import EngineOptions, watching
+from shim.engine import EngineOptions, resync, watching
 from shim.engine import requests as rq
 from shim.engine.sweeping import sweep
 from shim.engine.watching import Watcher
@@ -318,10 +318,11 @@ async def test_a_sandbox_whose_state_cannot_be_read_leaves_the_sweep_unfinished(
 
 
 async def test_a_container_in_a_sandbox_whose_shim_hangs_is_pinned_by_its_cgroup(
-    env: Env,
+    env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """containerd asks the sandbox's shim for a verbose PodSandboxStatus: the plain status
     serves, and the container's cgroup tells the pod's QoS class."""
+    monkeypatch.setattr(resync, "SANDBOX_INFO_TIMEOUT", 0.2)
     uid = str(uuid.uuid4())
     config = pb.PodSandboxConfig(
         metadata=pb.PodSandboxMetadata(name="direct", uid=uid, namespace="default"),
