@@ -647,7 +647,8 @@ class Engine:
                 await self._release_exited_in_pod(pod.uid, keep=key)
         pool = self.state.shared
         rq.pin(request.config.linux.resources, pool)
-        await self._project_new(request, key, Cpuset(pool, "", exclusive=False))
+        shared_mems = _nodes_asked(request.config.linux.resources)
+        await self._project_new(request, key, Cpuset(pool, _mems(shared_mems), exclusive=False))
         policy = self.policy
         reply = await forward(request.SerializeToString())
         response = _response(reply, pb.CreateContainerResponse)
@@ -665,6 +666,7 @@ class Engine:
                 cgroup_parent=self._cgroup_parent(request, pod),
                 exclusive=False,
                 keep_quota=True,
+                shared_mems=shared_mems,
                 phase=Phase.CREATED,
                 applied=pool,
                 recorded=pool,
@@ -963,6 +965,9 @@ class Engine:
         cpus, mems, _ = self._desired(tracked)
         if cpus != tracked.applied:
             return  # not moved yet; the move projects it
+        if not mems:
+            # Left as they are: the nodes the cgroup keeps, not every node.
+            mems = _mems(tracked.shared_mems)
         pinned = self._assignment_of(tracked) is not None
         self.projector.update(tracked.key, Cpuset(cpus, mems, exclusive=pinned))
 
@@ -1428,6 +1433,8 @@ class Engine:
         holds them has their memory nodes and quota now."""
         if self._lost(tracked):
             tracked.exclusive = False
+            # The move gave it these (or every node) with kubelet's quota.
+            tracked.shared_mems = tracked.kubelet_mems
         tracked.settings_stale = False
 
     def _assignment_of(self, tracked: Tracked) -> Assignment | None:
@@ -1524,6 +1531,20 @@ class Engine:
         async with self.lock:
             await self._apply()
             return not self._out_of_place()
+
+
+def _nodes_asked(resources: pb.LinuxContainerResources) -> CPUSet | None:
+    """The NUMA nodes kubelet's memory manager named in a create (None: none, or none that
+    parse, which is the runtime's to refuse for a container that shares)."""
+    try:
+        return kubelet_memory_nodes(resources)
+    except MemoryNodesError:
+        return None
+
+
+def _mems(nodes: CPUSet | None) -> str:
+    """Memory nodes as a projection names them: "" for every node."""
+    return "" if nodes is None else str(nodes)
 
 
 def _at_or_under(container_path: str, target: str) -> bool:

@@ -939,6 +939,13 @@ def tracked_from_runtime(
         # Pinned while cpushim knew nothing of it (--recover-from-runtime) and sharing now:
         # the runtime's record is all that tells what kubelet's memory manager chose.
         kubelet_mems = _kubelet_mems(engine, container)
+    shared_mems = None
+    if not exclusive:
+        # Its cgroup keeps the nodes it was created with (kubelet's memory manager's), or
+        # was given back when it lost exclusive CPUs (kubelet's, or every node).
+        shared_mems = _recorded_mems(container)
+        if shared_mems == CPUSet(engine.policy.topology.numa_nodes):
+            shared_mems = None
     recorded = _current_cpus(container) or None
     running = container.state == pb.CONTAINER_RUNNING
     cgroup = engine.mover.cgroup_of(container.info) if running else None
@@ -973,6 +980,7 @@ def tracked_from_runtime(
         keep_quota=keep_quota,
         kubelet_quota=kubelet_quota,
         kubelet_mems=kubelet_mems,
+        shared_mems=shared_mems,
         phase=Phase.RUNNING if running else Phase.CREATED,
         applied=applied,
         cgroup=cgroup,

@@ -37,6 +37,10 @@ class Tracked:
     # The NUMA nodes kubelet's memory manager gave it, when cpushim knows them: restored,
     # instead of every node, when it loses its exclusive CPUs.
     kubelet_mems: CPUSet | None = None
+    # The NUMA nodes its cgroup keeps while it shares (cpushim leaves them as they are), for
+    # its projection: kubelet's memory manager's from its create or the runtime's record, or
+    # those given back when it lost exclusive CPUs; None for every node.
+    shared_mems: CPUSet | None = None
     # The container's cgroup directory, once located (after start).
     cgroup: Path | None = None
     # Its pod's cgroup parent (from the sandbox config), where the runtime puts its cgroup.

@@ -23,6 +23,7 @@ from shim.engine import EngineOptions, ProjectionSettings
 from shim.engine import requests as rq
 from shim.engine.projecting import Cpuset, Projector
 from shim.engine.watching import Watcher
+from shim.policy.none import NonePolicy
 from shim.projection import CPUS_FILE, STATE_FILE, Projection, read
 from shim.projection.writer import ProjectionWriter
 from shim.state import ContainerKey
@@ -112,6 +113,55 @@ async def test_a_pinned_container_and_the_shared_ones_see_every_change(env: Env)
     grown = projected(env, shared_pod, "main")
     assert grown.cpus == str(ALL)
     assert grown.generation == shrunk.generation + 1
+
+
+@pytest.mark.anyio
+async def test_a_shared_container_s_memory_nodes_are_those_kubelet_gave_it(env: Env) -> None:
+    # kubelet's Static memory manager confines a Guaranteed container with a fraction of a
+    # CPU too: it shares, and the runtime keeps the nodes kubelet named in its cgroup.
+    pod = await env.kubelet.run_pod("web", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 500)
+    request.config.linux.resources.cpuset_mems = "1"
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    await env.kubelet.ok(
+        "StartContainer", pb.StartContainerRequest(container_id=container_id).SerializeToString()
+    )
+    assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+    assert projected(env, pod, "main").mems == "1"
+
+    # Moved off the CPUs a pinned container takes: the CPUs change, the nodes do not.
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pinned_pod, "main", 1000)
+    await settled(env)
+    moved = projected(env, pod, "main")
+    assert (moved.cpus, moved.mems) == (SHARED_AFTER_FIRST_SINGLE, "1")
+    assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+
+    # A restart learns them from the runtime's record.
+    await env.restart()
+    await settled(env)
+    assert projected(env, pod, "main") == moved
+
+
+@pytest.mark.anyio
+async def test_a_container_that_lost_its_cpus_projects_the_nodes_it_got_back(env: Env) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", 1000)
+    request.config.linux.resources.cpuset_mems = "1"
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    await env.kubelet.ok(
+        "StartContainer", pb.StartContainerRequest(container_id=container_id).SerializeToString()
+    )
+    await settled(env)
+    assert projected(env, pod, "main").pool == "exclusive"
+
+    await env.engine.change_policy(NonePolicy(env.engine.policy.topology))
+    await settled(env)
+    assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+    shared = projected(env, pod, "main")
+    assert (shared.cpus, shared.pool, shared.mems) == (str(ALL), "shared", "1")
 
 
 @pytest.mark.anyio
