@@ -24,6 +24,7 @@ import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+import shim.projection as projection_module
 import shim.projection.writer as writer_module
 from shim.cpuset import CPUSet
 from shim.projection import (
@@ -993,6 +994,35 @@ def nothing_more(states: States) -> bool:
     except anyio.WouldBlock:
         return True
     return False
+
+
+@pytest.mark.anyio
+async def test_what_a_subscriber_of_the_directory_sees(tmp_path: Path) -> None:
+    """What contrib/examples/README.md tells workloads that use inotify themselves."""
+    writer = ProjectionWriter(tmp_path)
+    directory = writer.directory("pod-1", "app")
+    await project(writer, "1")
+    inotify = projection_module._Inotify()
+    try:
+        inotify.add(str(directory), 0xFFF)  # IN_ALL_EVENTS
+        await project(writer, "2-3")
+        await project(writer, "2-3")  # unchanged: read, never renamed
+        await project(writer, "2-3", mems="1")  # cpuset.json alone differs
+        events = [(mask, name) for _, mask, name in inotify.events()]
+    finally:
+        inotify.close()
+    moved_to = [name for mask, name in events if mask & projection_module._IN_MOVED_TO]
+    # Each change: cpus, then cpuset.json, each renamed in whole, cpus even when it is as
+    # it was.
+    assert moved_to == [CPUS_FILE, STATE_FILE, CPUS_FILE, STATE_FILE]
+    written = projection_module._IN_CREATE | projection_module._IN_CLOSE_WRITE
+    for mask, name in events:
+        if name in (CPUS_FILE, STATE_FILE):
+            # Never made or written in place: only read (cpushim compares) and renamed in.
+            assert not mask & written, (hex(mask), name)
+        else:
+            # The rest is the directory itself, or the hidden temporary files.
+            assert name == "" or name.startswith("."), name
 
 
 @pytest.mark.anyio
