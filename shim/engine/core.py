@@ -962,6 +962,10 @@ class Engine:
         """Project a live container's cpuset as it is now (after its cgroup changed)."""
         if self.projector is None or tracked.phase is Phase.EXITED or tracked.applied is None:
             return
+        if self.containers.get(tracked.id) is not tracked:
+            # Forgotten while a move or repair of it was under way (its pod removed): a write
+            # now would make its directory again, for good.
+            return
         cpus, mems, _ = self._desired(tracked)
         if cpus != tracked.applied:
             return  # not moved yet; the move projects it

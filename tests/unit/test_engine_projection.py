@@ -471,6 +471,48 @@ async def test_a_projection_write_that_failed_is_written_again(
 
 
 @pytest.mark.anyio
+async def test_a_repair_that_ends_after_its_pod_went_does_not_make_its_directory_again(
+    tmp_path: Path,
+) -> None:
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await make_env(
+            fake,
+            tmp_path / "state",
+            options=EngineOptions(record_delay=NEVER),
+            projection=ProjectionSettings(tmp_path / "projection", MOUNT),
+        )
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        try:
+            pod = await env.kubelet.run_pod("web", "besteffort")
+            container_id = await env.kubelet.start_new(pod, "main")
+            await until(lambda: container_id in watcher._containers, "the container watched")
+            # A drift repair tells the runtime, and waits for its answer.
+            held = fake.gate("UpdateContainerResources")
+            cgroup = fake.cgroup_dir(container_id)
+            assert cgroup is not None
+            (cgroup / "cpuset.cpus").write_text("3\n")
+            await until(
+                lambda: len(fake.calls_of("UpdateContainerResources")) == 1, "the repair's update"
+            )
+            # Meanwhile the pod is removed on the runtime, behind cpushim's back, and a sweep
+            # forgets it: its directory goes.
+            fake.containers.pop(container_id)
+            fake.sandboxes.pop(pod.sandbox_id)
+            await env.engine.forget_sandbox_removed_behind(pod.sandbox_id)
+            await until(lambda: not (root(env) / pod.uid).exists(), "the pod's directory gone")
+            held.set()
+            await until(lambda: watcher.jobs.pending == 0, "the repair done")
+            assert env.engine.projector is not None
+            await env.engine.projector.settle()
+            assert not (root(env) / pod.uid).exists()
+        finally:
+            await watcher.stop()
+            await env.engine.drain(5.0)
+            env.channel.close()
+
+
+@pytest.mark.anyio
 async def test_a_pod_forgotten_while_its_projection_is_written_is_forgotten_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
