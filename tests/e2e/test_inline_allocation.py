@@ -26,7 +26,7 @@ from tests.e2e.pods import (
     start_pod,
     start_shared_and_pinned,
 )
-from tests.harness.containerd import ServingProcess, ServingProcessError
+from tests.harness.containerd import ServingProcess, ServingProcessError, wait_for
 from tests.harness.crash import interrupted_checkpoint_write
 from tests.harness.images import TEST_IMAGE
 from tests.harness.kubelet import (
@@ -42,6 +42,9 @@ from tests.harness.kubelet import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
+
+# How long cpushim may take to act on what it is told in the background (an adoption).
+REACTION_TIMEOUT = 10.0
 
 
 def cgroup_cpus_of(client: KubeletClient, container_id: str) -> str:
@@ -281,6 +284,35 @@ def test_kubelets_in_place_resize_passes_but_the_exclusive_cpu_stays(
     ]
     assert warning["container_id"] == pinned_id
     assert (warning["exclusive_cpus_held"], warning["exclusive_cpus_asked"]) == (1, 2)
+
+
+def test_a_container_left_sharing_for_want_of_room_is_pinned_once_resized_to_fit(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """A Guaranteed 2-CPU container made while cpushim was down finds one CPU to hand out,
+    and shares. kubelet resizes it in place to one CPU: with no full looks (resync period
+    0) and no release, the resize alone gets it adopted onto CPU 1."""
+    _, shared_id = start_pod(direct, "besteffort", "besteffort")
+    big_pod, big_id = start_pod(direct, "big", "guaranteed", ContainerResources(2000, 2000))
+    shim.start("--resync-period", "0")
+    assert shim.assignments() == {}
+    assert_kernel(direct.kernel_cpus(big_id), "0-1")
+    kubelet = via()
+    kubelet.update_container_resources(
+        big_id, kubelet.linux_resources("guaranteed", ContainerResources(1000, 1000))
+    )
+    wait_for(
+        lambda: (
+            shim.assignments() == {big_pod.uid: {"main": "1"}}
+            and direct.kernel_cpus(big_id).cgroup_cpuset_cpus == "1"
+        ),
+        REACTION_TIMEOUT,
+        "the resized container pinned",
+    )
+    assert_kernel(direct.kernel_cpus(big_id), "1")
+    assert_kernel(direct.kernel_cpus(shared_id), "0")
+    assert shim.process is not None
+    assert "gave containers that shared the exclusive CPUs they ask for" in shim.process.log()
 
 
 def test_kubelets_memory_nodes_are_checked_then_kept(
