@@ -319,6 +319,9 @@ class Metrics:
 # --- the HTTP endpoint ---------------------------------------------------------------------------
 
 _READ_TIMEOUT = 10.0
+# Connections served at once; more are closed as they come. Each holds a descriptor for up
+# to the read timeout, and cpushim's are kubelet's runtime's too (one scraper uses one).
+MAX_CONNECTIONS = 64
 _CLOSE_TIMEOUT = 1.0
 _MAX_REQUEST_HEAD = 8192
 _REASONS = {
@@ -391,7 +394,8 @@ class MetricsServer:
         await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._closing:  # accepted before the close, its handler run after it
+        if self._closing or len(self._open) >= MAX_CONNECTIONS:
+            # Accepted before the close, its handler run after it; or one too many.
             writer.transport.abort()
             return
         self._open.add(writer.transport)

@@ -234,6 +234,34 @@ async def raw_exchange(served: Served, request: bytes) -> bytes:
         writer.close()
 
 
+async def test_connections_beyond_the_bound_are_closed_at_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each idle connection holds a descriptor for the read timeout: unbounded, a client
+    opening many could use up cpushim's, and with them kubelet's runtime."""
+    monkeypatch.setattr(metrics_module, "MAX_CONNECTIONS", 3)
+    # Longer than the test's wait: a close can only be the bound's.
+    monkeypatch.setattr(metrics_module, "_READ_TIMEOUT", 60.0)
+    address = free_address()
+    server = await serve_metrics(Metrics(env.engine), address, lambda: None)
+    host, port = address.rsplit(":", 1)
+    idle = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+    try:
+        await until(lambda: len(server._open) == 3, "three connections served")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing read
+        writer.close()
+        assert len(server._open) == 3
+        # One ends: a new one is served.
+        idle.pop()[1].close()
+        await until(lambda: len(server._open) == 2, "one connection ended")
+        assert (await asyncio.to_thread(http_get, f"http://{address}/healthz"))[0] in (200, 503)
+    finally:
+        for _, idle_writer in idle:
+            idle_writer.close()
+        await server.close()
+
+
 async def test_a_garbled_request_is_answered_and_closed(served: Served) -> None:
     answer = await raw_exchange(served, b"nonsense\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 400 ")
