@@ -441,7 +441,7 @@ async def _serve_one(
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         _respond(writer, 400, _TEXT, b"bad request line\n", head_only=head_only)
         return
-    method, target = parts[0], parts[1].split(b"?", 1)[0]
+    method, target = parts[0], _path_of(parts[1])
     if target not in (b"/metrics", b"/healthz"):
         _respond(writer, 404, _TEXT, b"not found; try /metrics or /healthz\n", head_only=head_only)
         return
@@ -459,6 +459,16 @@ async def _serve_one(
             _respond(writer, 503, _TEXT, line.encode(), head_only=head_only)
     async with asyncio.timeout(_READ_TIMEOUT):  # a client that never reads holds nothing
         await writer.drain()
+
+
+def _path_of(target: bytes) -> bytes:
+    """A request target's path: its query dropped, and an absolute-form target's scheme and
+    authority (a proxy's ``GET http://host:port/metrics``, which RFC 9112 has servers take)."""
+    path = target.split(b"?", 1)[0]
+    scheme, separator, rest = path.partition(b"://")
+    if separator and scheme.lower() in (b"http", b"https"):
+        path = b"/" + rest.partition(b"/")[2]
+    return path
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, bool]:

@@ -284,6 +284,17 @@ async def test_requests_with_bare_line_feeds_are_answered(
     assert answer.endswith(b"\r\n\r\nok\n")
 
 
+@pytest.mark.parametrize(
+    "target",
+    [b"http://127.0.0.1:9464/healthz", b"HTTP://node.example/healthz?x=1"],
+)
+async def test_an_absolute_form_target_is_served_as_its_path(served: Served, target: bytes) -> None:
+    """RFC 9112 has servers take a target in absolute form (a proxy's)."""
+    served.metrics.state_loaded = True
+    answer = await raw_exchange(served, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
 async def test_a_request_head_too_large_is_refused(served: Served) -> None:
     headers = b"".join(b"X-Filler-%d: %s\r\n" % (n, b"x" * 100) for n in range(100))
     answer = await raw_exchange(served, b"GET /metrics HTTP/1.1\r\n" + headers + b"\r\n")
