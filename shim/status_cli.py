@@ -1,11 +1,13 @@
 """``cpushim status`` and ``cpushim topology``: read sysfs and the checkpoint, print what
 ``shim.status`` renders. Read-only: neither changes a file, so both are safe on a live node.
 When cpushim's socket exists, ``status`` also asks it (ListContainers, as kubelet does) what
-state each pinned container is in.
+state each pinned container is in. With ``--config``, ``status`` finds the checkpoint and the
+socket where ``cpushim run`` given the same file would put them (``stateDir``, ``listen``);
+its own flags win.
 
 ``shim.cli`` adds the subcommands with ``add_commands`` and calls ``args.handler(args)``, which
 returns the exit code: 0, or 1 with a one-line message on stderr when the topology or the
-checkpoint cannot be read.
+config file or the checkpoint cannot be read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Final, TextIO
 import orjson
 
 from shim.checkpoint import CheckpointFile
+from shim.config import ConfigError, ConfigValues, load_config
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
@@ -30,7 +33,14 @@ from shim.state import CheckpointError, CPUState
 from shim.status import Live, render_status, render_topology, status_json, topology_json
 from shim.topology import Topology, TopologyError
 
-__all__ = ["add_commands", "offline_cpus", "status_command", "topology_command", "use_color"]
+__all__ = [
+    "add_commands",
+    "offline_cpus",
+    "status_command",
+    "status_locations",
+    "topology_command",
+    "use_color",
+]
 
 DEFAULT_STATE_DIR: Final = Path("/var/lib/cpushim")
 DEFAULT_SOCKET: Final = "unix:///run/cpushim/cri.sock"
@@ -54,18 +64,27 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         " it exists.",
     )
     status.add_argument(
+        "--config",
+        dest="config_path",
+        type=Path,
+        metavar="PATH",
+        help="cpushim run's TOML config file: its listen and stateDir keys are the defaults"
+        " of --socket and --state-dir (default: none, as for cpushim run)",
+    )
+    # --socket and --state-dir default to None, so that a flag given can be told from the
+    # config file's key that it overrides.
+    status.add_argument(
         "--socket",
-        default=DEFAULT_SOCKET,
         metavar="ADDRESS",
         help=f"cpushim's socket, asked for the containers' states when it exists"
-        f" (default {DEFAULT_SOCKET}; '' not to ask)",
+        f" (default: the config file's listen, else {DEFAULT_SOCKET}; '' not to ask)",
     )
     status.add_argument(
         "--state-dir",
         type=Path,
-        default=DEFAULT_STATE_DIR,
         metavar="DIR",
-        help=f"where cpushim keeps state.json (default {DEFAULT_STATE_DIR})",
+        help=f"where cpushim keeps state.json (default: the config file's stateDir, else"
+        f" {DEFAULT_STATE_DIR})",
     )
     _add_common(status)
     status.set_defaults(handler=status_command)
@@ -127,6 +146,24 @@ def offline_cpus(sysfs_root: Path, topology: Topology) -> CPUSet:
     return present - topology.online
 
 
+def status_locations(args: argparse.Namespace) -> tuple[Path, str]:
+    """The state directory and the socket address ``status`` reads: the flags given, over
+    the config file's stateDir and listen, over cpushim run's defaults. ConfigError when
+    the config file is missing or bad."""
+    # Read and checked whole, as cpushim run reads it: a file that run would refuse says
+    # nothing trustworthy about where run keeps its state.
+    values: ConfigValues = {} if args.config_path is None else load_config(args.config_path)
+    state_dir = args.state_dir
+    if state_dir is None:
+        from_file = values.get("state_dir")
+        state_dir = from_file if isinstance(from_file, Path) else DEFAULT_STATE_DIR
+    address = args.socket
+    if address is None:
+        from_file = values.get("listen")
+        address = from_file if isinstance(from_file, str) else DEFAULT_SOCKET
+    return state_dir, address
+
+
 def _topology(sysfs_root: Path) -> Topology:
     try:
         return Topology.from_sysfs(sysfs_root)
@@ -148,7 +185,7 @@ def _state(state_dir: Path) -> CPUState:
     if state is None:
         raise _Failure(
             f"no checkpoint at {checkpoint.path}: cpushim has not saved its state there"
-            " (--state-dir if it runs with another)"
+            " (--state-dir, or --config with its config file, if it runs with another)"
         )
     return state
 
@@ -228,10 +265,14 @@ def _run(command: str, produce: Callable[[], str]) -> int:
 
 def status_command(args: argparse.Namespace) -> int:
     def produce() -> str:
+        try:
+            state_dir, address = status_locations(args)
+        except ConfigError as exc:
+            raise _Failure(str(exc)) from exc
         topology = _topology(args.sysfs_root)
-        state = _state(args.state_dir)
+        state = _state(state_dir)
         offline = offline_cpus(args.sysfs_root, topology)
-        live = live_view(args.socket)
+        live = live_view(address)
         if args.json:
             return _json(status_json(topology, state, offline=offline, live=live))
         color = use_color(args.color, sys.stdout, os.environ)

@@ -49,7 +49,7 @@ from shim.status import (
     status_json,
     topology_json,
 )
-from shim.status_cli import offline_cpus, use_color
+from shim.status_cli import offline_cpus, status_locations, use_color
 from shim.topology import CPUInfo, Topology
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import (
@@ -844,12 +844,13 @@ def test_use_color(choice: str, tty: bool, environ: dict[str, str], expected: bo
 
 def test_the_commands_parse_their_defaults() -> None:
     args = parse(["status"])
-    assert (args.state_dir, args.sysfs_root, args.json, args.color) == (
-        Path("/var/lib/cpushim"),
+    assert (args.config_path, args.sysfs_root, args.json, args.color) == (
+        None,  # as for cpushim run: no config file unless one is named
         Path("/sys"),
         False,
         "auto",
     )
+    assert status_locations(args) == (Path("/var/lib/cpushim"), "unix:///run/cpushim/cri.sock")
     assert not hasattr(parse(["topology"]), "state_dir")
     with pytest.raises(SystemExit):
         parse(["status", "--color", "sometimes"])
@@ -917,3 +918,94 @@ def test_status_without_a_socket_reads_the_checkpoint_only(
     assert "runtime" not in orjson.loads(capsys.readouterr().out)
     assert run([*argv, "--socket", ""]) == 0
     assert "runtime" not in orjson.loads(capsys.readouterr().out)
+
+
+# -- the config file of cpushim run --------------------------------------------------------------
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_status_reads_the_state_dir_and_socket_from_the_config_file(
+    node: tuple[Path, Path, CPUState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sysfs, state_dir, state = node
+    dead = tmp_path / "dead.sock"
+    config = write_config(
+        tmp_path,
+        f'listen = "unix://{dead}"\nstateDir = "{state_dir}"\ncpuManagerPolicy = "static"\n',
+    )
+    argv = ["status", "--config", str(config), "--sysfs-root", str(sysfs), "--json"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unbound:
+        unbound.bind(str(dead))  # a socket file nobody listens on: asked, not reachable
+        assert run(argv) == 0
+    document = orjson.loads(capsys.readouterr().out)
+    assert document["runtime"]["source"] == f"unix://{dead}"
+    del document["runtime"]
+    for entry in document["assignments"]:
+        del entry["state"]
+    topology = expected_topology(OFFLINE_NONCONTIGUOUS)
+    assert document == status_json(topology, state, offline=P("5,23"))
+
+
+def test_flags_win_over_the_config_file(
+    node: tuple[Path, Path, CPUState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sysfs, state_dir, state = node
+    elsewhere = tmp_path / "elsewhere"
+    config = write_config(
+        tmp_path, f'listen = "unix://{tmp_path}/other.sock"\nstateDir = "{elsewhere}"\n'
+    )
+    argv = ["status", "--config", str(config), "--sysfs-root", str(sysfs), "--json"]
+    assert run([*argv, "--state-dir", str(state_dir), "--socket", ""]) == 0
+    out, err = capsys.readouterr()
+    topology = expected_topology(OFFLINE_NONCONTIGUOUS)
+    assert orjson.loads(out) == status_json(topology, state, offline=P("5,23"))
+    assert err == ""
+    # Without the flag, the file's stateDir is the one read.
+    assert run(argv) == 1
+    assert one_line_error(capsys).startswith(
+        f"cpushim status: no checkpoint at {elsewhere / 'state.json'}:"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('listen = "unix:///x.sock"\nstateDir = 3\n', ":2: stateDir: want a string, got 3"),
+        ("\nlisten = \n", ":2: Invalid value"),  # tomllib's words, then where
+        (
+            'listen = "tcp://x"\n',
+            ":1: listen: unsupported endpoint 'tcp://x': only unix:// sockets are served",
+        ),
+        ('stateDr = "/x"\n', ":1: stateDr: unknown key; did you mean stateDir?"),
+    ],
+)
+def test_a_bad_config_file_is_one_line_naming_file_and_line_and_exit_1(
+    node: tuple[Path, Path, CPUState],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    text: str,
+    says: str,
+) -> None:
+    sysfs, state_dir, _ = node
+    config = write_config(tmp_path, text)
+    # The file is refused whole, as cpushim run refuses it: flags do not mend it.
+    argv = ["status", "--config", str(config), "--sysfs-root", str(sysfs)]
+    assert run([*argv, "--state-dir", str(state_dir), "--socket", ""]) == 1
+    assert one_line_error(capsys).startswith(f"cpushim status: {config}{says}")
+
+
+def test_a_missing_config_file_is_one_line_and_exit_1(
+    node: tuple[Path, Path, CPUState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sysfs, state_dir, _ = node
+    missing = tmp_path / "config.toml"
+    argv = ["status", "--config", str(missing), "--sysfs-root", str(sysfs)]
+    assert run([*argv, "--state-dir", str(state_dir)]) == 1
+    assert one_line_error(capsys) == (
+        f"cpushim status: {missing}: cannot read the config file: No such file or directory\n"
+    )
