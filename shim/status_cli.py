@@ -7,7 +7,8 @@ its own flags win.
 
 ``shim.cli`` adds the subcommands with ``add_commands`` and calls ``args.handler(args)``, which
 returns the exit code: 0, or 1 with a one-line message on stderr when the topology or the
-config file or the checkpoint cannot be read.
+config file or the checkpoint cannot be read. ``status`` also says on stderr, after its page,
+when there is no socket to ask; its JSON stays as it is.
 """
 
 from __future__ import annotations
@@ -264,6 +265,8 @@ def _run(command: str, produce: Callable[[], str]) -> int:
 
 
 def status_command(args: argparse.Namespace) -> int:
+    notes: list[str] = []
+
     def produce() -> str:
         try:
             state_dir, address = status_locations(args)
@@ -274,13 +277,25 @@ def status_command(args: argparse.Namespace) -> int:
         offline = offline_cpus(args.sysfs_root, topology)
         live = live_view(address)
         if args.json:
+            # The JSON has no key for a socket never asked: "runtime" is left out, as ever.
             return _json(status_json(topology, state, offline=offline, live=live))
+        if live is None and address:
+            # cpushim removes its socket when it stops: without this the page would not
+            # tell that the containers' states are missing, nor why.
+            notes.append(
+                f"no socket at {unix_path(address)}: cpushim is not running, or it listens"
+                " elsewhere (--socket, or --config with its config file); the page shows"
+                " the checkpoint without the containers' states"
+            )
         color = use_color(args.color, sys.stdout, os.environ)
         return render_status(
             topology, state, offline=offline, color=color, width=_width(), live=live
         )
 
-    return _run("status", produce)
+    code = _run("status", produce)
+    for note in notes:
+        print(f"cpushim status: {note}", file=sys.stderr)
+    return code
 
 
 def topology_command(args: argparse.Namespace) -> int:

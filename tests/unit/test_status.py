@@ -692,7 +692,8 @@ def test_status_prints_the_page(
     node: tuple[Path, Path, CPUState], capsys: pytest.CaptureFixture[str]
 ) -> None:
     sysfs, state_dir, state = node
-    argv = ["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs)]
+    # No socket to ask, and none looked for on this machine.
+    argv = ["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs), "--socket", ""]
     assert run([*argv, "--color", "never"]) == 0
     out, err = capsys.readouterr()
     topology = expected_topology(OFFLINE_NONCONTIGUOUS)
@@ -710,7 +711,7 @@ def test_status_prints_the_page(
 def test_status_json(node: tuple[Path, Path, CPUState], capsys: pytest.CaptureFixture[str]) -> None:
     sysfs, state_dir, state = node
     argv = ["status", "--json", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs)]
-    assert run(argv) == 0
+    assert run([*argv, "--socket", ""]) == 0
     document = orjson.loads(capsys.readouterr().out)
     topology = expected_topology(OFFLINE_NONCONTIGUOUS)
     assert document == status_json(topology, state, offline=P("5,23"))
@@ -789,7 +790,8 @@ def test_a_checkpoint_read_while_cpushim_rewrites_it_is_read_again(
         return data[: len(data.rstrip()) // 2] if len(reads) == 1 else data
 
     monkeypatch.setattr(checkpoint_module, "read_regular_file", torn_once)
-    assert run(["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs)]) == 0
+    argv = ["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs), "--socket", ""]
+    assert run(argv) == 0
     assert reads == [path, path]
     assert "cannot use the checkpoint" not in capsys.readouterr().err
 
@@ -918,6 +920,32 @@ def test_status_without_a_socket_reads_the_checkpoint_only(
     assert "runtime" not in orjson.loads(capsys.readouterr().out)
     assert run([*argv, "--socket", ""]) == 0
     assert "runtime" not in orjson.loads(capsys.readouterr().out)
+
+
+def test_status_without_a_socket_says_so_on_stderr_in_text_mode_only(
+    node: tuple[Path, Path, CPUState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """cpushim removes its socket when it stops: the page alone would not tell that the
+    containers' states are missing because cpushim is down (or listens elsewhere)."""
+    sysfs, state_dir, state = node
+    missing = tmp_path / "missing.sock"
+    argv = ["status", "--state-dir", str(state_dir), "--sysfs-root", str(sysfs)]
+    assert run([*argv, "--socket", f"unix://{missing}", "--color", "never"]) == 0
+    out, err = capsys.readouterr()
+    topology = expected_topology(OFFLINE_NONCONTIGUOUS)
+    assert out == render_status(topology, state, offline=P("5,23"), width=100)
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"cpushim status: no socket at {missing}: cpushim is not running")
+    assert "--socket" in err
+    assert "--config" in err
+    # Scripts get the JSON as it was: no runtime key, nothing on stderr.
+    assert run([*argv, "--socket", f"unix://{missing}", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "runtime" not in orjson.loads(out)
+    assert err == ""
+    # Asked not to ask: nothing to say.
+    assert run([*argv, "--socket", "", "--color", "never"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 # -- the config file of cpushim run --------------------------------------------------------------
