@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -189,3 +191,37 @@ def test_metrics_follow_a_real_lifecycle_and_healthz_follows_the_runtime(
     finally:
         hidden.rename(runtime_socket)
     assert get(f"{base}/healthz") == (200, "ok\n")
+
+
+@pytest.mark.usefixtures("direct")  # which tears the pods down after
+def test_status_finds_the_state_and_the_socket_through_the_config_file(
+    shim: Shim, via: Callable[[], KubeletClient], tmp_path: Path
+) -> None:
+    """An operator's `cpushim status --config FILE` on a node whose file moved the state
+    directory and the socket: the pinned container, its CPU and what containerd says of it;
+    once cpushim stops, the checkpoint alone, and a line saying why."""
+    shim.start()
+    _, pinned_pod, pinned_id = start_shared_and_pinned(via())
+    # The container's id reaches the checkpoint within the record delay (a second).
+    wait_for(lambda: pinned_id in shim.state_file.read_text(), REACTION_TIMEOUT, "the id written")
+    config = tmp_path / "status.toml"
+    config.write_text(f'listen = "{shim.address}"\nstateDir = "{shim.state_dir}"\n')
+    status = [sys.executable, "-m", "shim", "status", "--config", str(config)]
+
+    shown = subprocess.run(
+        [*status, "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert shown.returncode == 0, shown.stderr
+    document = json.loads(shown.stdout)
+    [assignment] = document["assignments"]
+    assert (assignment["pod_uid"], assignment["cpus"]) == (pinned_pod.uid, "1")
+    assert (assignment["container_id"], assignment["state"]) == (pinned_id, "running")
+    assert document["runtime"]["error"] is None
+
+    shim.stop()
+    shown = subprocess.run(status, cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    [row] = [line for line in shown.stdout.splitlines() if pinned_id[:13] in line]
+    assert "default/guaranteed" in row
+    assert row.split()[-1] == "1"
+    assert f"no socket at {shim.socket_path}" in shown.stderr
