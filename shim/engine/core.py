@@ -40,7 +40,7 @@ from shim.cri.upstream import Forward, RuntimeChannel
 from shim.engine import requests as rq
 from shim.engine.moves import Mover
 from shim.engine.projecting import Cpuset, Projector
-from shim.engine.retrying import retry_until_done
+from shim.engine.retrying import Retry
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import kubelet_cfs_quota
 from shim.pods import (
@@ -135,8 +135,12 @@ class Engine:
         self._persist_now = asyncio.Event()
         # Set once drain() starts: no new background work, and retries stop.
         self._draining = asyncio.Event()
-        # Tries the moves the runtime refused again (see _retry_moves); None when none failed.
-        self._move_retry: asyncio.Task[None] | None = None
+        # Applies again what the runtime refused, after ``retry_delay``, doubling the wait up
+        # to a minute while it keeps refusing; stops when every container is in place or
+        # cpushim drains (the next start's resync squares what is left).
+        self._move_retry = Retry(
+            self._apply_again, lambda: self.options.retry_delay, self._draining, self._spawn
+        )
         # Set by the watcher when it starts (shim/engine/watching.py); None without one.
         self.watcher: Watcher | None = None
         # Set by the config reloader (shim/engine/reloading.py): gives the containers that
@@ -1514,21 +1518,8 @@ class Engine:
             # tracked.applied is unchanged. Without a retry the container would stay where
             # it was (a shared one on CPUs just given out exclusively) until the next
             # decision: the watches compare the cgroup with what was applied.
-            self._retry_moves_soon()
+            self._move_retry.soon()
         return False
-
-    def _retry_moves_soon(self) -> None:
-        if self._move_retry is None and not self._draining.is_set():
-            self._move_retry = self._spawn(self._retry_moves())
-
-    async def _retry_moves(self) -> None:
-        """Apply again what the runtime refused, after ``retry_delay``, doubling the
-        wait up to a minute while it keeps refusing; stops when every container is in place
-        or cpushim drains (the next start's resync squares what is left)."""
-        try:
-            await retry_until_done(self._apply_again, self.options.retry_delay, self._draining)
-        finally:
-            self._move_retry = None
 
     async def _apply_again(self) -> bool:
         """Apply every container's cpuset; True when all are in place."""

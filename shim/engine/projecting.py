@@ -23,7 +23,7 @@ from typing import Any
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.engine.retrying import retry_until_done
+from shim.engine.retrying import Retry
 from shim.projection import Pool
 from shim.projection.writer import ProjectionPathError, ProjectionWriter, check_name
 from shim.state import ContainerKey
@@ -67,9 +67,10 @@ class Projector:
         self._writers: dict[ContainerKey, asyncio.Task[None]] = {}
         # Set when cpushim drains: failed writes are no longer tried again.
         self._draining = draining or asyncio.Event()
-        self._retry_delay = retry_delay
-        # Writes the failed ones again (see _retry_failed); None when none failed.
-        self._retry: asyncio.Task[None] | None = None
+        # Writes the directories whose write failed again, after ``retry_delay``, doubling
+        # the wait up to a minute while it keeps failing; stops when every directory is
+        # current or cpushim drains (the next start writes them all).
+        self._retry = Retry(self._write_behind, retry_delay, self._draining, spawn)
         # Called with (key, generation) after each write; the projection bench listens here.
         self.on_written: Callable[[ContainerKey, int], None] | None = None
 
@@ -121,7 +122,7 @@ class Projector:
                 if not await self._write(key, wanted):
                     # Without a retry the files would name the old CPUs until the container's
                     # cpuset changed again: on a quiet node, for good.
-                    self._retry_soon()
+                    self._retry.soon()
                     return
         finally:
             self._writers.pop(key, None)
@@ -134,19 +135,6 @@ class Projector:
 
     def _behind(self) -> bool:
         return any(self._written.get(key) != wanted for key, wanted in self._wanted.items())
-
-    def _retry_soon(self) -> None:
-        if self._retry is None and not self._draining.is_set():
-            self._retry = self._spawn(self._retry_failed())
-
-    async def _retry_failed(self) -> None:
-        """Write the directories whose write failed again, after ``retry_delay``, doubling
-        the wait up to a minute while it keeps failing; stops when every directory is
-        current or cpushim drains (the next start writes them all)."""
-        try:
-            await retry_until_done(self._write_behind, self._retry_delay, self._draining)
-        finally:
-            self._retry = None
 
     async def _write_behind(self) -> bool:
         """Write every directory that is behind; True when all are current."""

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, key_line, reload_options
 from shim.engine.resync import adopt_sharing
-from shim.engine.retrying import retry_until_done
+from shim.engine.retrying import Retry
 from shim.fileio import identity, read_regular_file
 from shim.inotify import (
     IN_CLOSE_WRITE,
@@ -148,14 +148,19 @@ class ConfigReloader:
         # The last refusal, by the bytes refused and the reason: the same one is not counted
         # again (a bad file touched, a machine fault met at every look).
         self._refused: tuple[bytes | None, str] | None = None
-        # Reads a refused file again while no full look will (resyncPeriod 0).
-        self._retry: asyncio.Task[None] | None = None
         # One read at a time: the retry's and the watch jobs'.
         self._reading = asyncio.Lock()
         self._stopped = False
         # The same, for the retry's wait (not cancelled: a reload cut half-way could leave a
         # re-plan made and not adopted).
         self._stopping = asyncio.Event()
+        # Reads a refused file again while no full look will (resyncPeriod 0).
+        self._retry = Retry(
+            self._read_again,
+            lambda: self.engine.options.retry_delay,
+            self._stopping,
+            self.engine._spawn,
+        )
 
     @property
     def path(self) -> str:
@@ -401,23 +406,17 @@ class ConfigReloader:
         it again before an edit or a SIGHUP. Every refusal, its bytes' too: telling the two
         apart would guess (reserved CPUs the node does not have are either), and a read
         costs little. With a period, the full looks read it (``_check_soon``)."""
-        if self._retry is None and not self._stopped and self.watcher.resync_period <= 0:
-            self._retry = self.engine._spawn(self._retry_refused())
+        if self.watcher.resync_period <= 0:
+            self._retry.soon()
 
-    async def _retry_refused(self) -> None:
-        async def attempt() -> bool:
-            done = self._refused is None or self.watcher.resync_period > 0
-            if done or self._stopped or self.engine._draining.is_set():
-                return True
-            try:
-                await self._check()
-            except Exception:
-                # A defect, not the machine: reading again would fail the same way.
-                log.exception("watch job failed", extra={"fields": {"job": "config"}})
-                return True
-            return self._refused is None
-
+    async def _read_again(self) -> bool:
+        done = self._refused is None or self.watcher.resync_period > 0
+        if done or self._stopped or self.engine._draining.is_set():
+            return True
         try:
-            await retry_until_done(attempt, self.engine.options.retry_delay, self._stopping)
-        finally:
-            self._retry = None
+            await self._check()
+        except Exception:
+            # A defect, not the machine: reading again would fail the same way.
+            log.exception("watch job failed", extra={"fields": {"job": "config"}})
+            return True
+        return self._refused is None

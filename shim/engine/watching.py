@@ -39,7 +39,7 @@ from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, make_directory
 from shim.cpuset import CPUSet
 from shim.engine.core import Engine
 from shim.engine.resync import adopt_sharing, waiting_for_exclusive
-from shim.engine.retrying import retry_until_done
+from shim.engine.retrying import Retry
 from shim.engine.sweeping import sweep, worth_adopting
 from shim.engine.tracked import Phase, Tracked
 from shim.fileio import identity, read_file
@@ -119,16 +119,10 @@ class Watcher:
         self._state_identity: tuple[int, int] | None = None
         # The .lock another process held when this one tried to take it again (told once).
         self._contended_lock: tuple[int, int] | None = None
-        # Tries the state directory again while it cannot be made, watched or locked again
-        # (another process holds its new lock).
-        self._state_retry: asyncio.Task[None] | None = None
-        # Sweeps again after one that left the runtime's containers unlooked at.
-        self._sweep_retry: asyncio.Task[None] | None = None
         # Running containers with no watch that no event would bring: a full look could not
         # place it, or the runtime did not say where their cgroup is (created ones too). In
-        # the order they are tried again (the last refused last), and the one task that does.
+        # the order they are tried again (the last refused last).
         self._unwatched: dict[str, None] = {}
-        self._watch_retry: asyncio.Task[None] | None = None
         self._timer: asyncio.Task[None] | None = None
         # Called at the start of every full look (the config reloader reads its file again:
         # an edit whose event an overflow dropped is applied then).
@@ -137,6 +131,21 @@ class Watcher:
         self._stopped = False
         # The same, for the waits of the retries that stop() does not cancel.
         self._stopping = asyncio.Event()
+
+        def delay() -> float:
+            return engine.options.retry_delay
+
+        # Tries the state directory again while it cannot be made, watched or locked again
+        # (another process holds its new lock). Each try is synchronous: a stop's cancel
+        # cuts only a wait.
+        self._state_retry = Retry(self._state_dir_again, delay, engine._draining, engine._spawn)
+        # Sweeps again after one that left the runtime's containers unlooked at (see
+        # _sweep). Not cancelled by stop(): a sweep cut half-way could leave a container
+        # taken in and not moved.
+        self._sweep_retry = Retry(self._sweep_again, delay, self._stopping, engine._spawn)
+        # Asks for the _unwatched containers' watches again (see watch_again_later). Not
+        # cancelled by stop(): a check cut half-way could leave a repair unrecorded.
+        self._watch_retry = Retry(self._watch_again, delay, self._stopping, engine._spawn)
         # Repairs' runtime updates at once, as for moves: systemd's daemon-reload rewrites
         # every container's cpuset together, and each update forks a runc.
         self._repair_updates = asyncio.Semaphore(engine.options.update_concurrency)
@@ -176,11 +185,11 @@ class Watcher:
     async def stop(self) -> None:
         self._stopped = True
         self._stopping.set()
-        for task in (self._timer, self._state_retry):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        self._timer = self._state_retry = None
+        if self._timer is not None:
+            self._timer.cancel()
+            await asyncio.gather(self._timer, return_exceptions=True)
+        self._timer = None
+        await self._state_retry.cancel()
         self.engine.watcher = None
         self.engine.sweeper = None
         self.engine.room_made = None
@@ -221,33 +230,21 @@ class Watcher:
 
     async def _sweep(self) -> None:
         if (await sweep(self.engine)).unfinished:
-            self._sweep_again_later()
+            # Swept again after ``retry_delay``, doubling the wait up to a minute, until a
+            # sweep is not left unfinished (the runtime lists, creates pause): what it found
+            # runs on any CPU, or holds CPUs with no id, and with ``resyncPeriod`` 0 no full
+            # look would ever come.
+            self._sweep_retry.soon()
 
-    def _sweep_again_later(self) -> None:
-        """Sweep again after ``retry_delay``, doubling the wait up to a minute, until a
-        sweep is not left unfinished (the runtime lists, creates pause): what it found runs
-        on any CPU, or holds CPUs with no id, and with ``resyncPeriod`` 0 no full look
-        would ever come."""
-        if self._sweep_retry is None and not self._stopped:
-            self._sweep_retry = self.engine._spawn(self._retry_sweep())
-
-    async def _retry_sweep(self) -> None:
-        async def attempt() -> bool:
-            if self._stopped or self.engine._draining.is_set():
-                return True
-            try:
-                return not (await sweep(self.engine)).unfinished
-            except Exception:
-                # A defect, not a busy runtime: trying again would fail the same way.
-                log.exception("watch job failed", extra={"fields": {"job": "sweep"}})
-                return True
-
+    async def _sweep_again(self) -> bool:
+        if self._stopped or self.engine._draining.is_set():
+            return True
         try:
-            # Not cancelled by stop(): a sweep cut half-way could leave a container taken in
-            # and not moved.
-            await retry_until_done(attempt, self.engine.options.retry_delay, self._stopping)
-        finally:
-            self._sweep_retry = None
+            return not (await sweep(self.engine)).unfinished
+        except Exception:
+            # A defect, not a busy runtime: trying again would fail the same way.
+            log.exception("watch job failed", extra={"fields": {"job": "sweep"}})
+            return True
 
     def adopt_soon(self) -> None:
         """Give the containers that share for lack of room the exclusive CPUs they ask for,
@@ -345,50 +342,38 @@ class Watcher:
             return
         self._unwatched.pop(container_id, None)
         self._unwatched[container_id] = None  # last: the others are asked for first
-        if self._watch_retry is None:
-            self._watch_retry = self.engine._spawn(self._retry_watches())
+        self._watch_retry.soon()
 
-    async def _retry_watches(self) -> None:
-        async def attempt() -> bool:
-            if self._stopped or self.engine._draining.is_set():
-                return True
-            refused = unanswered = False
-            for container_id in list(self._unwatched):
-                tracked = self.engine.containers.get(container_id)
-                if (
-                    tracked is not None
-                    and tracked.cgroup is None
-                    and tracked.phase is not Phase.EXITED
-                ):
-                    # One unanswered lookup a try: a runtime that did not answer for this
-                    # one would not for the rest either, each call waiting for its timeout.
-                    if unanswered:
-                        continue
-                    if not await self._look_up(tracked):
-                        # Asked for again (last) when still unanswered; else it ended, or
-                        # has no cgroup to watch.
-                        unanswered = container_id in self._unwatched
-                        continue
-                if tracked is None or tracked.phase is not Phase.RUNNING or tracked.cgroup is None:
-                    self._unwatched.pop(container_id, None)
+    async def _watch_again(self) -> bool:
+        if self._stopped or self.engine._draining.is_set():
+            return True
+        refused = unanswered = False
+        for container_id in list(self._unwatched):
+            tracked = self.engine.containers.get(container_id)
+            if tracked is not None and tracked.cgroup is None and tracked.phase is not Phase.EXITED:
+                # One unanswered lookup a try: a runtime that did not answer for this one
+                # would not for the rest either, each call waiting for its timeout.
+                if unanswered:
                     continue
-                # One refusal a try: the kernel would refuse the rest as it did this one,
-                # each with a warning.
-                if not refused and self.watch(tracked, look_on_failure=False):
-                    self._unwatched.pop(container_id, None)
-                    continue  # its first check follows
-                refused = True
-                self._unwatched.setdefault(container_id, None)  # one just located
-                # What its watch would have told meanwhile: a drift, an exit. Under the
-                # container's key, so that it never runs beside another check of it.
-                self.jobs.request(container_id, functools.partial(self.check, container_id))
-            return not self._unwatched
-
-        try:
-            # Not cancelled by stop(): a check cut half-way could leave a repair unrecorded.
-            await retry_until_done(attempt, self.engine.options.retry_delay, self._stopping)
-        finally:
-            self._watch_retry = None
+                if not await self._look_up(tracked):
+                    # Asked for again (last) when still unanswered; else it ended, or has no
+                    # cgroup to watch.
+                    unanswered = container_id in self._unwatched
+                    continue
+            if tracked is None or tracked.phase is not Phase.RUNNING or tracked.cgroup is None:
+                self._unwatched.pop(container_id, None)
+                continue
+            # One refusal a try: the kernel would refuse the rest as it did this one, each
+            # with a warning.
+            if not refused and self.watch(tracked, look_on_failure=False):
+                self._unwatched.pop(container_id, None)
+                continue  # its first check follows
+            refused = True
+            self._unwatched.setdefault(container_id, None)  # one just located
+            # What its watch would have told meanwhile: a drift, an exit. Under the
+            # container's key, so that it never runs beside another check of it.
+            self.jobs.request(container_id, functools.partial(self.check, container_id))
+        return not self._unwatched
 
     def unwatch(self, container_id: str) -> None:
         self._unwatched.pop(container_id, None)
@@ -524,7 +509,7 @@ class Watcher:
         if result.ok:
             self.engine._restored(tracked)
         elif (result.moved and tracked.settings_stale) or tracked.applied != cpus:
-            self.engine._retry_moves_soon()  # for the memory nodes and quota, or the CPUs
+            self.engine._move_retry.soon()  # for the memory nodes and quota, or the CPUs
         self.engine.project(tracked)
 
     def _reversed_by_runtime(self, tracked: Tracked, found: CPUSet, cpus: CPUSet) -> bool:
@@ -635,25 +620,20 @@ class Watcher:
         the wait up to a minute, until all three are done: unwatched, state.json is not
         guarded, and unlocked, a second cpushim could start on it; and with ``resyncPeriod``
         0 no full look would try again."""
-        if self._state_retry is None and not self._stopped:
-            self._state_retry = self.engine._spawn(self._retry_state_dir())
+        # Its retry stops on the engine's drain; stop() cancels one running, and none starts
+        # after.
+        if not self._stopped:
+            self._state_retry.soon()
 
-    async def _retry_state_dir(self) -> None:
-        async def attempt() -> bool:
-            if self._stopped:
-                return True
-            watched = self._state_watch is not None
-            self._watch_state_dir_there_now()
-            if not watched and self._state_watch is not None:
-                # Made again or watched only now: its file may be missing, or changed unseen.
-                self.jobs.request("state", self.check_state)
-            return self._take_state_lock() and self._state_watch is not None
-
-        try:
-            # Each try is synchronous: a stop's cancel cuts only a wait.
-            await retry_until_done(attempt, self.engine.options.retry_delay, self.engine._draining)
-        finally:
-            self._state_retry = None
+    async def _state_dir_again(self) -> bool:
+        if self._stopped:
+            return True
+        watched = self._state_watch is not None
+        self._watch_state_dir_there_now()
+        if not watched and self._state_watch is not None:
+            # Made again or watched only now: its file may be missing, or changed unseen.
+            self.jobs.request("state", self.check_state)
+        return self._take_state_lock() and self._state_watch is not None
 
     def _take_state_lock(self) -> bool:
         """Take the state directory's lock again if it needs it: False while another process

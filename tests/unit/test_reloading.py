@@ -523,7 +523,7 @@ async def test_a_file_refused_for_the_machines_sake_applies_without_a_full_look(
         assert r.env.engine.policy.reserved == CPUSet.parse("0-1")
         assert r.env.engine.counters["config_errors"] == 1
         assert r.env.engine.counters["full_resyncs"] == 0
-        await until(lambda: r.reloader._retry is None, "the retry ended")
+        await until(lambda: not r.reloader._retry.running, "the retry ended")
 
 
 async def test_a_sysfs_that_could_not_be_read_is_tried_again_without_a_full_look(
@@ -546,7 +546,7 @@ async def test_with_a_periodic_look_a_refused_file_waits_for_it(tmp_path: Path) 
     async with reloading(tmp_path, resync_period=3600, retry_delay=0.01) as r:
         r.write("reservedSystemCPUs = [\n")
         await r.reloaded("config_errors")
-        assert r.reloader._retry is None
+        assert not r.reloader._retry.running
 
 
 async def test_a_stopped_reloader_reads_a_refused_file_no_more(
@@ -555,7 +555,7 @@ async def test_a_stopped_reloader_reads_a_refused_file_no_more(
     async with reloading(tmp_path, retry_delay=3600) as r:
         r.write("reservedSystemCPUs = [\n")
         await r.reloaded("config_errors")
-        assert r.reloader._retry is not None
+        assert r.reloader._retry.running
         reads: list[None] = []
         real = r.reloader.reload
 
@@ -566,7 +566,7 @@ async def test_a_stopped_reloader_reads_a_refused_file_no_more(
         monkeypatch.setattr(r.reloader, "reload", counted)
         r.reloader.stop()
         # Its hour-long wait ends with the reloader, and no read follows.
-        await until(lambda: r.reloader._retry is None, "the retry ended")
+        await until(lambda: not r.reloader._retry.running, "the retry ended")
         assert reads == []
 
 

@@ -557,10 +557,10 @@ async def test_a_stopped_watcher_sweeps_no_more(tmp_path: Path) -> None:
         env.fake.fail_next("ListContainers", GrpcStatus.UNAVAILABLE, "restarting")
         listed = len(env.fake.calls_of("ListContainers"))
         watcher.sweep_soon()
-        await until(lambda: watcher._sweep_retry is not None, "a sweep to try again")
+        await until(lambda: watcher._sweep_retry.running, "a sweep to try again")
         await watcher.stop()
         # Its hour-long wait ends with the watcher, and no sweep follows.
-        await until(lambda: watcher._sweep_retry is None, "the retry ended")
+        await until(lambda: not watcher._sweep_retry.running, "the retry ended")
         assert len(env.fake.calls_of("ListContainers")) == listed + 1
 
 

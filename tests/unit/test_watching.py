@@ -28,7 +28,6 @@ from shim.cri.calls import UnaryCall
 from shim.engine import EngineOptions, watching
 from shim.engine import requests as rq
 from shim.engine.moves import MoveResult
-from shim.engine.retrying import retry_until_done
 from shim.engine.tracked import Phase, Tracked
 from shim.engine.watching import Coalescer, Look, Watcher, _look
 from shim.fileio import identity
@@ -572,7 +571,7 @@ async def test_a_lock_another_process_lets_go_is_taken_without_a_full_look(w: Wa
             await until(lambda: w.counters["watch_errors"] == 1, "told")
         finally:
             os.close(other)  # the other process ends
-        await until(lambda: w.watcher._state_retry is None, "taken by a later try")
+        await until(lambda: not w.watcher._state_retry.running, "taken by a later try")
         with pytest.raises(StateDirectoryInUseError):
             os.close(hold_directory(w.env.state_dir))
         assert w.counters["full_resyncs"] == 0
@@ -624,7 +623,7 @@ async def test_a_state_directory_that_could_not_be_made_again_is_made_later_with
         finally:
             state_dir.unlink()
         await until(lambda: (state_dir / "state.json").exists(), "made again, state rewritten")
-        await until(lambda: w.watcher._state_retry is None, "the retry ended")
+        await until(lambda: not w.watcher._state_retry.running, "the retry ended")
         with pytest.raises(StateDirectoryInUseError):
             os.close(hold_directory(state_dir))
         await w.settled()
@@ -657,7 +656,7 @@ async def test_a_state_directory_lock_that_could_not_be_taken_again_is_taken_lat
         monkeypatch.setattr(checkpoint, "hold_again", failing)
         (w.env.state_dir / LOCK_FILE).unlink()
         await until(lambda: failures == 0, "refused twice")
-        await until(lambda: w.watcher._state_retry is None, "taken by a later try")
+        await until(lambda: not w.watcher._state_retry.running, "taken by a later try")
         with pytest.raises(StateDirectoryInUseError):
             os.close(hold_directory(w.env.state_dir))
         assert w.counters["full_resyncs"] == 0
@@ -676,7 +675,7 @@ async def test_a_state_directory_the_kernel_would_not_watch_is_watched_later(
     assert w.watcher._state_watch is None
     kernel.full = False
     await until(lambda: w.watcher._state_watch is not None, "watched at last")
-    await until(lambda: w.watcher._state_retry is None, "the retry ended")
+    await until(lambda: not w.watcher._state_retry.running, "the retry ended")
     await w.settled()
     (state_dir / "state.json").unlink()
     await until(lambda: (state_dir / "state.json").exists(), "watched: rewritten")
@@ -688,10 +687,10 @@ async def test_a_stopped_watcher_tries_the_state_directory_no_more(w: Watched) -
     shutil.rmtree(state_dir)
     state_dir.write_text("not a directory\n")  # before the loop runs the watcher
     try:
-        await until(lambda: w.watcher._state_retry is not None, "a retry")
+        await until(lambda: w.watcher._state_retry.running, "a retry")
         errors = w.counters["watch_errors"]
         await w.watcher.stop()
-        assert w.watcher._state_retry is None
+        assert not w.watcher._state_retry.running
     finally:
         state_dir.unlink()
     assert w.counters["watch_errors"] == errors
@@ -1076,7 +1075,7 @@ async def test_a_watch_a_full_look_could_not_place_is_placed_later_without_anoth
     await until(lambda: kernel.refused >= 2, "the watch tried again")
     kernel.full = False
     await until(lambda: shared_id in w.watcher._containers, "watched at last")
-    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    await until(lambda: not w.watcher._watch_retry.running, "the retry ended")
     assert w.counters["full_resyncs"] == 1
 
 
@@ -1092,22 +1091,21 @@ async def test_a_container_the_kernel_will_not_watch_is_still_repaired_and_seen_
     await until(lambda: w.env.kernel_cpus(pinned_id) == FIRST_SINGLE, "repaired")
     w.env.fake.exit_container(pinned_id)
     await until(lambda: w.env.engine.state.holding(pinned_id) is None, "released")
-    await until(lambda: w.watcher._watch_retry is None, "the retry ended with the container")
+    await until(lambda: not w.watcher._watch_retry.running, "the retry ended with the container")
     assert w.counters["full_resyncs"] == 1
 
 
-def counted_retries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of tries the watcher's retries make from now on, in a one-item list."""
+def counted_retries(watcher: Watcher, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tries the watcher's watch retry makes from now on, in a one-item
+    list."""
     attempts = [0]
+    attempt = watcher._watch_retry._attempt
 
-    async def counted(attempt: Any, first_delay: float, stop: asyncio.Event) -> None:
-        async def counting() -> bool:
-            attempts[0] += 1
-            return bool(await attempt())
+    async def counting() -> bool:
+        attempts[0] += 1
+        return bool(await attempt())
 
-        await retry_until_done(counting, first_delay, stop)
-
-    monkeypatch.setattr(watching, "retry_until_done", counted)
+    monkeypatch.setattr(watcher._watch_retry, "_attempt", counting)
     return attempts
 
 
@@ -1120,7 +1118,7 @@ async def test_a_kernel_out_of_watches_for_many_containers_is_asked_once_per_ret
     ids = [await w.started(f"web{n}") for n in range(4)]
     for container_id in ids:
         w.watcher.unwatch(container_id)
-    attempts = counted_retries(monkeypatch)
+    attempts = counted_retries(w.watcher, monkeypatch)
     kernel = OutOfWatches(w.watcher, w.env.fake.cgroup_root, monkeypatch)
     tasks = len(w.env.engine._tasks)
     await w.watcher.look_everywhere()
@@ -1139,11 +1137,11 @@ async def test_a_stopped_watcher_tries_no_more_watches(
     w.watcher.unwatch(shared_id)
     kernel = OutOfWatches(w.watcher, w.env.fake.cgroup_root, monkeypatch)
     await w.watcher.look_everywhere()
-    assert w.watcher._watch_retry is not None
+    assert w.watcher._watch_retry.running
     refused = kernel.refused
     await w.watcher.stop()
     # Its wait (a second here) ends with the watcher, and no watch is asked for.
-    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    await until(lambda: not w.watcher._watch_retry.running, "the retry ended")
     assert kernel.refused == refused
 
 
@@ -1167,7 +1165,7 @@ async def test_a_started_container_the_runtime_did_not_locate_is_looked_up_again
     w.env.fake.exit_container(pinned_id)
     await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "its exit gives the CPU back")
     assert w.counters["full_resyncs"] == 0
-    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    await until(lambda: not w.watcher._watch_retry.running, "the retry ended")
 
 
 async def test_a_container_exited_before_the_runtime_answered_is_released_by_the_retry(
@@ -1184,7 +1182,7 @@ async def test_a_container_exited_before_the_runtime_answered_is_released_by_the
     w.env.fake.ungate("ContainerStatus")
     gate.set()
     await until(lambda: w.env.kernel_cpus(shared_id) == "0-7", "its exit gives the CPU back")
-    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    await until(lambda: not w.watcher._watch_retry.running, "the retry ended")
     assert w.counters["exits_seen"] == 1
     assert w.counters["full_resyncs"] == 0
 
@@ -1254,7 +1252,7 @@ async def test_a_runtime_that_does_not_answer_is_asked_of_one_container_per_retr
     answer for one would not for the rest."""
     w = retrying
     ids = [(await unlocated(w, f"web{n}")).id for n in range(4)]
-    attempts = counted_retries(monkeypatch)
+    attempts = counted_retries(w.watcher, monkeypatch)
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting", count=1000)
     tasks = len(w.env.engine._tasks)
     asked = statuses(w)
@@ -1266,7 +1264,7 @@ async def test_a_runtime_that_does_not_answer_is_asked_of_one_container_per_retr
     assert statuses(w) - asked - len(ids) <= attempts[0]
     w.env.fake.clear_failures("ContainerStatus")
     await until(lambda: all(i in w.watcher._containers for i in ids), "all watched")
-    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    await until(lambda: not w.watcher._watch_retry.running, "the retry ended")
 
 
 async def test_a_container_the_runtime_says_is_gone_is_not_looked_up_again(
@@ -1277,7 +1275,7 @@ async def test_a_container_the_runtime_says_is_gone_is_not_looked_up_again(
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.NOT_FOUND)
     await w.watcher.look_at_unlocated(tracked)
     assert tracked.phase is Phase.EXITED
-    assert w.watcher._watch_retry is None
+    assert not w.watcher._watch_retry.running
     assert not w.watcher._unwatched
 
 
@@ -1285,11 +1283,11 @@ async def test_a_stopped_watcher_looks_up_no_more(w: Watched) -> None:
     tracked = await unlocated(w, "web")
     w.env.fake.fail_next("ContainerStatus", GrpcStatus.UNAVAILABLE, "restarting")
     await w.watcher.look_at_unlocated(tracked)
-    assert w.watcher._watch_retry is not None
+    assert w.watcher._watch_retry.running
     asked = statuses(w)
     await w.watcher.stop()
     # Its wait (a second here) ends with the watcher, and the runtime is not asked.
-    await until(lambda: w.watcher._watch_retry is None, "the retry ended")
+    await until(lambda: not w.watcher._watch_retry.running, "the retry ended")
     assert statuses(w) == asked
 
 
