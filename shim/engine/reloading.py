@@ -9,7 +9,9 @@ read: when another entry is renamed into the directory (a ConfigMap volume swaps
 ``..data`` link), once at start (an edit made while cpushim started), and at every full
 look of the watcher (an edit whose events an inotify overflow dropped; a full look reads
 what is on disk). A directory removed or replaced is watched again as soon as it is back
-(its parent is watched meanwhile). A file that does not parse, or whose values make no
+(its parent is watched meanwhile); one whose watch the kernel refused (its inotify limit) is
+tried again at every full look, or, with no full looks, on its own, as a refused file is
+read (below). A file that does not parse, or whose values make no
 policy, is refused with the reason (file, line, key) and the running config stays; so does
 a file that is gone. The same refusal (same bytes, same reason) is counted once, and logged
 once unless a read is asked for (SIGHUP: silence would pass for a good file). A refused
@@ -32,7 +34,6 @@ whose values differ from those cpushim started with.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import stat
@@ -161,6 +162,14 @@ class ConfigReloader:
             self._stopping,
             self.engine._spawn,
         )
+        # Watches the directory (or, while it is gone, its parent) again when the kernel
+        # refused, while no full look will: edits would go unseen until a SIGHUP.
+        self._watch_retry = Retry(
+            self._watch_again,
+            lambda: self.engine.options.retry_delay,
+            self._stopping,
+            self.engine._spawn,
+        )
 
     @property
     def path(self) -> str:
@@ -223,6 +232,7 @@ class ConfigReloader:
                 extra={"fields": {"config": self.path, "error": str(exc)}},
             )
             self._watch_parent()
+            self._watch_again_later()
             return
         self._watched_identity = identity(self._directory)
         self._unwatch_parent()
@@ -236,13 +246,31 @@ class ConfigReloader:
             if event.name == directory.name:
                 self._check_soon()
             elif event.mask & IN_IGNORED and not event.name:
-                self._parent_subscription = None  # the parent went too
+                # The parent went too: so did the file, and the refusal's retry reads
+                # (and watches) again.
+                self._parent_subscription = None
 
-        # When the parent is gone too, the next full look tries again.
-        with contextlib.suppress(WatchError):
+        # When the parent is gone too, the next full look tries again (or the retry).
+        try:
             self._parent_subscription = self.watcher.inotify.subscribe(
                 str(directory.parent), _DIRECTORY_BACK, on_parent
             )
+        except WatchError:
+            self._watch_again_later()
+
+    def _watch_again_later(self) -> None:
+        if self.watcher.resync_period <= 0:
+            self._watch_retry.soon()
+
+    async def _watch_again(self) -> bool:
+        """Watch again (a check: it reads the file too if it changed meanwhile); done when
+        the directory is watched, or, while it is gone, its parent is."""
+        if self._stopped or self.watcher.resync_period > 0:
+            return True
+        await self._check()
+        if self._subscription is not None:
+            return True
+        return self._parent_subscription is not None and not self._directory.is_dir()
 
     def _unwatch(self) -> None:
         if self._subscription is not None:

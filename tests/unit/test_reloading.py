@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import logging
 import os
@@ -15,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +26,7 @@ from shim.cri.calls import Status
 from shim.engine import EngineOptions
 from shim.engine.reloading import LIVE_FIELDS, POLICY_FIELDS, ConfigReloader, _content
 from shim.engine.watching import Watcher
+from shim.inotify import Inotify, WatchError
 from shim.policy import CPUPolicy
 from shim.run import RunOptions, build_policy
 from shim.state import ContainerKey
@@ -718,6 +721,34 @@ async def test_the_watch_comes_back_with_a_directory_made_again(r: Reloading, ho
     r.write('reservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n')
     await r.reloaded("config_reloads", 2)
     assert r.env.engine.options.failure_policy == "fail-open"
+
+
+async def test_a_refused_directory_watch_is_tried_again_with_no_full_look_to_come(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel refuses the directory's watch at start (its inotify limit reached): with
+    resyncPeriod 0 no full look would try again, and edits went unseen until a SIGHUP."""
+    directory = tmp_path / "etc"
+    refusing = True
+    subscribe = Inotify.subscribe
+
+    def refused_while(self: Inotify, path: str, mask: int, callback: Any) -> Any:
+        if refusing and path == str(directory):
+            raise WatchError(errno.ENOSPC, "inotify watch limit reached", path)
+        return subscribe(self, path, mask, callback)
+
+    monkeypatch.setattr(Inotify, "subscribe", refused_while)
+    async with reloading(tmp_path, retry_delay=0.01) as r:
+        assert r.env.engine.counters["watch_errors"] >= 1
+        refusing = False
+        r.write('reservedSystemCPUs = "0,4"\n')
+        await r.reloaded("config_reloads")
+        assert r.env.engine.policy.reserved == CPUSet.parse("0,4")
+        assert r.env.engine.counters["full_resyncs"] == 0
+        # Watched: a later edit is seen.
+        r.write('reservedSystemCPUs = "0,4"\nfailurePolicy = "fail-open"\n')
+        await r.reloaded("config_reloads", 2)
+        assert r.env.engine.options.failure_policy == "fail-open"
 
 
 async def test_a_config_map_volume_swapping_its_data_link_is_read(r: Reloading) -> None:
