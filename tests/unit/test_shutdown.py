@@ -100,6 +100,47 @@ async def test_a_second_signal_leaves_the_engine_only_its_last_writes(
     assert took == pytest.approx(2.0 + LAST_WRITES_S)
 
 
+@dataclass
+class LongWork:
+    """An engine whose last work takes its whole budget (a full look at a slow runtime under
+    way at the signal), on the loop's own clock."""
+
+    budgets: list[float] = field(default_factory=list)
+
+    async def drain(self, grace: float) -> None:
+        self.budgets.append(grace)
+        await asyncio.sleep(grace)
+
+
+async def test_a_second_signal_while_the_engine_works_leaves_it_only_its_last_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The calls ended at once, so the engine got the rest of the grace: a second signal
+    then ends it as it ends the wait for calls, not the rest of a long grace later."""
+    monkeypatch.setattr(shim.run, "LAST_WRITES_S", 0.05)
+    loop = asyncio.get_running_loop()
+    engine = LongWork()
+    cut_short = asyncio.Event()
+
+    async def stop_watching() -> None:
+        pass
+
+    stopping = asyncio.ensure_future(
+        shut_down(SlowCalls(Clock(), takes=0.0), engine, 120.0, cut_short, stop_watching)
+    )
+    try:
+        await until(lambda: bool(engine.budgets), "the engine's last work under way")
+        signalled = loop.time()
+        cut_short.set()
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        assert done, "the second signal left the engine the rest of the grace"
+        assert stopping.result()
+        assert loop.time() - signalled >= 0.04  # its last writes' time, less timer slack
+        assert engine.budgets[0] == pytest.approx(120.0, abs=1.0)
+    finally:
+        stopping.cancel()
+
+
 async def test_a_signal_during_the_start_up_resync_stops_without_serving(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
