@@ -9,6 +9,7 @@ reserved set is re-planned; then every container's cpuset is written where it di
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Collection, Iterable, Mapping
@@ -53,6 +54,8 @@ CALL_TIMEOUT = 10.0
 # (systemd gives it two minutes), and the plain status that follows loses nothing the pod's
 # containers cannot tell.
 SANDBOX_INFO_TIMEOUT = 3.0
+# Sandbox statuses asked at once at start-up.
+STATUS_CONCURRENCY = 8
 
 RECOVERY_HINT = (
     "To rebuild the state from what the runtime reports, start once with"
@@ -207,10 +210,19 @@ async def _sandboxes(engine: Engine) -> tuple[dict[str, Pod], set[str], set[str]
     pods: dict[str, Pod] = {}
     stopped: set[str] = set()
     unplaced: set[str] = set()
-    for item in pb.ListPodSandboxResponse.FromString(reply.messages[0]).items:
+    items = pb.ListPodSandboxResponse.FromString(reply.messages[0]).items
+    # A few at a time: each hung shim holds its call for SANDBOX_INFO_TIMEOUT, and one after
+    # another, many would outlast systemd's start timeout (a restart then starts over).
+    turns = asyncio.Semaphore(STATUS_CONCURRENCY)
+
+    async def read_in_turn(sandbox_id: str) -> SandboxRead:
+        async with turns:
+            return await sandbox_status(engine, sandbox_id)
+
+    reads = await asyncio.gather(*(read_in_turn(item.id) for item in items))
+    for item, read in zip(items, reads, strict=True):
         if item.state != pb.SANDBOX_READY:
             stopped.add(item.id)
-        read = await sandbox_status(engine, item.id)
         if read.error:
             raise StartupError(f"resync: PodSandboxStatus {item.id} failed: {read.error}")
         if read.status is None:

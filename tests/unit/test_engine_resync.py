@@ -618,6 +618,30 @@ async def test_a_sandbox_whose_shim_hangs_keeps_neither_cpushim_down_nor_its_pod
     assert_consistent(env)
 
 
+async def test_sandboxes_whose_shims_hang_are_waited_for_together(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One after another, each hung shim's 3 s would add up past systemd's start timeout
+    (and the restart that follows would start over)."""
+    monkeypatch.setattr(resync, "SANDBOX_INFO_TIMEOUT", 0.2)
+    pods = [await env.kubelet.run_pod(f"db-{n}", "guaranteed") for n in range(3)]
+    for pod in pods:
+        await env.kubelet.start_new(pod, "main", 1000)
+        env.fake.shims_hung.add(pod.sandbox_id)
+    asked = len(env.fake.calls_of("PodSandboxStatus"))
+    await env.restart()
+    calls = [
+        request
+        for request in env.fake.calls_of("PodSandboxStatus")[asked:]
+        if isinstance(request, pb.PodSandboxStatusRequest)
+    ]
+    # Every verbose call went out before any of them was given up for the plain one.
+    assert [request.verbose for request in calls] == [True] * 3 + [False] * 3
+    assert {request.pod_sandbox_id for request in calls[:3]} == {p.sandbox_id for p in pods}
+    assert len(env.saved()) == 3
+    assert_consistent(env)
+
+
 async def test_a_sandbox_whose_plain_status_fails_too_stops_start_up(env: Env) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     await env.kubelet.start_new(pod, "main", 1000)
