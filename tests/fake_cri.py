@@ -14,6 +14,8 @@ must survive the relay). Commands:
 * ``b"big:<n>"``           reply with n bytes
 * ``b"meta"``              echo request metadata as initial and trailing metadata
 * ``b"stream:<n>"``        (server-streaming methods) send n messages then end
+* ``b"stream:<n>:hold:<name>"`` (server-streaming methods) send n messages, then hold as
+  ``hold:<name>`` does (a stream kept open, as kubelet's GetContainerEvents is), then end
 """
 
 from __future__ import annotations
@@ -174,9 +176,14 @@ class FakeRuntime:
             assert wire is not None
             request = command_of(wire)
             self.calls.append((path, request, {}))
+            hold = None
+            if request.startswith(b"stream:") and b":hold:" in request:
+                request, hold = request.split(b":hold:", 1)
             count = int(request[7:].rstrip(b"!")) if request.startswith(b"stream:") else 3
             for i in range(count):
                 await stream.send_message(b"event-%d" % i)
+            if hold is not None:
+                await self._hold(hold)
             if request.endswith(b"!"):
                 raise GRPCError(Status.ABORTED, "stream aborted", DETAILS)
 

@@ -87,6 +87,13 @@ ALL_METHODS: tuple[Method, ...] = (
 
 BY_PATH: dict[str, Method] = {method.path: method for method in ALL_METHODS}
 
+# Server-streaming calls that end only when their client ends them: kubelet's Evented PLEG
+# keeps GetContainerEvents open for as long as it runs. (The Stream* list calls end by
+# themselves, as their List* twins do.)
+WATCH_PATHS: frozenset[str] = frozenset(
+    {BY_PATH["/runtime.v1.RuntimeService/GetContainerEvents"].path}
+)
+
 # Method -> (request class, response class) for the methods whose messages are in the subset.
 # A mistyped path fails at import (KeyError); tests check each pair against the services
 # declared in runtime_v1.proto.

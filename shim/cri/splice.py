@@ -25,6 +25,9 @@ own, with these exceptions, each accounted for:
   upstream DATA that would overrun the client's real window waits here until credit arrives.
   Request bytes the relay writes for an amended call are accounted the same way in the other
   direction.
+* At a graceful shutdown, watches (calls that end only when their client ends them) are
+  ended here: reset upstream, what the upstream still sends on them dropped, its credit
+  returned.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from shim.cri.hpack_blocks import (
     grpc_status,
     header_value,
 )
+from shim.cri.methods import WATCH_PATHS
 
 DEFAULT_MAX_REQUEST = 16 * 1024 * 1024
 _CLOSED_LOCAL_MEMORY = 1024
@@ -331,6 +335,9 @@ class Splice:
         self._amending: dict[int, _Outgoing] = {}
 
         self.open_streams: dict[int, bool] = {}  # spliced stream -> response started
+        # Spliced calls that stay open until their client ends them (WATCH_PATHS), ended at
+        # a shutdown; ids of ones ended since are dropped when the next comes.
+        self._watches: set[int] = set()
         self._local: dict[int, _LocalStream] = {}
         self._local_closed = _RecentIds()
         # Calls answered here whose HEADERS still went upstream (then reset there).
@@ -652,6 +659,9 @@ class Splice:
                 self._local_request_done(sid, stream)
             return
         self.open_streams[sid] = False
+        if path in WATCH_PATHS:
+            self._watches = {w for w in self._watches if w in self.open_streams}
+            self._watches.add(sid)
         if path is not None and self._followed_paths is not None and self._followed_paths(path):
             headers = self._reader.last_headers
             if headers is None:
@@ -1205,9 +1215,27 @@ class Splice:
         return self._goaway_last is not None
 
     def goaway(self) -> None:
-        """Tell the client to open no new call here (graceful shutdown); calls in flight end."""
+        """Tell the client to open no new call here (graceful shutdown); calls in flight end.
+        Watches would never end by themselves, so they are ended now: UNAVAILABLE for the
+        client (ahead of the GOAWAY, at which h2 stops reading), cancelled upstream, and
+        what the runtime still sends on them is dropped."""
         if self._goaway_last is None:
             self._greet_here()
+            for sid in sorted(self._watches):
+                started = self.open_streams.pop(sid, None)
+                if started is None:
+                    continue
+                reset = fr.rst_stream(sid, fr.CANCEL)
+                if self._held_for_upstream:
+                    # Behind the request's DATA still waiting for upstream credit.
+                    self._held_for_upstream.append((reset, 0))
+                else:
+                    self._out_upstream.append(reset)
+                self._relayed_by_upstream.add(sid)
+                if self._timing:
+                    self._finished(sid, Status.UNAVAILABLE)
+                self._end_stream_here(sid, started, "cpushim: shutting down")
+            self._watches.clear()
             self._goaway_last = self._last_stream_to_announce()
             self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
 
@@ -1281,12 +1309,9 @@ class Splice:
         for sid, started in sorted(self.open_streams.items()):
             if self._timing:
                 self._finished(sid, Status.UNAVAILABLE)
-            reply = Reply.error(Status.UNAVAILABLE, message)
-            trailers = reply.trailers[2:] if started else reply.trailers
-            block = encode_block(trailers)
-            for chunk in fr.header_frames(sid, block, self._client_max_frame, end_stream=True):
-                self._to_client(chunk, 0)
+            self._end_stream_here(sid, started, message)
         self.open_streams.clear()
+        self._watches.clear()
         self._relayed_by_upstream.clear()
         if self._goaway_last is None and (self.highest_stream or not self.upstream_absent):
             self._goaway_last = self._last_stream_to_announce()
@@ -1294,6 +1319,15 @@ class Splice:
             # connection at its GOAWAY), and learns from it which calls to retry. One that
             # never reads again is let go by the adapter.
             self._to_client(fr.goaway(self._goaway_last, fr.NO_ERROR), 0)
+
+    def _end_stream_here(self, sid: int, started: bool, message: str) -> None:
+        """End a spliced call for the client with UNAVAILABLE: trailers when its response
+        has started, trailers-only when not; in order behind what waits for its credit."""
+        reply = Reply.error(Status.UNAVAILABLE, message)
+        trailers = reply.trailers[2:] if started else reply.trailers
+        block = encode_block(trailers)
+        for chunk in fr.header_frames(sid, block, self._client_max_frame, end_stream=True):
+            self._to_client(chunk, 0)
 
     def _fail(
         self, reason: str, code: int = fr.PROTOCOL_ERROR, *, runtime_fault: bool = False

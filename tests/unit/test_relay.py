@@ -434,6 +434,30 @@ def test_a_client_still_writing_after_its_last_reply_at_shutdown_is_not_cut_off(
         assert closing.result(10) is True
 
 
+def test_a_watch_open_at_shutdown_does_not_hold_it_up() -> None:
+    """kubelet's Evented PLEG keeps GetContainerEvents open for as long as it runs. It ends
+    with the relay's GOAWAY, UNAVAILABLE, and the shutdown is over once the other calls are:
+    it once waited out the whole grace period, with no runtime for kubelet meanwhile, and
+    then cut the watch."""
+    with relay_env() as env, env.channel() as ch:
+        relay = env.relay
+        assert relay is not None
+        watch = ch.unary_stream(RUNTIME + "GetContainerEvents")(
+            script(b"stream:1:hold:watch"), timeout=60
+        )
+        try:
+            assert next(watch) == b"event-0"
+            closing = asyncio.run_coroutine_threadsafe(relay.shutdown(5.0), env.loop.loop)
+            received, error = drain(watch)
+            assert received == []
+            assert error is not None
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert error.details() == "cpushim: shutting down"
+            assert closing.result(10) is True  # everything finished within the grace
+        finally:
+            env.fake.runtime.release(b"watch")
+
+
 def test_a_client_that_stops_reading_does_not_hold_up_shutdown() -> None:
     """A client that gives the relay a large window and then reads nothing leaves the
     relay's writes queued in the process. Once the grace period is over the connection is

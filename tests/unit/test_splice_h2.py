@@ -631,6 +631,55 @@ def test_a_call_opened_above_the_runtimes_goaway_is_not_kept_in_flight() -> None
     assert set(pair.splice.open_streams) == {first}
 
 
+WATCH = "/runtime.v1.RuntimeService/GetContainerEvents"
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before its reply", "with events sent"])
+def test_a_watch_open_at_shutdown_ends_at_once(started: bool) -> None:
+    """kubelet's Evented PLEG keeps GetContainerEvents open for as long as it runs: left
+    open, it held every shutdown for the whole grace period (with the listener closed, so
+    kubelet reached no runtime meanwhile) and was then cut. It now ends with the relay's
+    GOAWAY: UNAVAILABLE for the client, cancelled upstream, while unary calls finish."""
+    pair = make_pair()
+    watch = send_request(pair, WATCH, grpc_body(b""))
+    unary = send_request(pair, SPLICED, grpc_body(b"list"))
+    if started:
+        reply_headers(pair, watch)
+        pair.server.send_data(watch, grpc_body(b"event"))
+        pair.pump()
+        assert pair.received(pair.client_events, watch) == grpc_body(b"event")
+    pair.splice.goaway()
+    to_client, to_upstream = pair.splice.take_output()
+    for chunk in to_upstream:
+        pair.server_events += pair.server.receive_data(chunk)
+    resets = [e for e in pair.server_events if isinstance(e, h2.events.StreamReset)]
+    assert [(e.stream_id, e.error_code) for e in resets] == [(watch, fr.CANCEL)]
+    events = [e for chunk in to_client for e in pair.client.receive_data(chunk)]
+    (ended,) = [
+        e
+        for e in events
+        if isinstance(e, h2.events.ResponseReceived | h2.events.TrailersReceived)
+        and e.stream_id == watch
+    ]
+    assert dict(ended.headers)[b"grpc-status"] == b"14"
+    assert b"shutting down" in dict(ended.headers)[b"grpc-message"]
+    assert isinstance(events[-1], h2.events.ConnectionTerminated)  # after the watch's end
+    assert set(pair.splice.open_streams) == {unary}
+    # What the runtime sent on the watch before it read the reset goes no further, and its
+    # credit goes back to the runtime; the unary call still gets its reply.
+    pair.splice.from_upstream(fr.frame(fr.DATA, 0, watch, grpc_body(b"late event")))
+    to_client, to_upstream = pair.splice.take_output()
+    assert to_client == []
+    assert to_upstream == [fr.window_update(0, len(grpc_body(b"late event")))]
+    reply_headers(pair, unary)
+    pair.server.send_data(unary, grpc_body(b"r"))
+    pair.server.send_headers(unary, [(b"grpc-status", b"0")], end_stream=True)
+    pair.splice.from_upstream(pair.server.data_to_send())
+    to_client, _ = pair.splice.take_output()
+    assert frames_on(to_client, unary) == [fr.HEADERS, fr.DATA, fr.HEADERS]
+    assert pair.splice.idle
+
+
 def test_malformed_grpc_body_on_an_intercepted_call_is_answered_not_forwarded() -> None:
     pair = make_pair()
     sid = send_request(pair, INTERCEPTED, struct.pack(">BI", 0, 100) + b"short")
