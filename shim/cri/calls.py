@@ -193,8 +193,17 @@ def parse_timeout(raw: bytes | None) -> float | None:
     return int(raw[:-1]) * unit
 
 
+# Microseconds in each grpc-timeout unit, finest first.
+_TIMEOUT_UNITS = ((b"u", 1), (b"m", 1_000), (b"S", 1_000_000), (b"M", 60_000_000))
+_TIMEOUT_DIGITS = 99_999_999  # gRPC over HTTP/2 allows eight; grpc-go refuses a ninth
+
+
 def format_timeout(seconds: float) -> bytes:
+    """A grpc-timeout value in the finest unit that takes it in eight digits, rounded up
+    in the coarser ones: a deadline cut to whole minutes would end the call early."""
     micros = max(1, int(seconds * 1_000_000))
-    if micros < 100_000_000:
-        return b"%du" % micros
-    return b"%dm" % max(1, int(seconds * 1000))
+    for unit, size in _TIMEOUT_UNITS:
+        count = -(-micros // size)
+        if count <= _TIMEOUT_DIGITS:
+            return b"%d%s" % (count, unit)
+    return b"%dH" % min(-(-micros // 3_600_000_000), _TIMEOUT_DIGITS)

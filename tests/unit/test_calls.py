@@ -1,4 +1,5 @@
-"""gRPC message framing: compressed messages are inflated, within a bound."""
+"""gRPC message framing: compressed messages are inflated, within a bound; grpc-timeout
+values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import zlib
 
 import pytest
 
-from shim.cri.calls import MAX_INFLATED, MessageError, Status, unframe_messages
+from shim.cri.calls import (
+    MAX_INFLATED,
+    MessageError,
+    Status,
+    format_timeout,
+    parse_timeout,
+    unframe_messages,
+)
 
 
 def framed(payload: bytes, *, compressed: bool) -> bytes:
@@ -51,3 +59,17 @@ def test_a_compressed_message_that_cannot_be_read_is_a_clear_error(
     with pytest.raises(MessageError) as refused:
         unframe_messages(framed(payload, compressed=True), encoding)
     assert refused.value.status is status
+
+
+@pytest.mark.parametrize(
+    "seconds", [1e-6, 0.25, 99.9, 100.0, 99_999.0, 100_000.0, 6_000_000.0, 365 * 86_400.0]
+)
+def test_a_timeout_is_written_in_at_most_eight_digits_and_never_shorter(seconds: float) -> None:
+    # gRPC over HTTP/2 allows eight digits before the unit; grpc-go refuses a longer value
+    # (the call fails INTERNAL, "malformed grpc-timeout"). From about 28 hours on, the
+    # relay's own channel once wrote nine digits of milliseconds.
+    raw = format_timeout(seconds)
+    assert len(raw) <= 9
+    parsed = parse_timeout(raw)
+    assert parsed is not None
+    assert parsed >= seconds * (1 - 1e-9)
