@@ -107,9 +107,10 @@ class Kubelet:
         return pod
 
     def create_request(
-        self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0
+        self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0, *, mems: str = ""
     ) -> pb.CreateContainerRequest:
-        """kubelet's request; a Guaranteed pod's container has request == limit."""
+        """kubelet's request; a Guaranteed pod's container has request == limit. ``mems``:
+        the NUMA nodes kubelet's memory manager names (its Static policy)."""
         limit = milli_cpu if pod.qos == "guaranteed" else 0
         resources = pb.LinuxContainerResources(
             cpu_period=100_000,
@@ -117,6 +118,7 @@ class Kubelet:
             cpu_shares=milli_cpu_to_shares(milli_cpu),
             memory_limit_in_bytes=GIB if pod.qos == "guaranteed" else 0,
             oom_score_adj=-997 if pod.qos == "guaranteed" else 1000,
+            cpuset_mems=mems,
         )
         return pb.CreateContainerRequest(
             pod_sandbox_id=pod.sandbox_id,
@@ -128,12 +130,16 @@ class Kubelet:
             sandbox_config=pod.config,
         )
 
-    async def create(self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0) -> Reply:
-        request = self.create_request(pod, name, milli_cpu, attempt)
+    async def create(
+        self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0, *, mems: str = ""
+    ) -> Reply:
+        request = self.create_request(pod, name, milli_cpu, attempt, mems=mems)
         return await self.call("CreateContainer", request.SerializeToString())
 
-    async def start_new(self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0) -> str:
-        reply = await self.create(pod, name, milli_cpu, attempt)
+    async def start_new(
+        self, pod: Pod, name: str, milli_cpu: int = 0, attempt: int = 0, *, mems: str = ""
+    ) -> str:
+        reply = await self.create(pod, name, milli_cpu, attempt, mems=mems)
         assert reply.status is Status.OK, reply.status_message
         container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
         await self.ok(

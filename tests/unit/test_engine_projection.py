@@ -120,13 +120,7 @@ async def test_a_shared_container_s_memory_nodes_are_those_kubelet_gave_it(env: 
     # kubelet's Static memory manager confines a Guaranteed container with a fraction of a
     # CPU too: it shares, and the runtime keeps the nodes kubelet named in its cgroup.
     pod = await env.kubelet.run_pod("web", "guaranteed")
-    request = env.kubelet.create_request(pod, "main", 500)
-    request.config.linux.resources.cpuset_mems = "1"
-    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
-    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
-    await env.kubelet.ok(
-        "StartContainer", pb.StartContainerRequest(container_id=container_id).SerializeToString()
-    )
+    container_id = await env.kubelet.start_new(pod, "main", 500, mems="1")
     assert env.fake.containers[container_id].resources.cpuset_mems == "1"
     assert projected(env, pod, "main").mems == "1"
 
@@ -147,13 +141,7 @@ async def test_a_shared_container_s_memory_nodes_are_those_kubelet_gave_it(env: 
 @pytest.mark.anyio
 async def test_a_container_that_lost_its_cpus_projects_the_nodes_it_got_back(env: Env) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
-    request = env.kubelet.create_request(pod, "main", 1000)
-    request.config.linux.resources.cpuset_mems = "1"
-    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
-    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
-    await env.kubelet.ok(
-        "StartContainer", pb.StartContainerRequest(container_id=container_id).SerializeToString()
-    )
+    container_id = await env.kubelet.start_new(pod, "main", 1000, mems="1")
     await settled(env)
     assert projected(env, pod, "main").pool == "exclusive"
 

@@ -103,6 +103,17 @@ def made_outside(
     return env.fake.add_container(pod.sandbox_id, config, state=state)
 
 
+async def left_waiting(env: Env, watcher: Watcher, pod: Pod, milli_cpu: int) -> str:
+    """A container another client made asking for ``milli_cpu``, taken in by a sweep that
+    found no room for it: it shares, waiting. Its id, once the watch jobs are done."""
+    outsider = made_outside(env, pod, "main", milli_cpu)
+    watcher.sweep_soon()
+    await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
+    # The sweep that follows one that took containers in, done too.
+    await until(lambda: watcher.jobs.pending == 0, "the sweeps done")
+    return outsider
+
+
 async def test_a_fail_open_create_is_taken_in_and_pinned(
     watched: tuple[Env, Watcher], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -660,10 +671,7 @@ async def test_a_release_that_frees_too_few_cpus_asks_the_runtime_nothing(
     big = await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "main", 5000)
     small = await env.kubelet.start_new(await env.kubelet.run_pod("b", "guaranteed"), "main", 1000)
     pod = await env.kubelet.run_pod("db", "guaranteed")
-    outsider = made_outside(env, pod, "main", 3000)  # one CPU is left
-    watcher.sweep_soon()
-    await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
-    await until(lambda: watcher.jobs.pending == 0, "jobs done")
+    outsider = await left_waiting(env, watcher, pod, 3000)  # one CPU is left
     statuses = len(env.fake.calls_of("ContainerStatus"))
     await env.kubelet.stop(small)  # two free: not enough for three
     await until(lambda: watcher.jobs.pending == 0, "jobs done")
@@ -693,10 +701,7 @@ async def test_releases_do_not_ask_again_and_again_for_an_adoption_the_free_cpus
             await env.kubelet.run_pod("rt", "guaranteed", isolated), "main", 1000
         )
         pod = await env.kubelet.run_pod("db", "guaranteed")
-        outsider = made_outside(env, pod, "main", 2000)
-        watcher.sweep_soon()
-        await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
-        await until(lambda: watcher.jobs.pending == 0, "jobs done")
+        outsider = await left_waiting(env, watcher, pod, 2000)
         statuses = len(env.fake.calls_of("ContainerStatus"))
         await env.kubelet.stop(first)  # 3 and 7 free: two, but isolated
         await until(lambda: len(env.fake.calls_of("ContainerStatus")) > statuses, "tried once")
@@ -1217,11 +1222,7 @@ async def test_a_resize_down_that_makes_room_adopts_a_waiting_container_without_
     env, watcher = sharing
     await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "main", 6000)
     pod = await env.kubelet.run_pod("db", "guaranteed")
-    outsider = made_outside(env, pod, "main", 2000)  # one CPU is left
-    watcher.sweep_soon()
-    await until(lambda: env.engine.counters["adoptions_refused"] == 1, "refused: no room")
-    # The sweep that follows one that took containers in, done too.
-    await until(lambda: watcher.jobs.pending == 0, "the sweeps done")
+    outsider = await left_waiting(env, watcher, pod, 2000)  # one CPU is left
     swept = len(env.fake.calls_of("ListContainers"))
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(outsider, 1000))
     key = ContainerKey(pod.uid, "main")
