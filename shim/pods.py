@@ -23,7 +23,7 @@ from typing import Final
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.kube import CgroupParentError, QOSClass, exclusive_cpu_count, pod_cgroup
+from shim.kube import MIN_SHARES, CgroupParentError, QOSClass, exclusive_cpu_count, pod_cgroup
 from shim.policy.static import ExclusiveRequest, IsolatedMode
 
 ANNOTATION_ISOLATED: Final = "cpushim.io/isolated-cpus"
@@ -162,13 +162,24 @@ def takes_whole_pod(pod: Pod, resources: pb.LinuxContainerResources) -> bool:
     )
 
 
+def has_own_resources(resources: pb.LinuxContainerResources) -> bool:
+    """Whether a container asks for CPU or memory. In a Guaranteed pod every container
+    kubelet makes from the pod's spec does (a memory limit at least); an ephemeral one
+    (kubectl debug) has none, and gets kubelet's minimum shares, unless it inherits the
+    pod's pod-level limits."""
+    return resources.memory_limit_in_bytes > 0 or resources.cpu_shares > MIN_SHARES
+
+
 def shows_pod_level_resources(whole: Sequence[bool]) -> bool:
-    """Whether a Guaranteed pod whose live containers asking for exclusive CPUs are
-    ``whole`` (:func:`takes_whole_pod`, one flag each) has pod-level resources: two or more
-    of them, one taking the whole pod. kubelet's static policy gives such a pod no exclusive
-    CPUs; pinning each of them would hand out the pod's CPUs once per container. One alone
-    cannot be told from a pod of one container (it is pinned, with the pod's CPUs), nor can
-    containers that each set limits of their own (pinned within the pod's)."""
+    """Whether a Guaranteed pod whose live containers with resources of their own
+    (:func:`has_own_resources`) are ``whole`` (:func:`takes_whole_pod`, one flag each) has
+    pod-level resources: two or more of them, one taking the whole pod. An ordinary pod's
+    totals are its containers' sums, which one reaches only alone, whether its siblings ask
+    for exclusive CPUs or share. kubelet's static policy gives such a pod no exclusive CPUs;
+    pinning each container that asks for them would hand out the pod's CPUs once per
+    container. One alone cannot be told from a pod of one container (it is pinned, with the
+    pod's CPUs), nor can containers that each set limits of their own (pinned within the
+    pod's)."""
     return len(whole) >= 2 and any(whole)
 
 

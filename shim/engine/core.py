@@ -49,6 +49,7 @@ from shim.pods import (
     MemoryNodesError,
     Pod,
     exclusive_request,
+    has_own_resources,
     isolated_mode,
     kubelet_memory_nodes,
     plan_container,
@@ -552,28 +553,31 @@ class Engine:
             return await self._create_shared(forward, request, pod, key, plan)
         return await self._create_exclusive(forward, request, pod, key, plan, count, memory_nodes)
 
-    async def _shows_pod_level_resources(self, pod: Pod, key: ContainerKey, whole: bool) -> bool:
-        """Whether this create, beside the pod's live containers that ask for exclusive CPUs,
-        shows the pod's resources to be pod-level ones (shim/pods.py). Costs nothing but
-        for such a pod: a sibling that takes the whole pod is looked up in the runtime,
+    async def _shows_pod_level_resources(
+        self, pod: Pod, key: ContainerKey, resources: pb.LinuxContainerResources
+    ) -> bool:
+        """Whether this create, beside the pod's live containers with resources of their
+        own, shows the pod's resources to be pod-level ones (shim/pods.py). Costs nothing
+        but for such a pod: a sibling that takes the whole pod is looked up in the runtime,
         since an init container that did may have exited a moment ago."""
         if not pod.cpu_shares:
             return False
-        siblings = [t for t in self._asking_exclusive(pod.uid) if t.key != key]
-        if not shows_pod_level_resources([whole, *(t.whole_pod for t in siblings)]):
+        mine = [takes_whole_pod(pod, resources)] if has_own_resources(resources) else []
+        siblings = [t for t in self._with_own_resources(pod.uid) if t.key != key]
+        if not shows_pod_level_resources([*mine, *(t.whole_pod for t in siblings)]):
             return False
         live = await self._still_live(siblings)
-        return shows_pod_level_resources([whole, *(t.whole_pod for t in live)])
+        return shows_pod_level_resources([*mine, *(t.whole_pod for t in live)])
 
-    def _asking_exclusive(self, pod_uid: str) -> list[Tracked]:
-        """The pod's containers not seen exited that ask for exclusive CPUs, one per name
-        (a later attempt's create marked the earlier ones exited)."""
+    def _with_own_resources(self, pod_uid: str) -> list[Tracked]:
+        """The pod's containers not seen exited that have resources of their own, one per
+        name (a later attempt's create marked the earlier ones exited)."""
         found: dict[ContainerKey, Tracked] = {}
         for tracked in self.containers.values():
             if (
                 tracked.key.pod_uid == pod_uid
                 and tracked.phase is not Phase.EXITED
-                and tracked.cpus_asked is not None
+                and tracked.own_resources
             ):
                 found.setdefault(tracked.key, tracked)
         return list(found.values())
@@ -598,19 +602,22 @@ class Engine:
         if self.policy.name == "none":
             return []
         uids = {t.key.pod_uid for t in self.containers.values() if t.whole_pod}
-        return [
-            uid
-            for uid in sorted(uids - self.state.pod_level)
-            if shows_pod_level_resources([t.whole_pod for t in self._asking_exclusive(uid)])
-        ]
+        candidates: list[str] = []
+        for uid in sorted(uids - self.state.pod_level):
+            sized = self._with_own_resources(uid)
+            # A pod none of whose containers asks for exclusive CPUs loses nothing unmarked.
+            if any(t.cpus_asked is not None for t in sized) and shows_pod_level_resources(
+                [t.whole_pod for t in sized]
+            ):
+                candidates.append(uid)
+        return candidates
 
     async def mark_pods_with_pod_level_resources(self) -> None:
         """Under the lock, before an adoption: the pods whose containers cpushim took in
         (another client's, or created to share under none) show pod-level resources as a
         create would have; they are marked, and none of their containers is adopted."""
         for uid in self.pod_level_candidates():
-            asking = self._asking_exclusive(uid)
-            live = await self._still_live(asking)
+            live = await self._still_live(self._with_own_resources(uid))
             pod = next((p for p in self.pods.values() if p.uid == uid), None)
             if pod is not None and shows_pod_level_resources([t.whole_pod for t in live]):
                 await self._mark_pod_level(pod)
@@ -649,6 +656,17 @@ class Engine:
                 # sibling whose state cannot be read keeps its CPUs: the create goes on.
                 await self._release([key])
                 await self._release_exited_in_pod(pod.uid, keep=key)
+                # Beside a pinned sibling that takes the whole pod, a container with
+                # resources of its own shows them to be pod-level ones: in an ordinary pod
+                # the sibling's would be less than the totals by this one's.
+                if (
+                    self.policy.name != "none"
+                    and pod.uid not in self.state.pod_level
+                    and await self._shows_pod_level_resources(
+                        pod, key, request.config.linux.resources
+                    )
+                ):
+                    await self._mark_pod_level(pod)
         pool = self.state.shared
         rq.pin(request.config.linux.resources, pool)
         shared_mems = _nodes_asked(request.config.linux.resources)
@@ -676,6 +694,7 @@ class Engine:
                 recorded=pool,
                 cpus_asked=plan.exclusive,
                 whole_pod=takes_whole_pod(pod, request.config.linux.resources),
+                own_resources=has_own_resources(request.config.linux.resources),
             )
             # The pool changed while the runtime created it: correct it before it can start.
             await self._apply()
@@ -730,8 +749,7 @@ class Engine:
         if pod.uid in self.state.pod_level:
             return None  # marked while this create waited for the lock
         # Under the lock: a sibling created meanwhile is recorded by now.
-        whole = takes_whole_pod(pod, request.config.linux.resources)
-        if await self._shows_pod_level_resources(pod, key, whole):
+        if await self._shows_pod_level_resources(pod, key, request.config.linux.resources):
             await self._mark_pod_level(pod)
             return None
         held = self.state.assignments.get(key)
@@ -860,6 +878,7 @@ class Engine:
             recorded=cpus,
             cpus_asked=plan.exclusive,
             whole_pod=takes_whole_pod(pod, request.config.linux.resources),
+            own_resources=True,  # it asks for whole CPUs
         )
         log.info(
             "pinned",

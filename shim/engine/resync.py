@@ -33,6 +33,7 @@ from shim.pods import (
     ContainerPlan,
     Pod,
     exclusive_request,
+    has_own_resources,
     plan_container,
     takes_whole_pod,
 )
@@ -498,16 +499,16 @@ def _with_pod_level_resources(
 
 def _whole_only_where_every_one_is(containers: Iterable[Tracked]) -> None:
     """A container found taking its whole pod, in the runtime's record, shows pod-level
-    resources only while every sibling asking for exclusive CPUs does too: one resized in
+    resources only while every sibling with resources of its own does too: one resized in
     place onto the pod's old totals looks the same, and :func:`_with_pod_level_resources`
     left such a pod ordinary. Elsewhere the flags are cleared, so that a sweep or a
     sibling's create does not mark the pod on them a moment later (a mark is for good); a
     create asking for the whole pod tells it anew."""
-    asking: dict[str, list[Tracked]] = {}
+    sized: dict[str, list[Tracked]] = {}
     for tracked in containers:
-        if tracked.cpus_asked is not None and tracked.phase is not Phase.EXITED:
-            asking.setdefault(tracked.key.pod_uid, []).append(tracked)
-    for siblings in asking.values():
+        if tracked.own_resources and tracked.phase is not Phase.EXITED:
+            sized.setdefault(tracked.key.pod_uid, []).append(tracked)
+    for siblings in sized.values():
         if not all(tracked.whole_pod for tracked in siblings):
             for tracked in siblings:
                 tracked.whole_pod = False
@@ -1001,6 +1002,7 @@ def tracked_from_runtime(
         pid=pid_of(container.info) if cgroup is not None else 0,
         cpus_asked=plan.exclusive,
         whole_pod=pod is not None and takes_whole_pod(pod, resources),
+        own_resources=has_own_resources(resources),
     )
 
 

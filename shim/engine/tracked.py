@@ -63,6 +63,9 @@ class Tracked:
     resize_noted: int | None = None
     # It asks for all of its pod's CPU and memory (shim/pods.py takes_whole_pod).
     whole_pod: bool = False
+    # It asks for some CPU or memory (shim/pods.py has_own_resources): evidence, beside a
+    # sibling taking the whole pod, that the pod's resources are pod-level ones.
+    own_resources: bool = False
     # Its cgroup holds the cpuset it should but the runtime's record does not carry the
     # memory nodes or quota that go with it: adopted at start-up on the exclusive CPUs it had
     # (kubelet's static policy's), or moved straight in its cgroup past its child cpusets

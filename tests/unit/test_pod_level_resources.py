@@ -18,7 +18,12 @@ from shim.engine.resync import adopt_sharing, sandbox_config
 from shim.engine.sweeping import sweep
 from shim.kube import QOSClass
 from shim.pods import Pod as ShimPod
-from shim.pods import plan_container, shows_pod_level_resources, takes_whole_pod
+from shim.pods import (
+    has_own_resources,
+    plan_container,
+    shows_pod_level_resources,
+    takes_whole_pod,
+)
 from shim.policy.none import NonePolicy
 from shim.state import Assignment, ContainerKey
 from tests.fake_runtime import FakeRuntime
@@ -123,6 +128,49 @@ async def test_a_container_with_limits_of_its_own_beside_one_inheriting_shares(e
     assert_consistent(env)
 
 
+async def test_an_inheriting_container_beside_one_sharing_on_limits_of_its_own_shares(
+    env: Env,
+) -> None:
+    """spec.resources cpu 2, memory 2Gi; a logger with limits of its own (half a CPU, so it
+    shares), then the app with none of its own. In an ordinary pod the totals would be the
+    two containers' sums, so the app asking for all of them beside a live logger shows
+    pod-level resources: it shares, as with kubelet."""
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    logger = await start(env, pod, "logger", 500, GIB // 4)
+    app = await start(env, pod, "app", 2000, 2 * GIB)
+    assert env.engine.state.assignments == {}
+    assert env.cpus(app) == env.cpus(logger) == str(env.engine.state.shared)
+    assert env.engine.counters["pod_level_resource_pods"] == 1
+    assert_consistent(env)
+
+
+async def test_a_sibling_sharing_on_limits_of_its_own_unpins_one_inheriting(env: Env) -> None:
+    """The same pod, its containers in the other order: the app alone cannot be told from
+    a one-container pod and is pinned; the logger's create shows the pod-level resources,
+    and the app gives its CPUs back."""
+    pod = await env.kubelet.run_pod("plr", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    app = await start(env, pod, "app", 2000, 2 * GIB)
+    assert len(CPUSet.parse(env.cpus(app))) == 2
+    logger = await start(env, pod, "logger", 500, GIB // 4)
+    assert env.engine.state.assignments == {}
+    assert env.cpus(app) == env.cpus(logger) == str(env.engine.state.shared)
+    assert env.engine.counters["pod_level_resource_pods"] == 1
+    await env.engine.checkpoint_written()
+    assert env.saved() == {}
+    assert_consistent(env)
+
+
+async def test_an_ephemeral_container_beside_a_pinned_one_unpins_nothing(env: Env) -> None:
+    """kubectl debug in an ordinary pod: the debug container has no resources of its own
+    (kubelet's minimum shares, no memory limit), so it is no evidence, whatever it joins."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, GIB))
+    main = await start(env, pod, "main", 2000, GIB)
+    cpus = env.cpus(main)
+    await start(env, pod, "debugger-x7k2q", 0, 0)
+    assert env.cpus(main) == cpus
+    assert env.engine.counters["pod_level_resource_pods"] == 0
+
+
 async def test_containers_of_an_ordinary_pod_are_pinned(env: Env) -> None:
     """The pod's totals are its containers' sums: no container takes the whole pod."""
     pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(3000, 2 * GIB))
@@ -160,6 +208,20 @@ async def test_an_init_container_that_took_the_whole_pod_and_exited_unpins_nothi
     assert env.engine.counters["pod_level_resource_pods"] == 0
 
 
+async def test_an_init_container_that_took_the_whole_pod_and_exited_unpins_nothing_shared(
+    env: Env,
+) -> None:
+    """The same with an app container that shares: its create, while the pod still holds
+    the init container's CPUs, finds the init container exited, which is no evidence."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    init = await start(env, pod, "init", 2000, 2 * GIB)
+    env.fake.exit_container(init)  # cpushim has not seen the exit
+    await start(env, pod, "app", 1500, GIB)
+    assert env.engine.state.assignments == {}
+    assert env.engine.state.pod_level == frozenset()
+    assert env.engine.counters["pod_level_resource_pods"] == 0
+
+
 async def test_a_restart_finds_pod_level_resources_from_the_running_containers(env: Env) -> None:
     """cpushim stopped between the create that showed them and the checkpoint that gave the
     first container's CPUs back: the restart shares both, and its checkpoint holds none."""
@@ -191,6 +253,25 @@ async def test_a_restart_pins_an_ordinary_pods_containers(env: Env) -> None:
     assert len(CPUSet.parse(env.cpus(first))) == 2
 
 
+async def test_after_a_restart_a_sweep_does_not_unpin_a_resized_ordinary_pod_beside_a_sharer(
+    env: Env,
+) -> None:
+    """An ordinary pod (main 1.5 CPUs/1.5Gi, logger half a CPU/512Mi; totals 2/2Gi) whose
+    main is resized in place onto the totals: after a restart, the runtime's record shows it
+    taking the whole pod beside the logger, as a pod-level pod's would. The start-up is
+    stricter than a create (every container with resources of its own must take the whole
+    pod), and a sweep must not mark the pod on the same record a moment later."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(2000, 2 * GIB))
+    main = await start(env, pod, "main", 1500, 3 * GIB // 2)
+    await start(env, pod, "logger", 500, GIB // 2)
+    await resize_in_place(env, main, 2000, 2 * GIB)
+    await env.restart()
+    assert not env.engine.pods[pod.sandbox_id].pod_level_resources, "ordinary pod marked"
+    await sweep(env.engine)
+    assert env.engine.state.pod_level == frozenset(), "ordinary pod marked by a sweep"
+    assert env.engine.counters["pod_level_resource_pods"] == 0
+
+
 def _pod(cpu_shares: int, memory: int) -> ShimPod:
     return ShimPod(
         "sandbox",
@@ -216,6 +297,20 @@ def _pod(cpu_shares: int, memory: int) -> ShimPod:
 def test_takes_whole_pod(shares: int, memory: int, whole: bool) -> None:
     resources = pb.LinuxContainerResources(cpu_shares=shares, memory_limit_in_bytes=memory)
     assert takes_whole_pod(_pod(2048, 2 * GIB), resources) is whole
+
+
+@pytest.mark.parametrize(
+    ("shares", "memory", "own"),
+    [
+        (2, 0, False),  # kubectl debug's container: kubelet's minimum shares, no limit
+        (0, 0, False),  # another client's, naming no resources
+        (2, GIB, True),  # a Guaranteed container of 1 or 2 milliCPU
+        (512, 0, True),
+    ],
+)
+def test_has_own_resources(shares: int, memory: int, own: bool) -> None:
+    resources = pb.LinuxContainerResources(cpu_shares=shares, memory_limit_in_bytes=memory)
+    assert has_own_resources(resources) is own
 
 
 def test_a_pod_whose_totals_kubelet_did_not_give_has_no_whole() -> None:
