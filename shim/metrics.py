@@ -95,6 +95,10 @@ ENGINE_COUNTERS: dict[str, str] = {
     "cpuset_update_errors": "UpdateContainerResources calls (cpuset moves) the runtime refused",
     "cpuset_updates": "Cpuset moves made through UpdateContainerResources",
     "drift_repairs": "Container cpusets found changed behind cpushim's back and written back",
+    "offline_cpus_dropped": (
+        "Container cpusets the kernel took CPUs out of as they went offline (cgroup v1),"
+        " left so rather than written back (once per container and set)"
+    ),
     "exits_seen": (
         "Container exits seen before any StopContainer reply (crashes, completed containers"
         " and most of kubelet's stops); their exclusive CPUs released"

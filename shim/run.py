@@ -323,7 +323,9 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
             await engine.drain(LAST_WRITES_S)
             return 0
         metrics.state_loaded = True
-        watcher = Watcher(engine, resync_period=options.resync_period)
+        watcher = Watcher(
+            engine, resync_period=options.resync_period, sysfs_root=options.sysfs_root
+        )
         watcher.start()
         if options.config_path is not None:
             reloader = ConfigReloader(watcher, options, build_policy)

@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RESYNC_PERIOD = 300.0
 
+# Below the sysfs root: the CPUs online now.
+_ONLINE: Final = "devices/system/cpu/online"
+
 _GONE_EVENTS = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
 # The state directory's .lock gone, replaced, or let go by a holder that opened it to write
 # (cpushim opens it read-only: its own tries to take it, which open and close it, must not
@@ -106,9 +109,17 @@ class Coalescer:
 
 
 class Watcher:
-    def __init__(self, engine: Engine, resync_period: float = DEFAULT_RESYNC_PERIOD) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        resync_period: float = DEFAULT_RESYNC_PERIOD,
+        sysfs_root: Path | None = None,
+    ) -> None:
         self.engine = engine
         self.resync_period = resync_period
+        # Where the CPUs online now are read, to tell a CPU gone offline from a drift (None:
+        # not read, every drift is written back).
+        self.sysfs_root = sysfs_root
         self.inotify = Inotify(on_overflow=self._overflowed)
         self.jobs = Coalescer(engine._spawn)
         self._containers: dict[str, list[Subscription]] = {}
@@ -430,7 +441,11 @@ class Watcher:
             gone = not look.alive
             if look.no_cpuset:
                 self._unenforced(tracked)
-            elif look.cpus is not None and look.cpus != tracked.applied:
+            elif (
+                look.cpus is not None
+                and look.cpus != tracked.applied
+                and not self._taken_offline(tracked, look.cpus)
+            ):
                 await self._repair(tracked, look.cpus)
         if gone:
             await self.engine.container_exited(container_id)
@@ -454,6 +469,41 @@ class Watcher:
                 }
             },
         )
+
+    def _taken_offline(self, tracked: Tracked, found: CPUSet) -> bool:
+        """Whether ``found`` is what cpushim wrote less CPUs that are offline now: cgroup v1
+        takes a CPU going offline out of every cpuset, and refuses it back (EINVAL) until
+        it is online again, so a write back would fail, through the runtime too, at every
+        look. Not written back then; warned once per container and set."""
+        applied = tracked.applied
+        if self.sysfs_root is None or applied is None or not found.issubset(applied):
+            return False
+        try:
+            online = CPUSet.parse(read_file(f"{self.sysfs_root}/{_ONLINE}").decode())
+        except (OSError, ValueError):
+            return False
+        offline = applied - online
+        if not offline or found != applied - offline:
+            return False
+        if tracked.offline_seen != found:
+            tracked.offline_seen = found
+            self.counters["offline_cpus_dropped"] += 1
+            log.warning(
+                "CPUs went offline and the kernel took them out of a container's cpuset"
+                " (cgroup v1); not written back, which the kernel refuses. cpushim plans"
+                " with the CPUs online when it started: new containers are given them too"
+                " until it is restarted (docs/operations.md)",
+                extra={
+                    "fields": {
+                        "container_id": tracked.id,
+                        "container": str(tracked.key),
+                        "offline": str(offline),
+                        "found": str(found),
+                        "cpus": str(applied),
+                    }
+                },
+            )
+        return True
 
     async def _repair(self, tracked: Tracked, found: CPUSet) -> None:
         """Write the cpuset back (held: the container's write lock)."""

@@ -312,6 +312,55 @@ async def test_cpushims_own_moves_are_not_drift(w: Watched) -> None:
     assert w.counters["cgroup_writes"] == 6
 
 
+async def test_cpus_the_kernel_took_out_as_they_went_offline_are_not_fought_over(
+    w: Watched, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under cgroup v1 the kernel takes a CPU going offline out of every cpuset that held
+    it, and refuses it back (EINVAL) until it is online: written back, by cpushim and then
+    through the runtime, it would fail both ways at every full look, and the move retry
+    would try again every minute, for ever, one warning each."""
+    cpu_dir = tmp_path / "sys" / "devices" / "system" / "cpu"
+    cpu_dir.mkdir(parents=True)
+    (cpu_dir / "online").write_text("0-7\n")
+    w.watcher.sysfs_root = tmp_path / "sys"
+    w.env.engine.options = replace(w.env.engine.options, retry_delay=0.01)
+    shared_id = await w.started("web")
+    told = len(updates_to(w.env.fake, shared_id))
+    mover = w.env.engine.mover
+    write_tree = mover.write_tree
+
+    def as_the_kernel(tracked: Tracked, name: str, values: CPUSet) -> None:
+        online = CPUSet.parse((cpu_dir / "online").read_text())
+        if not values.issubset(online):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        write_tree(tracked, name, values)
+
+    mover.write_tree = as_the_kernel  # type: ignore[method-assign]
+    w.env.fake.fail_next(
+        "UpdateContainerResources", GrpcStatus.UNKNOWN, "write cpuset.cpus: invalid argument", 50
+    )
+    (cpu_dir / "online").write_text("0-2,4-7\n")
+    cpuset_file(w.env, shared_id).write_text("0-2,4-7\n")  # as the kernel does, unseen
+    for _ in range(2):
+        await w.watcher.look_everywhere()
+        await w.settled()
+
+    assert w.env.kernel_cpus(shared_id) == "0-2,4-7"
+    assert w.counters["drift_repairs"] == 0
+    assert len(updates_to(w.env.fake, shared_id)) == told
+    assert not w.env.engine._move_retry.running
+    assert w.counters["offline_cpus_dropped"] == 1
+    assert caplog.text.count("went offline") == 1
+
+    # Anything else written there is still someone else's, and written back.
+    w.env.fake.clear_failures("UpdateContainerResources")
+    cpuset_file(w.env, shared_id).write_text("1\n")
+    await until(lambda: w.counters["drift_repairs"] == 1, "repaired")
+    await w.settled()
+    assert len(updates_to(w.env.fake, shared_id)) == told + 1
+    assert w.counters["offline_cpus_dropped"] == 1
+
+
 # --- exits -----------------------------------------------------------------------------------
 
 
