@@ -5,6 +5,7 @@ swept at start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 from collections import Counter
@@ -54,6 +55,28 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
         )
         yield environment
         environment.channel.close()
+
+
+@contextlib.asynccontextmanager
+async def watched(
+    tmp_path: Path, retry_delay: float = EngineOptions.retry_delay
+) -> AsyncIterator[tuple[FakeRuntime, Env, Watcher]]:
+    """The engine with projections and a watcher with no full looks (resyncPeriod 0)."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await make_env(
+            fake,
+            tmp_path / "state",
+            options=EngineOptions(record_delay=NEVER, retry_delay=retry_delay),
+            projection=ProjectionSettings(tmp_path / "projection", MOUNT),
+        )
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        try:
+            yield fake, env, watcher
+        finally:
+            await watcher.stop()
+            await env.engine.drain(5.0)
+            env.channel.close()
 
 
 def root(env: Env) -> Path:
@@ -410,94 +433,68 @@ async def test_a_projection_write_that_failed_is_written_again(
 ) -> None:
     # The retry comes after 50 ms, or (for the full look) not within the test at all.
     retry_delay = 0.05 if by == "its retry" else NEVER
-    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        env = await make_env(
-            fake,
-            tmp_path / "state",
-            options=EngineOptions(record_delay=NEVER, retry_delay=retry_delay),
-            projection=ProjectionSettings(tmp_path / "projection", MOUNT),
+    async with watched(tmp_path, retry_delay) as (_, env, watcher):
+        shared = await env.kubelet.run_pod("web", "besteffort")
+        shared_id = await env.kubelet.start_new(shared, "main")
+        assert projected(env, shared, "main").cpus == str(ALL)
+        # The projection's tmpfs is full for a moment: the shared container's next
+        # write fails, once.
+        projector = env.engine.projector
+        assert projector is not None
+        real_write = projector.writer.write
+        failed: list[str] = []
+
+        async def write(pod_uid: str, name: str, *args: Any) -> int:
+            if pod_uid == shared.uid and not failed:
+                failed.append(name)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return await real_write(pod_uid, name, *args)
+
+        monkeypatch.setattr(projector.writer, "write", write)
+        pinned = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(pinned, "main", 1000)
+        await until(lambda: bool(failed), "the failed write")
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert env.engine.counters["projection_errors"] == 1
+        if by == "the full look":
+            await watcher.look_everywhere()
+        # Nothing moves any more, yet the directory stops naming CPU 4, which the pinned
+        # container holds now.
+        await until(
+            lambda: projected(env, shared, "main").cpus == SHARED_AFTER_FIRST_SINGLE,
+            "the shared container's directory rewritten",
         )
-        watcher = Watcher(env.engine, resync_period=0)
-        watcher.start()
-        try:
-            shared = await env.kubelet.run_pod("web", "besteffort")
-            shared_id = await env.kubelet.start_new(shared, "main")
-            assert projected(env, shared, "main").cpus == str(ALL)
-            # The projection's tmpfs is full for a moment: the shared container's next
-            # write fails, once.
-            projector = env.engine.projector
-            assert projector is not None
-            real_write = projector.writer.write
-            failed: list[str] = []
-
-            async def write(pod_uid: str, name: str, *args: Any) -> int:
-                if pod_uid == shared.uid and not failed:
-                    failed.append(name)
-                    raise OSError(errno.ENOSPC, "No space left on device")
-                return await real_write(pod_uid, name, *args)
-
-            monkeypatch.setattr(projector.writer, "write", write)
-            pinned = await env.kubelet.run_pod("db", "guaranteed")
-            await env.kubelet.start_new(pinned, "main", 1000)
-            await until(lambda: bool(failed), "the failed write")
-            assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
-            assert env.engine.counters["projection_errors"] == 1
-            if by == "the full look":
-                await watcher.look_everywhere()
-            # Nothing moves any more, yet the directory stops naming CPU 4, which the pinned
-            # container holds now.
-            await until(
-                lambda: projected(env, shared, "main").cpus == SHARED_AFTER_FIRST_SINGLE,
-                "the shared container's directory rewritten",
-            )
-            await projector.settle()
-            assert env.engine.counters["projection_errors"] == 1
-        finally:
-            await watcher.stop()
-            await env.engine.drain(5.0)
-            env.channel.close()
+        await projector.settle()
+        assert env.engine.counters["projection_errors"] == 1
 
 
 @pytest.mark.anyio
 async def test_a_repair_that_ends_after_its_pod_went_does_not_make_its_directory_again(
     tmp_path: Path,
 ) -> None:
-    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        env = await make_env(
-            fake,
-            tmp_path / "state",
-            options=EngineOptions(record_delay=NEVER),
-            projection=ProjectionSettings(tmp_path / "projection", MOUNT),
+    async with watched(tmp_path) as (fake, env, watcher):
+        pod = await env.kubelet.run_pod("web", "besteffort")
+        container_id = await env.kubelet.start_new(pod, "main")
+        await until(lambda: container_id in watcher._containers, "the container watched")
+        # A drift repair tells the runtime, and waits for its answer.
+        held = fake.gate("UpdateContainerResources")
+        cgroup = fake.cgroup_dir(container_id)
+        assert cgroup is not None
+        (cgroup / "cpuset.cpus").write_text("3\n")
+        await until(
+            lambda: len(fake.calls_of("UpdateContainerResources")) == 1, "the repair's update"
         )
-        watcher = Watcher(env.engine, resync_period=0)
-        watcher.start()
-        try:
-            pod = await env.kubelet.run_pod("web", "besteffort")
-            container_id = await env.kubelet.start_new(pod, "main")
-            await until(lambda: container_id in watcher._containers, "the container watched")
-            # A drift repair tells the runtime, and waits for its answer.
-            held = fake.gate("UpdateContainerResources")
-            cgroup = fake.cgroup_dir(container_id)
-            assert cgroup is not None
-            (cgroup / "cpuset.cpus").write_text("3\n")
-            await until(
-                lambda: len(fake.calls_of("UpdateContainerResources")) == 1, "the repair's update"
-            )
-            # Meanwhile the pod is removed on the runtime, behind cpushim's back, and a sweep
-            # forgets it: its directory goes.
-            fake.containers.pop(container_id)
-            fake.sandboxes.pop(pod.sandbox_id)
-            await env.engine.forget_sandbox_removed_behind(pod.sandbox_id)
-            await until(lambda: not (root(env) / pod.uid).exists(), "the pod's directory gone")
-            held.set()
-            await until(lambda: watcher.jobs.pending == 0, "the repair done")
-            assert env.engine.projector is not None
-            await env.engine.projector.settle()
-            assert not (root(env) / pod.uid).exists()
-        finally:
-            await watcher.stop()
-            await env.engine.drain(5.0)
-            env.channel.close()
+        # Meanwhile the pod is removed on the runtime, behind cpushim's back, and a sweep
+        # forgets it: its directory goes.
+        fake.containers.pop(container_id)
+        fake.sandboxes.pop(pod.sandbox_id)
+        await env.engine.forget_sandbox_removed_behind(pod.sandbox_id)
+        await until(lambda: not (root(env) / pod.uid).exists(), "the pod's directory gone")
+        held.set()
+        await until(lambda: watcher.jobs.pending == 0, "the repair done")
+        assert env.engine.projector is not None
+        await env.engine.projector.settle()
+        assert not (root(env) / pod.uid).exists()
 
 
 @pytest.mark.anyio
