@@ -51,6 +51,17 @@ log = logging.getLogger(__name__)
 MIN_RECORD_RETRY_DELAY = 1.0
 
 
+def cgroups_path_of(verbose_info: str) -> str:
+    """The OCI ``cgroupsPath`` in a ContainerStatus verbose ``info`` document; "" when it
+    names none. ValueError for a document that is not JSON of that shape."""
+    try:
+        spec = orjson.loads(verbose_info).get("runtimeSpec", {})
+        path = spec.get("linux", {}).get("cgroupsPath", "")
+    except AttributeError as exc:
+        raise ValueError(f"not a verbose info document: {exc}") from None
+    return path if isinstance(path, str) else ""
+
+
 def pid_of(verbose_info: str) -> int:
     """The process id in a ContainerStatus verbose ``info`` document; 0 when it has none."""
     try:
@@ -526,9 +537,8 @@ class Mover:
         if self.layout is None or not verbose_info:
             return None
         try:
-            spec = orjson.loads(verbose_info).get("runtimeSpec", {})
-            path = spec.get("linux", {}).get("cgroupsPath", "")
-            return self.layout.container_dir(path) if isinstance(path, str) and path else None
-        except (ValueError, AttributeError, CgroupError) as exc:
+            path = cgroups_path_of(verbose_info)
+            return self.layout.container_dir(path) if path else None
+        except (ValueError, CgroupError) as exc:
             log.warning("cannot place a container's cgroup", extra={"fields": {"error": str(exc)}})
             return None

@@ -25,7 +25,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
 from shim.engine.core import Engine
-from shim.engine.moves import pid_of
+from shim.engine.moves import cgroups_path_of, pid_of
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import CgroupParentError, kubelet_cfs_quota, pod_cgroup
 from shim.pods import (
@@ -299,11 +299,8 @@ def placed_pod(pod: Pod, containers: Iterable[LiveContainer]) -> Pod:
     pod cannot be classified, and its containers share."""
     for container in containers:
         try:
-            spec = orjson.loads(container.info or "{}").get("runtimeSpec", {})
-            path = spec.get("linux", {}).get("cgroupsPath", "")
-        except (orjson.JSONDecodeError, AttributeError):
-            continue
-        if not isinstance(path, str):
+            path = cgroups_path_of(container.info or "{}")
+        except ValueError:
             continue
         parent = cgroups.cgroup_parent_of(path)
         try:
