@@ -88,6 +88,14 @@ ENGINE_COUNTERS: dict[str, str] = {
         " or one whose policy could not be built or checkpointed (each refusal counted once)"
     ),
     "config_reloads": "Configuration reloads applied",
+    "cpu_hotplug_events": "Kernel uevents telling of CPUs going offline or online",
+    "cpu_hotplug_replans": (
+        "Re-plans made because the CPUs online changed while cpushim ran (offline, online)"
+    ),
+    "cpu_hotplug_replans_refused": (
+        "Changes of the CPUs online the policy could not be planned with (a reserved CPU"
+        " went offline); the old plan stayed (each refusal counted once)"
+    ),
     "cpu_resizes_not_applied": (
         "kubelet updates (in-place resizes) asking a running container for another count of"
         " exclusive CPUs, left as they were until its next attempt"

@@ -21,6 +21,7 @@ from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.server import Interceptor, RelayServer
 from shim.cri.upstream import Forward, RuntimeChannel, unix_path
 from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
+from shim.engine.hotplug import CPUFollower
 from shim.engine.reloading import ConfigReloader
 from shim.engine.resync import start as resync
 from shim.engine.watching import Watcher
@@ -330,6 +331,13 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
         if options.config_path is not None:
             reloader = ConfigReloader(watcher, options, build_policy)
             reloader.start()
+        follower = CPUFollower(
+            watcher,
+            lambda: reloader.options if reloader is not None else options,
+            build_policy,
+            lock=reloader.replanning if reloader is not None else None,
+        )
+        follower.start()
         await server.start()
         log.info(
             "serving",
@@ -354,6 +362,7 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
         log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
 
         async def stop_watching() -> None:
+            follower.stop()
             if reloader is not None:
                 reloader.stop()
             await watcher.stop()

@@ -172,6 +172,12 @@ class ConfigReloader:
         )
 
     @property
+    def replanning(self) -> asyncio.Lock:
+        """Held while a reload reads the file and re-plans: a re-plan for another reason
+        (CPUs gone offline) takes it too, so that two never interleave."""
+        return self._reading
+
+    @property
     def path(self) -> str:
         assert self.options.config_path is not None
         return str(self.options.config_path)

@@ -490,9 +490,8 @@ class Watcher:
             self.counters["offline_cpus_dropped"] += 1
             log.warning(
                 "CPUs went offline and the kernel took them out of a container's cpuset"
-                " (cgroup v1); not written back, which the kernel refuses. cpushim plans"
-                " with the CPUs online when it started: new containers are given them too"
-                " until it is restarted (docs/operations.md)",
+                " (cgroup v1); not written back, which the kernel refuses. cpushim"
+                " re-plans with the CPUs online now (docs/operations.md)",
                 extra={
                     "fields": {
                         "container_id": tracked.id,

@@ -1,0 +1,290 @@
+"""CPUs going offline and online while cpushim runs: the policy is planned again with the CPUs
+online now, as a config reload re-plans.
+
+The topology is otherwise read once, at start. A CPU taken offline (by hand, by SMT switched
+off, by rasdaemon or mcelog after too many corrected errors) would stay in the shared pool
+and in assignments; under cgroup v1 the kernel takes it out of every cpuset and refuses it
+back, and runc refuses every container whose cpuset names it, so kubelet could create no
+shared container until cpushim was restarted.
+
+The kernel tells of a CPU going offline or online with a uevent (``NETLINK_KOBJECT_UEVENT``,
+subsystem ``cpu``); the online list is also compared at every full look (no uevent socket,
+or one whose queue overflowed). A change builds the policy again from the options in force
+(the config reload's, when there is one, one at a time with it) and re-plans under it
+(``Engine.change_policy``): containers whose CPUs went offline get others where there is
+room, the pool follows, the checkpoint is rewritten with the new topology. A policy that
+cannot be built (a reserved CPU named in the config went offline) is refused with the
+reason, once per set of online CPUs, and the old plan stays.
+
+Under cgroup v1 a CPU back online is in the root cpuset only: before the re-plan hands it
+out, the cgroups above kubelet's containers (the kubepods tree: its QoS classes, pods and
+sandboxes) get it back, parents first, as they had every CPU when kubelet made them. The
+containers' own cgroups are cpushim's to write (the re-plan does); cgroup v2 needs none of
+this (a cgroup with no set of its own follows its parent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Final
+
+from shim import cgroups
+from shim.cgroups import CgroupError, CgroupLayout, CgroupVersion
+from shim.cpuset import CPUSet
+from shim.engine.resync import adopt_sharing
+from shim.fileio import read_file
+from shim.policy import CPUPolicy
+
+if TYPE_CHECKING:
+    from shim.engine.watching import Watcher
+    from shim.run import RunOptions
+
+log = logging.getLogger(__name__)
+
+NETLINK_KOBJECT_UEVENT: Final = 15
+# The kernel's own uevents (udev re-broadcasts them, with a header of its own, to group 2).
+_KERNEL_UEVENTS: Final = 1
+_CPU_ACTIONS: Final = frozenset({b"online", b"offline", b"add", b"remove"})
+# Below the sysfs root: the CPUs online now.
+ONLINE_LIST: Final = "devices/system/cpu/online"
+_JOB: Final = "cpus online"
+
+
+def tells_of_cpus(datagram: bytes) -> bool:
+    """Whether a kernel uevent tells of a CPU going online or offline, added or removed."""
+    header, _, rest = datagram.partition(b"\0")
+    if b"@" not in header:
+        return False  # not the kernel's (udev's start with "libudev")
+    values = dict(field.partition(b"=")[::2] for field in rest.split(b"\0") if b"=" in field)
+    return values.get(b"SUBSYSTEM") == b"cpu" and values.get(b"ACTION") in _CPU_ACTIONS
+
+
+def open_uevents() -> socket.socket:
+    """A non-blocking socket that receives the kernel's uevents; OSError when refused."""
+    sock = socket.socket(
+        socket.AF_NETLINK,
+        socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
+        NETLINK_KOBJECT_UEVENT,
+    )
+    try:
+        sock.bind((0, _KERNEL_UEVENTS))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def online_cpus(sysfs_root: Path) -> CPUSet:
+    """The CPUs online now; OSError or ValueError when sysfs does not say."""
+    return CPUSet.parse(read_file(f"{sysfs_root}/{ONLINE_LIST}").decode().strip())
+
+
+def kubepods_tops(layout: CgroupLayout, cgroup_parents: Iterable[str]) -> set[Path]:
+    """The top cgroups of kubelet's tree (``kubepods``, ``kubepods.slice``) in the cpuset
+    hierarchy, from pods' cgroup parents."""
+    tops: set[Path] = set()
+    for parent in cgroup_parents:
+        if not parent:
+            continue
+        try:
+            relative = cgroups.relative_cgroup_path(cgroups.containerd_cgroups_path(parent, "x"))
+        except CgroupError:
+            continue
+        if len(relative.parts) > 1:
+            tops.add(layout.root / PurePosixPath(relative.parts[0]))
+    return tops
+
+
+def give_back_online(top: Path, came_online: CPUSet, keep_out: set[Path]) -> list[Path]:
+    """Cgroup v1: add the CPUs that came back online to every cpuset in ``top``'s tree, parents
+    first, as far as each parent has them; the cgroups in ``keep_out`` (containers cpushim
+    writes itself) and their subtrees are left alone. Returns the cgroups widened; a cgroup
+    that refuses (gone meanwhile, or the kernel's refusal) is logged and its subtree left."""
+    widened: list[Path] = []
+    parent_cpus = cgroups.read_cpus(top.parent)
+    if parent_cpus is None:
+        return widened
+    pending: list[tuple[Path, CPUSet]] = [(top, parent_cpus)]
+    while pending:
+        directory, above = pending.pop()
+        if directory in keep_out:
+            continue
+        try:
+            cpus = cgroups.read_cpus(directory)
+            if cpus is None:
+                continue
+            wanted = cpus | (came_online & above)
+            if wanted != cpus:
+                cgroups.write_list(directory, cgroups.CPUSET_CPUS, wanted)
+                widened.append(directory)
+            children = [entry.path for entry in os.scandir(directory) if entry.is_dir()]
+        except (OSError, ValueError) as exc:
+            if not isinstance(exc, OSError) or exc.errno not in (errno.ENOENT, errno.ENODEV):
+                log.warning(
+                    "cannot give a CPU back online to a cgroup",
+                    extra={"fields": {"cgroup": str(directory), "error": str(exc)}},
+                )
+            continue
+        pending.extend((Path(child), wanted) for child in children)
+    return widened
+
+
+class CPUFollower:
+    """Re-plans when the CPUs online differ from those the policy was planned with."""
+
+    def __init__(
+        self,
+        watcher: Watcher,
+        options: Callable[[], RunOptions],
+        build_policy: Callable[[RunOptions], CPUPolicy],
+        lock: asyncio.Lock | None = None,
+        open_socket: Callable[[], socket.socket] = open_uevents,
+    ) -> None:
+        self.watcher = watcher
+        self.engine = watcher.engine
+        self._options = options
+        self._build_policy = build_policy
+        # Shared with the config reloader: a reload's policy is built from the sysfs of its
+        # moment, and two re-plans must not interleave.
+        self._lock = lock if lock is not None else asyncio.Lock()
+        self._open_socket = open_socket
+        self._socket: socket.socket | None = None
+        # The last refusal (the CPUs online, the reason): told once.
+        self._refused: tuple[CPUSet, str] | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        try:
+            self._socket = self._open_socket()
+        except OSError as exc:
+            log.warning(
+                "cannot receive the kernel's CPU hotplug events; CPUs going offline or online"
+                " are followed at each full look (resyncPeriod) only",
+                extra={"fields": {"error": str(exc)}},
+            )
+        else:
+            asyncio.get_running_loop().add_reader(self._socket.fileno(), self._on_uevents)
+        self.watcher.full_look_hooks.append(self.check_soon)
+        # The CPUs may have changed between the policy's sysfs read and now.
+        self.check_soon()
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self.check_soon in self.watcher.full_look_hooks:
+            self.watcher.full_look_hooks.remove(self.check_soon)
+        if self._socket is not None:
+            asyncio.get_running_loop().remove_reader(self._socket.fileno())
+            self._socket.close()
+            self._socket = None
+
+    def check_soon(self) -> None:
+        if not self._stopped:
+            self.watcher.jobs.request(_JOB, self.check)
+
+    def _on_uevents(self) -> None:
+        assert self._socket is not None
+        told = False
+        while True:
+            try:
+                datagram = self._socket.recv(65536)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                # ENOBUFS: the queue overflowed and events were lost; look anyway.
+                told = told or exc.errno == errno.ENOBUFS
+                if exc.errno != errno.ENOBUFS:
+                    break
+                continue
+            told = told or tells_of_cpus(datagram)
+        if told:
+            self.engine.counters["cpu_hotplug_events"] += 1
+            self.check_soon()
+
+    async def check(self) -> None:
+        """Re-plan if the CPUs online are not those the policy was planned with."""
+        async with self._lock:
+            if self._stopped:
+                return
+            options = self._options()
+            try:
+                online = online_cpus(options.sysfs_root)
+            except (OSError, ValueError) as exc:
+                log.warning("cannot read the CPUs online", extra={"fields": {"error": str(exc)}})
+                return
+            planned = self.engine.policy.topology.online
+            if online == planned:
+                self._refused = None
+                return
+            try:
+                policy = await asyncio.to_thread(self._build_policy, options)
+            except (OSError, ValueError) as exc:
+                self._refuse(online, str(exc))
+                return
+            now = policy.topology.online
+            if now == planned or self._stopped:
+                # Listed online with no topology files (read as not there at start too):
+                # nothing to plan anew.
+                self._refused = None
+                return
+            came_online, went_offline = now - planned, planned - now
+            await self._give_back(came_online)
+            try:
+                lost = await self.engine.change_policy(policy)
+            except OSError as exc:
+                self._refuse(online, f"cannot write the checkpoint: {exc}")
+                return
+            self._refused = None
+            try:
+                adopted = await adopt_sharing(self.engine, skip=lost)
+            except Exception:
+                self.engine.counters["internal_errors"] += 1
+                log.exception("adopting containers after the CPUs online changed failed")
+                adopted = []
+            self.engine.counters["cpu_hotplug_replans"] += 1
+            log.warning(
+                "the CPUs online changed; re-planned with them",
+                extra={
+                    "fields": {
+                        "went_offline": str(went_offline),
+                        "came_online": str(came_online),
+                        "online": str(now),
+                        "shared": str(self.engine.state.shared),
+                        "lost_exclusive": [str(key) for key in lost],
+                        "adopted_exclusive": [str(key) for key in adopted],
+                    }
+                },
+            )
+        # A change while the policy was built made a uevent (or waits for the next full
+        # look), which runs this again.
+
+    async def _give_back(self, came_online: CPUSet) -> None:
+        layout = self.engine.mover.layout
+        if not came_online or layout is None or layout.version is not CgroupVersion.V1:
+            return
+        parents = [pod.cgroup_parent for pod in self.engine.pods.values()]
+        keep_out = {t.cgroup for t in self.engine.containers.values() if t.cgroup is not None}
+        for top in sorted(kubepods_tops(layout, parents)):
+            # A walk of every pod's cgroups: off the loop.
+            widened = await asyncio.to_thread(give_back_online, top, came_online, keep_out)
+            if widened:
+                log.info(
+                    "CPUs back online given back to kubelet's cgroups (cgroup v1)",
+                    extra={"fields": {"cpus": str(came_online), "cgroups": len(widened)}},
+                )
+
+    def _refuse(self, online: CPUSet, reason: str) -> None:
+        if self._refused == (online, reason):
+            return
+        self._refused = (online, reason)
+        self.engine.counters["cpu_hotplug_replans_refused"] += 1
+        log.error(
+            "the CPUs online changed and the policy cannot be planned with them; the old plan"
+            " stays (docs/operations.md)",
+            extra={"fields": {"online": str(online), "error": reason}},
+        )

@@ -1,0 +1,283 @@
+"""CPUs going offline and online while cpushim runs: told by a uevent or seen at a full look,
+they make the policy planned again with the CPUs online now."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from shim.cgroups import CgroupLayout, CgroupVersion
+from shim.checkpoint import CheckpointFile
+from shim.cpuset import CPUSet
+from shim.engine import EngineOptions
+from shim.engine.hotplug import CPUFollower, give_back_online, kubepods_tops, tells_of_cpus
+from shim.engine.watching import Watcher
+from shim.run import RunOptions, build_policy
+from shim.state import integrity_problems
+from tests.fake_runtime import FakeRuntime
+from tests.harness.sysfs import MachineSpec, write_sysfs
+from tests.unit.engine_env import Env, make_env, until
+
+pytestmark = pytest.mark.anyio
+
+MACHINE = MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2)
+
+
+def uevent(action: str, subsystem: str = "cpu", cpu: int = 4) -> bytes:
+    path = f"/devices/system/cpu/cpu{cpu}"
+    fields = [f"{action}@{path}", f"ACTION={action}", f"DEVPATH={path}"]
+    fields += [f"SUBSYSTEM={subsystem}", "SEQNUM=4242"]
+    return "\0".join(fields).encode() + b"\0"
+
+
+@pytest.mark.parametrize(
+    ("datagram", "told"),
+    [
+        (uevent("offline"), True),
+        (uevent("online"), True),
+        (uevent("add"), True),
+        (uevent("remove"), True),
+        (uevent("change"), False),
+        (uevent("offline", subsystem="memory"), False),
+        (b"libudev\0\xfe\xed\xca\xfeACTION=offline\0SUBSYSTEM=cpu\0", False),
+        (b"", False),
+        (b"offline@/devices/system/cpu/cpu4", False),
+    ],
+)
+def test_only_the_kernels_cpu_online_and_offline_uevents_count(datagram: bytes, told: bool) -> None:
+    assert tells_of_cpus(datagram) is told
+
+
+@dataclass
+class Following:
+    env: Env
+    watcher: Watcher
+    follower: CPUFollower
+    sysfs: Path
+    events: socket.socket | None
+
+    def take_offline(self, *cpus: int) -> None:
+        """What the kernel shows once CPUs went offline (or came back: fewer given)."""
+        shutil.rmtree(self.sysfs)
+        write_sysfs(replace(MACHINE, offline=frozenset(cpus)), self.sysfs)
+
+    async def replanned(self, count: int = 1) -> None:
+        counters = self.env.engine.counters
+        await until(lambda: counters["cpu_hotplug_replans"] >= count, f"re-plan {count}")
+        await until(lambda: self.watcher.jobs.pending == 0, "watch jobs done")
+
+
+@contextlib.asynccontextmanager
+async def following(
+    tmp_path: Path, *, reserved: str = "0", uevents: bool = True, unplaced: int | None = None
+) -> AsyncIterator[Following]:
+    sysfs = write_sysfs(MACHINE, tmp_path / "sys")
+    if unplaced is not None:
+        # Listed online, with no topology files: discovery leaves it out.
+        shutil.rmtree(sysfs / "devices" / "system" / "cpu" / f"cpu{unplaced}" / "topology")
+    options = RunOptions(sysfs_root=sysfs, reserved_cpus=reserved)
+    kernel_side, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ours.setblocking(False)
+
+    def open_socket() -> socket.socket:
+        if not uevents:
+            raise PermissionError(13, "Permission denied")
+        return ours
+
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await make_env(
+            fake,
+            tmp_path / "state",
+            build_policy(options),
+            options=EngineOptions(record_delay=3600),
+        )
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        follower = CPUFollower(watcher, lambda: options, build_policy, open_socket=open_socket)
+        follower.start()
+        await until(lambda: watcher.jobs.pending == 0, "the first check")
+        try:
+            yield Following(env, watcher, follower, sysfs, kernel_side if uevents else None)
+        finally:
+            follower.stop()
+            await watcher.stop()
+            await env.engine.drain(5.0)
+            env.channel.close()
+            kernel_side.close()
+            ours.close()
+
+
+async def pinned_and_shared(env: Env) -> tuple[str, str]:
+    shared_pod = await env.kubelet.run_pod("web", "besteffort")
+    shared_id = await env.kubelet.start_new(shared_pod, "main")
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned_pod, "main", 1000)
+    assert env.kernel_cpus(pinned_id) == "4"
+    assert env.kernel_cpus(shared_id) == "0-3,5-7"
+    return shared_id, pinned_id
+
+
+async def test_a_pinned_cpu_gone_offline_is_replaced_and_left_out_of_the_pool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with following(tmp_path) as f:
+        env = f.env
+        shared_id, pinned_id = await pinned_and_shared(env)
+        f.take_offline(4)
+        assert f.events is not None
+        f.events.send(uevent("offline"))
+        await f.replanned()
+        assert env.engine.counters["cpu_hotplug_events"] == 1
+        moved = CPUSet.parse(env.kernel_cpus(pinned_id) or "")
+        assert len(moved) == 1
+        assert 4 not in moved
+        assert 0 not in moved
+        assert env.kernel_cpus(shared_id) == str(CPUSet.parse("0-3,5-7") - moved)
+        assert 4 not in env.engine.state.shared
+        # A container created now is not given the offline CPU (runc would refuse it).
+        later = await env.kubelet.run_pod("late", "burstable")
+        later_id = await env.kubelet.start_new(later, "main", 500)
+        assert 4 not in CPUSet.parse(env.kernel_cpus(later_id) or "")
+        (held,) = env.saved().values()
+        assert held == {"main": str(moved)}
+        assert "the CPUs online changed; re-planned with them" in caplog.text
+        # The checkpoint names the new topology: a restart under it loads it.
+        restarted = CheckpointFile(env.state_dir).load()
+        assert restarted is not None
+        now = build_policy(RunOptions(sysfs_root=f.sysfs, reserved_cpus="0")).topology
+        assert integrity_problems(restarted, now) == []
+
+
+async def test_without_a_uevent_a_full_look_sees_the_change(tmp_path: Path) -> None:
+    async with following(tmp_path, uevents=False) as f:
+        shared_id, pinned_id = await pinned_and_shared(f.env)
+        f.take_offline(4)
+        await f.watcher.look_everywhere()
+        await f.replanned()
+        assert f.env.engine.counters["cpu_hotplug_events"] == 0
+        assert 4 not in CPUSet.parse(f.env.kernel_cpus(shared_id) or "")
+        assert f.env.kernel_cpus(pinned_id) != "4"
+
+
+async def test_a_cpu_back_online_goes_back_to_the_pool(tmp_path: Path) -> None:
+    async with following(tmp_path) as f:
+        assert f.events is not None
+        shared_pod = await f.env.kubelet.run_pod("web", "besteffort")
+        shared_id = await f.env.kubelet.start_new(shared_pod, "main")
+        f.take_offline(6, 7)
+        f.events.send(uevent("offline", cpu=6) + b"")
+        await f.replanned()
+        assert f.env.kernel_cpus(shared_id) == "0-5"
+        f.take_offline()
+        f.events.send(uevent("online", cpu=6))
+        await f.replanned(2)
+        assert f.env.kernel_cpus(shared_id) == "0-7"
+        assert f.env.engine.policy.topology.online == CPUSet.parse("0-7")
+
+
+async def test_other_uevents_and_an_unchanged_machine_re_plan_nothing(tmp_path: Path) -> None:
+    async with following(tmp_path) as f:
+        assert f.events is not None
+        f.events.send(uevent("change"))
+        f.events.send(uevent("offline", subsystem="memory"))
+        f.events.send(uevent("online"))  # told, but the CPUs online are those planned
+        await until(lambda: f.env.engine.counters["cpu_hotplug_events"] == 1, "one told")
+        await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+        assert f.env.engine.counters["cpu_hotplug_replans"] == 0
+
+
+async def test_a_cpu_listed_online_without_topology_files_is_no_change(tmp_path: Path) -> None:
+    async with following(tmp_path, unplaced=7) as f:
+        assert f.env.engine.policy.topology.online == CPUSet.parse("0-6")
+        policy = f.env.engine.policy
+        for _ in range(2):
+            await f.watcher.look_everywhere()
+            await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+        counters = f.env.engine.counters
+        assert counters["cpu_hotplug_replans"] == counters["cpu_hotplug_replans_refused"] == 0
+        assert f.env.engine.policy is policy
+
+
+async def test_a_reserved_cpu_gone_offline_is_refused_once_and_the_plan_stays(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with following(tmp_path, reserved="0,4") as f:
+        policy = f.env.engine.policy
+        f.take_offline(4)
+        with caplog.at_level(logging.ERROR):
+            await f.watcher.look_everywhere()
+            await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+            await f.watcher.look_everywhere()
+            await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+        counters = f.env.engine.counters
+        assert counters["cpu_hotplug_replans_refused"] == 1
+        assert counters["cpu_hotplug_replans"] == 0
+        assert f.env.engine.policy is policy
+        assert caplog.text.count("cannot be planned with them") == 1
+        (refusal,) = [r for r in caplog.records if r.name == "shim.engine.hotplug"]
+        assert "reserved CPUs 4 are not online" in refusal.fields["error"]  # type: ignore[attr-defined]
+
+
+async def test_stopping_closes_the_uevent_socket_and_leaves_the_full_look(tmp_path: Path) -> None:
+    async with following(tmp_path) as f:
+        f.follower.stop()
+        assert f.follower.check_soon not in f.watcher.full_look_hooks
+        f.take_offline(4)
+        await f.watcher.look_everywhere()
+        await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+        assert f.env.engine.counters["cpu_hotplug_replans"] == 0
+
+
+def cgroup(path: Path, cpus: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "cpuset.cpus").write_text(cpus + "\n")
+    return path
+
+
+def cpus_of(path: Path) -> str:
+    return (path / "cpuset.cpus").read_text().strip()
+
+
+def test_a_cpu_back_online_is_given_back_down_kubelets_tree_but_not_to_containers(
+    tmp_path: Path,
+) -> None:
+    root = cgroup(tmp_path, "0-3")  # the kernel gives it back to the root alone
+    top = cgroup(root / "kubepods", "0-2")
+    qos = cgroup(top / "besteffort", "0-2")
+    pod = cgroup(qos / "pod1", "0-2")
+    sandbox = cgroup(pod / "sandbox", "0-2")
+    pinned = cgroup(cgroup(top / "pod2", "0-2") / "pinned", "2")
+    narrow = cgroup(top / "narrow", "1")  # a set of its own, without CPU 3 before either
+    elsewhere = cgroup(root / "system.slice", "0-2")
+    widened = give_back_online(top, CPUSet.parse("3"), keep_out={pinned})
+    assert cpus_of(top) == cpus_of(qos) == cpus_of(pod) == cpus_of(sandbox) == "0-3"
+    assert cpus_of(top / "pod2") == "0-3"
+    assert cpus_of(pinned) == "2"
+    assert cpus_of(narrow) == "1,3"
+    assert cpus_of(elsewhere) == "0-2"
+    assert widened[0] == top
+    assert set(widened) == {top, qos, pod, sandbox, top / "pod2", narrow}
+
+
+def test_nothing_is_given_back_that_a_parent_lacks(tmp_path: Path) -> None:
+    root = cgroup(tmp_path, "0-2")  # CPU 3 not back in the root (offline again)
+    top = cgroup(root / "kubepods", "0-2")
+    assert give_back_online(top, CPUSet.parse("3"), keep_out=set()) == []
+    assert cpus_of(top) == "0-2"
+
+
+def test_kubelets_tree_is_found_from_either_drivers_cgroup_parents(tmp_path: Path) -> None:
+    layout = CgroupLayout(CgroupVersion.V1, tmp_path)
+    parents = [
+        "/kubepods/burstable/pod1234",
+        "kubepods-besteffort-pod5678.slice",
+        "",
+    ]
+    assert kubepods_tops(layout, parents) == {tmp_path / "kubepods", tmp_path / "kubepods.slice"}
