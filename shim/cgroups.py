@@ -212,8 +212,12 @@ def read_list(directory: Path, name: str) -> CPUSet | None:
 
 def write_list(directory: Path, name: str, values: CPUSet) -> None:
     """Write a cgroup file in the kernel's list format in one write(2), as the kernel wants
-    it. OSError (ENOENT when the cgroup is gone, EINVAL when the parent does not have these
-    CPUs or nodes, EBUSY when a v1 child has more) is the caller's to handle."""
+    it. OSError is the caller's to handle; the kernel's (kernel/cgroup/cpuset.c) are ENOENT
+    or ENODEV when the cgroup is gone (ENODEV: removed after the open), EACCES under v1
+    when the parent does not have these CPUs or nodes (v2 takes any set and narrows it to
+    the parent's), EBUSY when a child has more (v1, and v2 before Linux 5.17), EINVAL for
+    CPUs or nodes that are not online (v1) or do not exist, and ENOSPC under v1 for an
+    empty set in a cgroup with processes."""
     # O_TRUNC as a shell redirection does: cgroupfs ignores it, a plain file (tests) needs it.
     fd = os.open(directory / name, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:

@@ -271,7 +271,8 @@ class Mover:
             # to a thread and back costs more on a busy node.
             self.write_tree(tracked, cgroups.CPUSET_CPUS, cpus)
         except OSError as exc:
-            # Gone, or a parent that does not allow these CPUs: the runtime decides.
+            # Gone, or refused (a v1 parent without these CPUs, a child holding more, an
+            # offline CPU): the runtime decides.
             log.info(
                 "direct cgroup write failed; moving through the runtime",
                 extra={"fields": {"container_id": tracked.id, "error": str(exc)}},

@@ -38,7 +38,8 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture
 def v1_rules(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cpushim's cgroup writes refused as cgroup v1 refuses them."""
+    """cpushim's cgroup writes refused as cgroup v1 refuses them: EBUSY when a child would
+    be left outside, EACCES when the parent does not have the set."""
     write = cgroups.write_list
 
     def write_as_v1(directory: Path, name: str, values: CPUSet) -> None:
@@ -47,7 +48,7 @@ def v1_rules(monkeypatch: pytest.MonkeyPatch) -> None:
             raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
         parent = directory.parent / name
         if parent.is_file() and not values.issubset(CPUSet.parse(parent.read_text().strip())):
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), path)
         write(directory, name, values)
 
     monkeypatch.setattr(cgroups, "write_list", write_as_v1)
