@@ -21,6 +21,7 @@ The parsing is pure; the readers and writers of cgroup files at the end are the 
 from __future__ import annotations
 
 import enum
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -207,6 +208,11 @@ def read_list(directory: Path, name: str) -> CPUSet | None:
         text = read_file(directory / name).decode()
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        # kernfs: the file was open when its cgroup was removed.
+        if exc.errno == errno.ENODEV:
+            return None
+        raise
     return CPUSet.parse(text.strip())
 
 

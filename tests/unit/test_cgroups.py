@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path, PurePosixPath
 
 import pytest
 
+from shim import cgroups
 from shim.cgroups import (
     CgroupError,
     CgroupLayout,
@@ -202,6 +205,31 @@ def test_cpus_are_read_and_written_in_the_kernel_list_format(tmp_path: Path) -> 
         write_list(tmp_path / "gone", "cpuset.cpus", CPUSet({1}))
     (tmp_path / "cpuset.cpus").write_text("zero\n")
     with pytest.raises(ValueError, match="zero"):
+        read_cpus(tmp_path)
+
+
+def failing_reads(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """Every read of a cgroup file fails with ``code`` once it is open."""
+
+    def read_file(path: str | Path) -> bytes:
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(cgroups, "read_file", read_file)
+
+
+def test_a_cgroup_removed_between_open_and_read_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kernfs answers a read of a file whose cgroup was removed after the open with ENODEV."""
+    (tmp_path / "cpuset.cpus").write_text("0-3\n")
+    failing_reads(monkeypatch, errno.ENODEV)
+    assert read_cpus(tmp_path) is None
+
+
+def test_other_read_errors_are_the_callers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cpuset.cpus").write_text("0-3\n")
+    failing_reads(monkeypatch, errno.EIO)
+    with pytest.raises(OSError, match="Input/output"):
         read_cpus(tmp_path)
 
 

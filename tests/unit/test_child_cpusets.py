@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shim import cgroups
+from shim import cgroups, fileio
 from shim.child_cpusets import (
     OWN,
     Child,
@@ -244,6 +244,26 @@ def test_a_move_skips_a_child_removed_meanwhile(
     writes_failing_in(monkeypatch, gone, errno.ENODEV)
     assert move_with_children(container, CPUS, cpus("0"), {})[0] == 1
     assert held(container / "stays") == "0"
+
+
+def test_a_move_skips_a_child_removed_between_its_listing_and_its_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its file open, the child is removed: the read fails with ENODEV (kernfs)."""
+    container = cgroup(tmp_path / "c", "0-3")
+    gone = cgroup(container / "gone", "0-3")
+    cgroup(container / "stays", "0-3")
+    read = fileio.read_file
+
+    def read_file(path: str | Path) -> bytes:
+        if Path(path).parent == gone:
+            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV), str(path))
+        return read(path)
+
+    monkeypatch.setattr(cgroups, "read_file", read_file)
+    assert child_values(container, CPUS) == {P("stays"): cpus("0-3")}
+    assert move_with_children(container, CPUS, cpus("0"), {})[0] == 1
+    assert (held(container), held(container / "stays")) == ("0", "0")
 
 
 def test_a_refused_write_undoes_the_ones_before_it(
