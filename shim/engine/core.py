@@ -38,7 +38,7 @@ from shim.cri.passthrough import LIFECYCLE_PATHS, check_request
 from shim.cri.server import Afterwards, Pending
 from shim.cri.upstream import Forward, RuntimeChannel
 from shim.engine import requests as rq
-from shim.engine.moves import Mover
+from shim.engine.moves import DirectWrite, Mover
 from shim.engine.projecting import Cpuset, Projector
 from shim.engine.retrying import Retry
 from shim.engine.tracked import Phase, Tracked
@@ -1502,18 +1502,21 @@ class Engine:
         # that failed or must wait for the container's lock) run concurrently after.
         waiting = []
         for tracked, cpus, mems, quota in moves:
-            if self.mover.write_now(tracked, cpus, mems, quota):
+            written = self.mover.write_now(tracked, cpus, mems, quota)
+            if written is DirectWrite.WRITTEN:
                 self.project(tracked)
             else:
-                waiting.append((tracked, cpus, mems, quota))
+                waiting.append((tracked, cpus, mems, quota, written is DirectWrite.REFUSED))
         if not waiting:
             return
         limit = asyncio.Semaphore(self.options.update_concurrency)
         gone: list[str] = []
 
-        async def move(tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None) -> None:
+        async def move(
+            tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None, refused: bool
+        ) -> None:
             async with limit:
-                if await self._write_cpuset(tracked, cpus, mems, quota):
+                if await self._write_cpuset(tracked, cpus, mems, quota, refused=refused):
                     gone.append(tracked.id)
 
         await asyncio.gather(*(move(*m) for m in waiting))
@@ -1522,10 +1525,11 @@ class Engine:
         await self._release(k for i in gone if (k := self.state.holding(i)) is not None)
 
     async def _write_cpuset(
-        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None, *, refused: bool
     ) -> bool:
-        """Move one container; True when the runtime no longer knows it (it is forgotten)."""
-        result = await self.mover.move(tracked, cpus, mems, quota)
+        """Move one container (``refused``: :meth:`Mover.move`'s); True when the runtime no
+        longer knows it (it is forgotten)."""
+        result = await self.mover.move(tracked, cpus, mems, quota, refused=refused)
         if result.ok:
             self._restored(tracked)
         if result.ok or result.moved:

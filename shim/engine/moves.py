@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import errno
 import logging
 from collections import Counter
@@ -101,6 +102,18 @@ def _process_ended(pid: int) -> bool:
     return state in (b"Z", b"X")
 
 
+class DirectWrite(enum.Enum):
+    """What :meth:`Mover.write_now` did with a move."""
+
+    WRITTEN = "written"
+    # Not tried: the container moves through the runtime, or its write must wait for its
+    # lock, or be recorded at once; :meth:`Mover.move` makes it.
+    NOT_NOW = "not now"
+    # Tried, and the kernel refused it: :meth:`Mover.move` with ``refused`` set asks the
+    # runtime without making the write again.
+    REFUSED = "refused"
+
+
 @dataclass(frozen=True)
 class MoveResult:
     ok: bool
@@ -142,29 +155,43 @@ class Mover:
     # --- moving -----------------------------------------------------------------------------
 
     async def move(
-        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
+        self,
+        tracked: Tracked,
+        cpus: CPUSet,
+        mems: str,
+        quota: int | None,
+        *,
+        refused: bool = False,
     ) -> MoveResult:
-        if self.writes_directly(tracked, mems, quota):
+        """Move the container: a write of its cgroup when it moves that way, through the
+        runtime otherwise, or when the kernel refuses the write. ``refused``: the kernel
+        refused this write a moment ago (:meth:`write_now`), and would again."""
+        if not refused and self.writes_directly(tracked, mems, quota):
             async with tracked.write_lock:
                 if self._write_cgroup(tracked, cpus):
                     if self.systemd_holds_more(tracked, cpus):
                         return await self._record_now(tracked, cpus)
                     return MoveResult(ok=True)
-        return await self.update_through_runtime(tracked, cpus, mems, quota)
+                return await self.update_locked(tracked, cpus, mems, quota, tree_first=False)
+        return await self.update_through_runtime(tracked, cpus, mems, quota, tree_first=not refused)
 
-    def write_now(self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None) -> bool:
+    def write_now(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
+    ) -> DirectWrite:
         """Move the container by a write of its cgroup without suspending, when it moves that
-        way, no write of its cpuset is under way and the move needs no record at once;
-        False when it must be moved with :meth:`move` instead. Not taking the lock is safe:
-        nothing runs between the check and the write, and whoever takes the lock next reads
-        ``tracked.applied`` afresh."""
+        way, no write of its cpuset is under way and the move needs no record at once.
+        Otherwise, or when the kernel refuses the write, it is to be moved with :meth:`move`.
+        Not taking the lock is safe: nothing runs between the check and the write, and
+        whoever takes the lock next reads ``tracked.applied`` afresh."""
         if (
             tracked.write_lock.locked()
             or not self.writes_directly(tracked, mems, quota)
             or self.systemd_holds_more(tracked, cpus)
         ):
-            return False
-        return self._write_cgroup(tracked, cpus)
+            return DirectWrite.NOT_NOW
+        if self._write_cgroup(tracked, cpus):
+            return DirectWrite.WRITTEN
+        return DirectWrite.REFUSED
 
     def systemd_keeps_cpuset(self, tracked: Tracked) -> bool:
         """Whether systemd holds a copy of the container's cpuset (``AllowedCPUs``), which it
@@ -296,16 +323,31 @@ class Mover:
         )
 
     async def update_through_runtime(
-        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
+        self,
+        tracked: Tracked,
+        cpus: CPUSet,
+        mems: str,
+        quota: int | None,
+        *,
+        tree_first: bool = True,
     ) -> MoveResult:
         async with tracked.write_lock:
-            return await self.update_locked(tracked, cpus, mems, quota)
+            return await self.update_locked(tracked, cpus, mems, quota, tree_first=tree_first)
 
     async def update_locked(
-        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
+        self,
+        tracked: Tracked,
+        cpus: CPUSet,
+        mems: str,
+        quota: int | None,
+        *,
+        tree_first: bool = True,
     ) -> MoveResult:
-        """UpdateContainerResources with the container's write lock already held."""
-        written = self.write_tree_first(tracked, cpus, mems)
+        """UpdateContainerResources with the container's write lock already held; the
+        cgroups below the container's written first (:meth:`write_tree_first`) unless
+        ``tree_first`` is False: after a direct write of the same CPUs the kernel refused
+        (:meth:`write_tree` is that write), which it would refuse again."""
+        written = tree_first and self.write_tree_first(tracked, cpus, mems)
         request = rq.update_request(tracked.id, cpus, mems, quota=quota)
         reply = await self.runtime.unary(
             UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)

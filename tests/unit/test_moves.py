@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from grpclib.const import Status as GrpcStatus
 
+from shim import cgroups
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
@@ -391,6 +392,37 @@ async def test_a_container_whose_cgroup_vanished_moves_through_the_runtime(env: 
     await env.kubelet.start_new(pod, "main", 1000)
     assert updates_to(env.fake, shared_id) == [SHARED_AFTER_FIRST_SINGLE]
     assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+
+
+@pytest.mark.parametrize("child_cpus", [None, "0-3"])
+async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
+    env: Env, monkeypatch: pytest.MonkeyPatch, child_cpus: str | None
+) -> None:
+    """The kernel refuses a write into the container's cgroup (cgroup v1: its parent does
+    not have the CPUs): the same write made again at once meets the same refusal, so the
+    move goes straight on through the runtime. With a child cpuset or without one."""
+    shared_id = await start_located(env, "web")
+    cgroup = env.fake.cgroup_dir(shared_id)
+    assert cgroup is not None
+    if child_cpus is not None:
+        (cgroup / "inner").mkdir()
+        (cgroup / "inner" / "cpuset.cpus").write_text(child_cpus + "\n")
+    write = cgroups.write_list
+    tried: list[str] = []
+
+    def refused_in_the_container(directory: Path, name: str, values: CPUSet) -> None:
+        if directory == cgroup:
+            tried.append(str(values))
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(directory / name))
+        write(directory, name, values)
+
+    monkeypatch.setattr(cgroups, "write_list", refused_in_the_container)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pod, "main", 1000)
+    assert tried == [SHARED_AFTER_FIRST_SINGLE]
+    assert updates_to(env.fake, shared_id) == [SHARED_AFTER_FIRST_SINGLE]
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE  # runc's write
+    assert env.engine.counters["cgroup_writes"] == 0
 
 
 async def test_a_container_not_started_yet_moves_through_the_runtime(env: Env) -> None:
