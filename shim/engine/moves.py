@@ -229,7 +229,7 @@ class Mover:
         if reply.status is Status.OK:
             self.counters["systemd_records_at_once"] += 1
         else:
-            self._record_refused(tracked, cpus, reply, retry_in_s=self.record_delay)
+            self._record_refused(tracked, cpus, reply, self.record_delay)
         return MoveResult(ok=True)
 
     async def _send_record(self, tracked: Tracked, cpus: CPUSet) -> Reply:
@@ -415,13 +415,16 @@ class Mover:
         the runtime's record, and the memory nodes or quota that go with it."""
         tracked.applied = cpus
         tracked.moved_at = asyncio.get_running_loop().time()
+        retry: float | str
         if mems or quota is not None:
             # Those go through the runtime only: the move is tried again for them, as for an
             # adopted container's settings.
             tracked.settings_stale = True
+            retry = "with the move"
         else:
             self.record_later(tracked)
-        self._record_refused(tracked, cpus, reply)
+            retry = self.record_delay
+        self._record_refused(tracked, cpus, reply, retry)
 
     # --- telling the runtime what was written directly -------------------------------------------
 
@@ -454,7 +457,7 @@ class Mover:
                         delay = self._retry_delay(refusals)
                         refusals += 1
                         self._record_refused(
-                            tracked, cpus, reply, retry_in_s=delay if retrying else None
+                            tracked, cpus, reply, delay if retrying else "at the next start"
                         )
                         if not retrying:
                             return  # shutting down: the next start's resync squares it
@@ -466,18 +469,21 @@ class Mover:
             self._recorders.pop(tracked.id, None)
 
     def _record_refused(
-        self, tracked: Tracked, cpus: CPUSet, reply: Reply, retry_in_s: float | None = None
+        self, tracked: Tracked, cpus: CPUSet, reply: Reply, retry: float | str
     ) -> None:
-        """Count and log a refused record of a cpuset the cgroup already holds."""
+        """Count and log a refused record of a cpuset the cgroup already holds; ``retry``
+        says when it is sent again: in so many seconds (``retry_in_s``), or with what."""
         self.counters["runtime_record_errors"] += 1
         # runc may have told systemd before it failed: what the record holds is unknown.
         tracked.recorded = None
-        fields = {
+        fields: dict[str, object] = {
             "container_id": tracked.id,
             "cpus": str(cpus),
             "error": f"{reply.status.name}: {reply.status_message}",
-            "retry_in_s": retry_in_s,
+            "retry_in_s": None if isinstance(retry, str) else retry,
         }
+        if isinstance(retry, str):
+            fields["retry"] = retry
         log.warning("the runtime did not record a container's cpuset", extra={"fields": fields})
 
     async def _until_due(self, tracked: Tracked, behind_since: float, not_before: float) -> None:

@@ -136,13 +136,20 @@ async def test_a_pinned_container_moved_through_the_runtime_takes_its_children(e
     assert env.engine.counters["cpuset_update_errors"] == 0
 
 
-async def test_a_runtime_refusal_after_the_direct_write_is_tried_again(env: Env) -> None:
+async def test_a_runtime_refusal_after_the_direct_write_is_tried_again(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pod, "main", 1000)
     inner = child(await located(env, pinned_id), "inner", FIRST_SINGLE)
     env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
 
-    assert await env.engine.change_policy(static_policy(reserved=f"0,{FIRST_SINGLE}")) == []
+    with caplog.at_level(logging.WARNING, logger="shim.engine.moves"):
+        assert await env.engine.change_policy(static_policy(reserved=f"0,{FIRST_SINGLE}")) == []
+    # Its memory nodes and quota go with the next try of the move, not with a record.
+    (fields,) = refusal_warnings(caplog)
+    assert fields["retry_in_s"] is None
+    assert fields["retry"] == "with the move"
     moved = str(next(iter(env.engine.state.assignments.values())).cpus)
     # The CPUs are in place at once; the runtime's record follows on the retry.
     assert env.kernel_cpus(pinned_id) == moved
@@ -151,6 +158,32 @@ async def test_a_runtime_refusal_after_the_direct_write_is_tried_again(env: Env)
     await until(lambda: not env.engine.containers[pinned_id].settings_stale, "settled")
     assert env.engine.counters["runtime_record_errors"] == 1
     assert env.engine.counters["drift_repairs"] == 0
+
+
+def refusal_warnings(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    """The fields of every warning of a record the runtime refused."""
+    return [r.__dict__["fields"] for r in caplog.records if "did not record" in r.getMessage()]
+
+
+async def test_a_record_refused_after_the_tree_was_written_says_when_it_is_sent_again(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shared container moved through the runtime past its children: the runtime refuses,
+    the cgroups hold the new set, and the record is sent again after the record delay."""
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("ci", "besteffort"), "main")
+    inner = child(await located(env, shared_id), "docker", "0-7")
+    tracked = env.engine.containers[shared_id]
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    moved = CPUSet.parse(SHARED_AFTER_FIRST_SINGLE)
+    with caplog.at_level(logging.WARNING, logger="shim.engine.moves"):
+        async with tracked.write_lock:
+            result = await env.engine.mover.update_locked(tracked, moved, "", None)
+    assert result.moved
+    assert cpus_of(inner) == SHARED_AFTER_FIRST_SINGLE
+    (fields,) = refusal_warnings(caplog)
+    assert fields["retry_in_s"] == env.engine.options.record_delay
+    await env.engine.drain(5.0)  # sends what is due
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
 
 
 async def test_a_container_moved_past_its_children_is_projected_while_the_runtime_refuses(
