@@ -20,6 +20,7 @@ from typing import Final
 
 __all__ = [
     "NOTIFY_SOCKET",
+    "extend_timeout",
     "notify",
     "ready",
     "status",
@@ -93,6 +94,19 @@ def stopping(status_text: str | None = None, environ: Mapping[str, str] = os.env
 def status(text: str, environ: Mapping[str, str] = os.environ) -> bool:
     """``STATUS=text``: one line shown by ``systemctl status``."""
     return notify(f"STATUS={_one_line(text)}", environ)
+
+
+def extend_timeout(
+    seconds: float, status_text: str | None = None, environ: Mapping[str, str] = os.environ
+) -> bool:
+    """``EXTEND_TIMEOUT_USEC=``: systemd does not end what the service is doing (starting,
+    under ``TimeoutStartSec=``) for lack of time before ``seconds`` from now. Past the unit's
+    own timeout the service lives only as long as these keep coming, each within the time
+    the one before gave (systemd 236 and later). With ``STATUS=status_text`` when given."""
+    message = f"EXTEND_TIMEOUT_USEC={max(int(seconds * 1_000_000), 0)}"
+    if status_text is not None:
+        message += f"\nSTATUS={_one_line(status_text)}"
+    return notify(message, environ)
 
 
 def watchdog_interval(

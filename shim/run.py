@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -23,6 +24,7 @@ from shim.cri.upstream import Forward, RuntimeChannel, unix_path
 from shim.engine import Engine, EngineOptions, FailurePolicy, ProjectionSettings
 from shim.engine.hotplug import CPUFollower
 from shim.engine.reloading import ConfigReloader
+from shim.engine.resync import CALL_TIMEOUT, SANDBOX_INFO_TIMEOUT
 from shim.engine.resync import start as resync
 from shim.engine.watching import Watcher
 from shim.metrics import Metrics, serve_metrics
@@ -31,6 +33,7 @@ from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.reserved import ReservedCPUsError
 from shim.policy.static import StaticPolicy
+from shim.progress import StartupProgress
 from shim.topology import Topology
 
 log = logging.getLogger("shim.run")
@@ -292,6 +295,7 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
         # directory that cannot be made) is told now, not after the wait and a resync that
         # may move every container.
         server.check_listen_path()
+        notify.status(f"waiting for the runtime {options.runtime_endpoint}")
         version = await _unless_stopped(
             wait_for_runtime(server.runtime, options.upstream_wait), stop
         )
@@ -315,9 +319,20 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
         # a loaded runtime: a signal must not wait for all of them, past the unit's stop
         # timeout. Cut short, it is as if cpushim had crashed there, which the checkpoint
         # is made for: the next start resyncs again.
-        resynced = await _unless_stopped(
-            resync(engine, recover_from_runtime=options.recover_from_runtime), stop
-        )
+        progress = StartupProgress()
+        extender = StartTimeoutExtender(progress, start_extension(engine.options.update_timeout))
+        extending = loop.create_task(extender.run(PROGRESS_LOOK_INTERVAL))
+        try:
+            resynced = await _unless_stopped(
+                resync(
+                    engine, recover_from_runtime=options.recover_from_runtime, progress=progress
+                ),
+                stop,
+            )
+        finally:
+            extending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await extending
         if resynced is None:
             metrics.stopping = True
             log.info("stopped before the resync with the runtime was done")
@@ -440,6 +455,54 @@ def runtime_unreachable(endpoint: str) -> str | None:
         except OSError as exc:
             return f"runtime {endpoint} unreachable: {exc}"
     return None
+
+
+# How often start-up's progress is looked at while it resyncs.
+PROGRESS_LOOK_INTERVAL = 5.0
+
+
+def start_extension(update_timeout: float) -> float:
+    """How long systemd is asked to wait for start-up's next word each time it has made
+    progress (``EXTEND_TIMEOUT_USEC=``). The longest one step of the resync may take when
+    nothing is stuck is one runtime call's deadline, two for a sandbox whose shim hangs (its
+    verbose status given up, then the plain one); a step seen done just after one look is
+    told at the next: twice that plus a look's interval leaves slack for a loaded node.
+    Not more: past ``TimeoutStartSec=``, a start-up stuck on one call (a checkpoint write
+    on a hung disk, a cgroup write the kernel never completes) is ended within this of its
+    last step, and the restart starts over, rather than kubelet waiting for ever."""
+    longest_step = max(SANDBOX_INFO_TIMEOUT + CALL_TIMEOUT, update_timeout)
+    return 2 * longest_step + PROGRESS_LOOK_INTERVAL
+
+
+class StartTimeoutExtender:
+    """Tells systemd that start-up is getting on, at each look that finds progress made
+    since the one before; at none while it is stuck, so that systemd's start timeout
+    still ends a start-up that will never finish."""
+
+    def __init__(
+        self,
+        progress: StartupProgress,
+        extension: float,
+        environ: Mapping[str, str] = os.environ,
+    ) -> None:
+        self.progress = progress
+        self.extension = extension
+        self._environ = environ
+        self._seen = progress.steps
+
+    def look(self) -> bool:
+        """``EXTEND_TIMEOUT_USEC=`` with ``STATUS=`` saying where start-up is, when it
+        made progress since the last look; True when that was sent."""
+        if self.progress.steps == self._seen:
+            return False
+        self._seen = self.progress.steps
+        return notify.extend_timeout(self.extension, self.progress.describe(), self._environ)
+
+    async def run(self, interval: float) -> None:
+        """Look every ``interval`` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            self.look()
 
 
 def _keep_watchdog_fed() -> asyncio.Task[None] | None:

@@ -1492,8 +1492,9 @@ class Engine:
                 moves.append((tracked, cpus, mems, quota))
         return moves
 
-    async def _apply(self) -> None:
-        """Write the cpuset of every live container whose cpuset is not what it should be."""
+    async def _apply(self, moved: Callable[[], None] | None = None) -> None:
+        """Write the cpuset of every live container whose cpuset is not what it should be;
+        ``moved`` is called as each move ends (start-up's progress)."""
         moves = self._out_of_place()
         if not moves:
             return
@@ -1505,6 +1506,8 @@ class Engine:
             written = self.mover.write_now(tracked, cpus, mems, quota)
             if written is DirectWrite.WRITTEN:
                 self.project(tracked)
+                if moved is not None:
+                    moved()
             else:
                 waiting.append((tracked, cpus, mems, quota, written is DirectWrite.REFUSED))
         if not waiting:
@@ -1518,6 +1521,8 @@ class Engine:
             async with limit:
                 if await self._write_cpuset(tracked, cpus, mems, quota, refused=refused):
                     gone.append(tracked.id)
+            if moved is not None:
+                moved()
 
         await asyncio.gather(*(move(*m) for m in waiting))
         # Removed behind cpushim's back (directly on the runtime): no call from kubelet will

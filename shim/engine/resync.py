@@ -38,6 +38,7 @@ from shim.pods import (
     takes_whole_pod,
 )
 from shim.policy.static import AllocationError, ExclusiveRequest
+from shim.progress import StartupProgress
 from shim.state import (
     Assignment,
     CheckpointError,
@@ -90,13 +91,26 @@ class ResyncReport:
     refused: list[str] = field(default_factory=list)
 
 
-async def start(engine: Engine, *, recover_from_runtime: bool = False) -> ResyncReport:
+async def start(
+    engine: Engine,
+    *,
+    recover_from_runtime: bool = False,
+    progress: StartupProgress | None = None,
+) -> ResyncReport:
     """Load or rebuild the state, resync with the runtime and apply it; StartupError when the
-    checkpoint cannot be trusted or the runtime cannot be listed."""
+    checkpoint cannot be trusted or the runtime cannot be listed. Each step done is told to
+    ``progress``: none waits longer than one runtime call's deadline (two for a sandbox: its
+    verbose status given up, then the plain one), so progress that stops for longer means
+    start-up is stuck."""
+    if progress is None:
+        progress = StartupProgress()
+    progress.begin("resync: loading the checkpoint")
     loaded = _load(engine, recover_from_runtime)
     try:
-        pods, stopped, unplaced = await _sandboxes(engine)
-        live, exited = await _containers(engine, stopped)
+        progress.begin("resync: listing sandboxes")
+        pods, stopped, unplaced = await _sandboxes(engine, progress)
+        progress.begin("resync: listing containers")
+        live, exited = await _containers(engine, stopped, progress)
     except DecodeError as exc:
         raise StartupError(
             f"resync: {engine.runtime.endpoint} answered with a message that does not decode"
@@ -115,6 +129,7 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
         for pod in pods.values():
             if pod.pod_level_resources:
                 state = state.with_pod_level(pod.uid)
+        progress.begin("resync: writing the checkpoint")
         try:
             await engine.checkpoint.save(state)
         except OSError as exc:
@@ -130,13 +145,17 @@ async def start(engine: Engine, *, recover_from_runtime: bool = False) -> Resync
         if report.refused:
             engine.wait_for_room()
         _whole_only_where_every_one_is(engine.containers.values())
-        await engine._apply()
+        progress.begin("resync: moving containers")
+        await engine._apply(moved=progress.advance)
+        progress.begin("resync", len(engine.containers), "containers recorded")
         for tracked in engine.containers.values():
             if tracked.cgroup is not None and tracked.applied != tracked.recorded:
                 # Written straight into the cgroup before a stop; the runtime never heard.
                 await engine.mover.record_behind(tracked)
             engine.project(tracked)
+            progress.advance()
     if engine.projector is not None:
+        progress.begin("resync: removing stale projections")
         keep = {t.key for t in engine.containers.values()} | set(engine.state.assignments)
         # An exited container's directory stays with its pod, as while cpushim runs: its
         # next attempt (a crash loop's) writes there, the generation going on.
@@ -204,7 +223,9 @@ async def _call(engine: Engine, path: str, request: bytes) -> Reply:
     return reply
 
 
-async def _sandboxes(engine: Engine) -> tuple[dict[str, Pod], set[str], set[str]]:
+async def _sandboxes(
+    engine: Engine, progress: StartupProgress
+) -> tuple[dict[str, Pod], set[str], set[str]]:
     """The listed pods by sandbox id, the ids of the sandboxes that are not ready, and of those
     whose pod's cgroup parent the runtime could not tell (:func:`sandbox_status`)."""
     reply = await _call(engine, rq.LIST_POD_SANDBOX, b"")
@@ -215,10 +236,13 @@ async def _sandboxes(engine: Engine) -> tuple[dict[str, Pod], set[str], set[str]
     # A few at a time: each hung shim holds its call for SANDBOX_INFO_TIMEOUT, and one after
     # another, many would outlast systemd's start timeout (a restart then starts over).
     turns = asyncio.Semaphore(STATUS_CONCURRENCY)
+    progress.begin("resync", len(items), "sandboxes")
 
     async def read_in_turn(sandbox_id: str) -> SandboxRead:
         async with turns:
-            return await sandbox_status(engine, sandbox_id)
+            read = await sandbox_status(engine, sandbox_id)
+        progress.advance()
+        return read
 
     reads = await asyncio.gather(*(read_in_turn(item.id) for item in items))
     for item, read in zip(items, reads, strict=True):
@@ -348,7 +372,7 @@ def _json_int(value: object, *, signed: bool = False) -> int:
 
 
 async def _containers(
-    engine: Engine, stopped: set[str]
+    engine: Engine, stopped: set[str], progress: StartupProgress
 ) -> tuple[dict[str, LiveContainer], list[tuple[str, str]]]:
     """Containers that are not exited (exited ones hold no CPUs), and the (sandbox id, name)
     of the exited ones. A container created in a sandbox that is stopped since counts as
@@ -360,17 +384,22 @@ async def _containers(
     exited: list[tuple[str, str]] = []
     items = pb.ListContainersResponse.FromString(reply.messages[0]).containers
     superseded = superseded_attempts(items)
+    asked: list[pb.Container] = []
     for item in items:
         never_runs = item.state == pb.CONTAINER_CREATED and (
             item.pod_sandbox_id in stopped or item.id in superseded
         )
         if item.state == pb.CONTAINER_EXITED or never_runs:
             exited.append((item.pod_sandbox_id, item.metadata.name))
-            continue
+        else:
+            asked.append(item)
+    progress.begin("resync", len(asked), "containers")
+    for item in asked:
         request = pb.ContainerStatusRequest(container_id=item.id, verbose=True).SerializeToString()
         status_reply = await engine.runtime.unary(
             UnaryCall(rq.CONTAINER_STATUS, (), request, CALL_TIMEOUT)
         )
+        progress.advance()
         if status_reply.status is Status.NOT_FOUND:
             continue
         if status_reply.status is not Status.OK or not status_reply.messages:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from shim.engine import EngineOptions, ProjectionSettings
@@ -75,11 +76,11 @@ def stamp_decisions(engine: Engine, decided: list[int]) -> None:
     apply = engine._apply
     last = [engine.state.shared]
 
-    async def stamped() -> None:
+    async def stamped(moved: Callable[[], None] | None = None) -> None:
         if engine.state.shared != last[0]:
             last[0] = engine.state.shared
             decided.append(time.monotonic_ns())
-        await apply()
+        await apply(moved)
 
     engine._apply = stamped  # type: ignore[method-assign]
 

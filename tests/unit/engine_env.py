@@ -26,6 +26,7 @@ from shim.engine import requests as rq
 from shim.engine.resync import start as resync
 from shim.policy import CPUPolicy
 from shim.policy.static import StaticPolicy
+from shim.progress import StartupProgress
 from shim.state import integrity_problems
 from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
@@ -182,8 +183,15 @@ class Env:
         """What the container's (fake) cgroup says, when the fake keeps a cgroup tree."""
         return self.fake.cgroup_cpus(container_id)
 
-    async def restart(self, policy: CPUPolicy | None = None, *, recover: bool = False) -> Engine:
-        """A new engine on the same state dir and runtime, as after a crash."""
+    async def restart(
+        self,
+        policy: CPUPolicy | None = None,
+        *,
+        recover: bool = False,
+        progress: StartupProgress | None = None,
+    ) -> Engine:
+        """A new engine on the same state dir and runtime, as after a crash; its resync tells
+        ``progress`` how far it got."""
         engine = Engine(
             policy or self.engine.policy,
             CheckpointFile(self.state_dir),
@@ -192,7 +200,7 @@ class Env:
             cgroups=self.engine.mover.layout,
             projection=self.engine.projection,
         )
-        await resync(engine, recover_from_runtime=recover)
+        await resync(engine, recover_from_runtime=recover, progress=progress)
         self.engine = engine
         self.kubelet = Kubelet(engine, self.channel, self.kubelet.pods, self.kubelet.cgroup_driver)
         return engine

@@ -152,3 +152,13 @@ def test_watchdog_ping(listener: tuple[socket.socket, str]) -> None:
     sock, path = listener
     assert notify.watchdog(environ={"NOTIFY_SOCKET": path}) is True
     assert sock.recv(100) == b"WATCHDOG=1"
+
+
+def test_extend_timeout_in_microseconds(listener: tuple[socket.socket, str]) -> None:
+    sock, path = listener
+    environ = {"NOTIFY_SOCKET": path}
+    assert notify.extend_timeout(31.5, environ=environ) is True
+    assert sock.recv(4096) == b"EXTEND_TIMEOUT_USEC=31500000"
+    assert notify.extend_timeout(2, "resync:\n3 of 9 sandboxes", environ=environ) is True
+    assert sock.recv(4096) == b"EXTEND_TIMEOUT_USEC=2000000\nSTATUS=resync: 3 of 9 sandboxes"
+    assert notify.extend_timeout(2, environ={}) is False

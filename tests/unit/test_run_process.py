@@ -454,7 +454,9 @@ def test_systemds_watchdog_is_fed_while_cpushim_serves(fake: FakeRuntimeServer) 
             env=dict(os.environ, NOTIFY_SOCKET=str(notify_path), WATCHDOG_USEC="200000"),
         )
         try:
-            assert "READY=1" in notifications.recv(4096).decode().splitlines()
+            # Start-up's STATUS= lines come first; no ping before it serves.
+            while "READY=1" not in (said := notifications.recv(4096).decode()).splitlines():
+                assert said.startswith("STATUS="), said
             pings = [notifications.recv(4096).decode() for _ in range(3)]
             assert pings == ["WATCHDOG=1"] * 3, log.read_text()
             proc.send_signal(signal.SIGTERM)
