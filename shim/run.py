@@ -343,17 +343,37 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
             engine, resync_period=options.resync_period, sysfs_root=options.sysfs_root
         )
         watcher.start()
-        if options.config_path is not None:
-            reloader = ConfigReloader(watcher, options, build_policy)
-            reloader.start()
-        follower = CPUFollower(
-            watcher,
-            lambda: reloader.options if reloader is not None else options,
-            build_policy,
-            lock=reloader.replanning if reloader is not None else None,
-        )
-        follower.start()
-        await server.start()
+        follower: CPUFollower | None = None
+
+        async def stop_watching() -> None:
+            if follower is not None:
+                follower.stop()
+            if reloader is not None:
+                reloader.stop()
+            await watcher.stop()
+
+        try:
+            if options.config_path is not None:
+                reloader = ConfigReloader(watcher, options, build_policy)
+                reloader.start()
+            follower = CPUFollower(
+                watcher,
+                lambda: reloader.options if reloader is not None else options,
+                build_policy,
+                lock=reloader.replanning if reloader is not None else None,
+            )
+            follower.start()
+            # Checked before the resync, the listen path may have been taken since.
+            await server.start()
+        except BaseException:
+            # Ended as a shutdown ends, less the calls (none was served): the watcher's
+            # looks and retries would go on against a closed channel until the loop ends,
+            # and the engine's last work (the runtime's records of the moves just written
+            # into cgroups) would be dropped rather than done.
+            metrics.stopping = True
+            await stop_watching()
+            await engine.drain(LAST_WRITES_S)
+            raise
         log.info(
             "serving",
             extra={
@@ -375,13 +395,6 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
         notify.stopping()
         stop.clear()  # a second signal ends the grace period at once
         log.info("shutting down", extra={"fields": {"grace_s": options.shutdown_grace}})
-
-        async def stop_watching() -> None:
-            follower.stop()
-            if reloader is not None:
-                reloader.stop()
-            await watcher.stop()
-
         finished = await shut_down(server, engine, options.shutdown_grace, stop, stop_watching)
         log.info("stopped", extra={"fields": {"calls_finished": finished}})
         return 0

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 import shim.run
+from shim.cri.server import AlreadyServingError
+from shim.engine import Engine
 from shim.run import LAST_WRITES_S, RunOptions, shut_down
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, write_sysfs
@@ -176,3 +179,53 @@ async def test_a_signal_during_the_start_up_resync_stops_without_serving(
             listing.set()
             if not running.done():
                 await asyncio.wait({running}, timeout=10)
+
+
+async def test_a_socket_that_cannot_serve_after_the_resync_stops_what_the_resync_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process takes the listen path while cpushim resyncs: the socket's start
+    fails after the watcher started and the engine may have work under way. cpushim ends
+    with the error, but as a shutdown does: the watcher stopped (no periodic resync or
+    watch left running on a closed channel) and the engine's last work drained."""
+    monkeypatch.setattr(shim.run, "cgroup_layout", lambda: None)  # no look at the node's
+    sysfs = write_sysfs(MachineSpec(sockets=1, cores_per_die=2, threads_per_core=2), tmp_path)
+    drained: list[float] = []
+    drain = Engine.drain
+
+    async def recorded_drain(engine: Engine, grace: float) -> None:
+        drained.append(grace)
+        await drain(engine, grace)
+
+    monkeypatch.setattr(Engine, "drain", recorded_drain)
+    async with FakeRuntime() as fake:
+        listing = fake.gate("ListPodSandbox")
+        listen = fake.socket_path.with_name("cri.sock")
+        options = RunOptions(
+            listen=f"unix://{listen}",
+            runtime_endpoint=fake.endpoint,
+            image_endpoint=fake.endpoint,
+            state_dir=tmp_path / "state",
+            sysfs_root=sysfs,
+            projection_dir=tmp_path / "projection",
+            metrics_address="",
+        )
+        before = asyncio.all_tasks()
+        running = asyncio.ensure_future(shim.run.run(options))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
+            try:
+                await until(lambda: bool(fake.calls_of("ListPodSandbox")), "the resync under way")
+                squatter.bind(str(listen))
+                squatter.listen()
+            finally:
+                listing.set()
+            with pytest.raises(AlreadyServingError, match="another process already serves"):
+                await asyncio.wait_for(running, 20)
+        package = str(Path(shim.__file__).parent) + os.sep
+        left = {
+            task
+            for task in asyncio.all_tasks() - before
+            if task.get_coro().cr_code.co_filename.startswith(package)  # type: ignore[union-attr]
+        }
+        assert left == set()
+        assert drained == [LAST_WRITES_S]
