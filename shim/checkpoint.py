@@ -130,19 +130,40 @@ class CheckpointFile:
 
     def save_sync(self, state: CPUState) -> None:
         try:
-            self.last_written = self._write(encode_checkpoint(state))
+            written = self._write(encode_checkpoint(state))
         except DirectorySyncError as exc:
             self._renamed(exc, state)
             raise
-        self.writes += 1
-        self.saved = state
+        self._written(written, state)
 
     async def save(self, state: CPUState) -> None:
+        """As :meth:`save_sync`, in a worker thread. A cancelled caller still waits for that
+        thread to be done before CancelledError reaches it: the thread cannot be stopped, and
+        the lock its caller holds (the engine's) must cover the rename, or a later save made
+        once it is let go could be renamed into place first, and this older one over it."""
+        writing = asyncio.get_running_loop().run_in_executor(
+            None, self._write, encode_checkpoint(state)
+        )
         try:
-            self.last_written = await asyncio.to_thread(self._write, encode_checkpoint(state))
+            await asyncio.wait((writing,))
+        except asyncio.CancelledError:
+            await _done_despite_cancels(writing)
+            with contextlib.suppress(OSError):  # nobody is left to be told it failed
+                self._learn(writing, state)
+            raise
+        self._learn(writing, state)
+
+    def _learn(self, writing: asyncio.Future[bytes], state: CPUState) -> None:
+        """Take in what a finished write left in the file; raises its OSError."""
+        try:
+            written = writing.result()
         except DirectorySyncError as exc:
             self._renamed(exc, state)
             raise
+        self._written(written, state)
+
+    def _written(self, written: bytes, state: CPUState) -> None:
+        self.last_written = written
         self.writes += 1
         self.saved = state
 
@@ -188,6 +209,14 @@ class CheckpointFile:
             return read_regular_file(self.path)
         except OSError:
             return None
+
+
+async def _done_despite_cancels(future: asyncio.Future[bytes]) -> None:
+    """Wait until ``future`` is done, whatever cancels come meanwhile: the caller raises
+    CancelledError once it is."""
+    while not future.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait((future,))
 
 
 # The file whose flock says which process holds a state directory.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import re
@@ -351,6 +352,103 @@ async def test_async_save_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert file.writes == 1
     assert file.load() == ONE
     assert names(tmp_path) == [SPARE, STATE_FILE]
+
+
+class LateLock:
+    """A stand-in for the writer's lock that the first thread to come takes only once
+    ``go_on`` is set: a worker thread descheduled between starting its write and taking the
+    lock, as the scheduler may leave one, for as long as the test wants."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counting = threading.Lock()
+        self._comers = 0
+        self._mine = threading.local()
+        self.first_waiting = threading.Event()
+        self.go_on = threading.Event()
+        self.first_done = threading.Event()
+
+    def __enter__(self) -> None:
+        with self._counting:
+            first = self._comers == 0
+            self._comers += 1
+        self._mine.first = first
+        if first:
+            self.first_waiting.set()
+            assert self.go_on.wait(10)
+        self._lock.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self._lock.release()
+        if self._mine.first:
+            self.first_done.set()
+
+
+async def until(condition: Callable[[], bool], what: str, deadline: float = 10.0) -> None:
+    """Wait for ``condition`` (checked on every turn of the loop) for up to ``deadline`` s."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while not condition():
+        if loop.time() > end:
+            raise AssertionError(f"not within {deadline}s: {what}")
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_save_returns_once_its_write_is_done(tmp_path: Path) -> None:
+    """The worker thread of a save whose caller is cancelled goes on and renames its file
+    into place: the caller gets control back only then, knowing the bytes for its own (the
+    watcher of the state file would otherwise take them for someone else's)."""
+    file = CheckpointFile(tmp_path)
+    late = LateLock()
+    file._writing = late  # type: ignore[assignment]
+    saving = asyncio.create_task(file.save(ONE))
+    await until(late.first_waiting.is_set, "the write under way")
+    saving.cancel()
+    await asyncio.sleep(0)  # a turn of the loop: the cancel is delivered
+    late.go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(saving, 10)
+    assert late.first_done.is_set()  # the caller came back after the write, not before
+    assert file.load() == ONE
+    assert file.last_written == file.path.read_bytes()
+    assert file.saved == ONE
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_save_is_never_renamed_over_a_later_one(tmp_path: Path) -> None:
+    """Saves are made one at a time under a lock (the engine's). A cancelled caller lets it
+    go; if its thread had not written yet, a later save could be renamed into place first,
+    and the older state after it: a restart would load CPUs that are someone else's now."""
+    file = CheckpointFile(tmp_path)
+    late = LateLock()
+    file._writing = late  # type: ignore[assignment]
+    lock = asyncio.Lock()
+    started: list[CPUState] = []
+    entered: list[CPUState] = []
+
+    async def save_under_lock(state: CPUState) -> None:
+        started.append(state)
+        async with lock:
+            entered.append(state)
+            await file.save(state)
+
+    older = asyncio.create_task(save_under_lock(ONE))
+    await until(late.first_waiting.is_set, "the older write under way")
+    older.cancel()
+    newer = asyncio.create_task(save_under_lock(TWO))
+    # The newer save is either done (the older one let the lock go at once) or waits for it.
+    await until(
+        lambda: newer.done() or (TWO in started and TWO not in entered), "the newer save's turn"
+    )
+    late.go_on.set()
+    await asyncio.wait({older, newer}, timeout=10)
+    assert await asyncio.to_thread(late.first_done.wait, 10)
+    assert older.cancelled()
+    await newer  # done, and did not fail
+    assert file.load() == TWO
+    assert file.last_written == file.path.read_bytes()
+    assert file.saved == TWO
 
 
 # --- the spare --------------------------------------------------------------------------------
