@@ -1300,15 +1300,17 @@ class Engine:
     async def _commit(self, state: CPUState) -> None:
         """Persist ``state``, then make it the engine's: a failed write changes nothing (the
         caller has not acted on the decision yet and fails the call). One that failed only
-        at the directory's fsync has put ``state`` in the file all the same: the engine's own
-        state is written over it soon, so that a restart does not find CPUs held for a
-        container the runtime was never asked for."""
+        at the directory's fsync, or whose caller was cancelled meanwhile, may have put
+        ``state`` in the file all the same: the engine's own state is written over it soon,
+        so that a restart does not find CPUs held for a container the runtime was never
+        asked for."""
         if state == self.state:
             return
         try:
             await self.checkpoint.save(state)
-        except DirectorySyncError:
-            self._record_soon(self.state)
+        except (DirectorySyncError, asyncio.CancelledError):
+            if self.checkpoint.saved == state:
+                self._record_soon(self.state)
             raise
         self.state = state
 

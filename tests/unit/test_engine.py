@@ -11,6 +11,7 @@ import asyncio
 import errno
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -1337,4 +1338,43 @@ async def test_a_refused_decision_the_disk_kept_is_written_over_with_memory(
         await wait_until(
             lambda: env.engine.checkpoint.saved == env.engine.state and env.saved() == {}
         )
+        env.channel.close()
+
+
+async def test_a_decision_cancelled_while_the_disk_took_it_is_written_over_with_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A policy change cancelled (cpushim stopping) while its checkpoint is in the writer's
+    thread: the thread renames the new plan into place all the same, but the engine keeps
+    the old one and moved nobody. The engine's own state replaces the file's."""
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path, options=EngineOptions(record_delay=0.05))
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(pod, "main", 1000)
+        before = env.engine.state
+        real_replace = checkpoint_module.replace_through_spare
+        writing, go_on, written = threading.Event(), threading.Event(), threading.Event()
+
+        def held_replace(path: Path, data: bytes, mode: int = 0o600) -> bytes:
+            if go_on.is_set():
+                return real_replace(path, data, mode)
+            writing.set()
+            assert go_on.wait(10)
+            try:
+                return real_replace(path, data, mode)
+            finally:
+                written.set()
+
+        monkeypatch.setattr(checkpoint_module, "replace_through_spare", held_replace)
+        changing = asyncio.create_task(env.engine.change_policy(static_policy(reserved="0,4")))
+        assert await asyncio.to_thread(writing.wait, 10)
+        changing.cancel()
+        await asyncio.sleep(0)  # a turn of the loop: the cancel is delivered
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await changing
+        assert env.engine.state == before  # the decision was not taken
+        assert await asyncio.to_thread(written.wait, 10)  # and the plan is in the file
+        await env.engine.checkpoint_written()
+        assert env.engine.checkpoint.load() == before
         env.channel.close()
