@@ -371,11 +371,15 @@ def _open_spare(spare: Path, mode: int) -> int | None:
             raise
         _clear(spare)
         return None
-    info = os.fstat(fd)
-    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
-        if stat.S_IMODE(info.st_mode) != mode:
-            os.fchmod(fd, mode)  # it becomes state.json
-        return fd
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            if stat.S_IMODE(info.st_mode) != mode:
+                os.fchmod(fd, mode)  # it becomes state.json
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
     os.close(fd)
     _clear(spare)
     return None

@@ -581,6 +581,23 @@ def test_a_spare_opened_wider_is_narrowed_before_it_becomes_the_checkpoint(
     assert stat.S_IMODE(file.path.stat().st_mode) == 0o600
 
 
+def test_a_spare_that_cannot_be_narrowed_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed chmod of the spare fails the write; every failed write must not also keep a
+    descriptor open, or a disk that keeps failing uses up the process's descriptors."""
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    (tmp_path / SPARE).chmod(0o644)
+    open_before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "fchmod", raise_on_call(os.fchmod, 1, errno.EIO))
+    with pytest.raises(OSError, match=re.escape(os.strerror(errno.EIO))):
+        file.save_sync(TWO)
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    assert file.load() == ONE
+
+
 def test_one_process_at_a_time_holds_a_state_directory(tmp_path: Path) -> None:
     script = (
         "import sys; from pathlib import Path; from shim.checkpoint import hold_directory;"
