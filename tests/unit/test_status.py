@@ -36,6 +36,7 @@ from shim.policy.none import NonePolicy
 from shim.policy.static import ExclusiveRequest, StaticPolicy
 from shim.state import Assignment, ContainerKey, CPUState, topology_fingerprint
 from shim.status import (
+    _MARKS,
     MIN_WIDTH,
     Live,
     Owner,
@@ -1037,3 +1038,62 @@ def test_a_missing_config_file_is_one_line_and_exit_1(
     assert one_line_error(capsys) == (
         f"cpushim status: {missing}: cannot read the config file: No such file or directory\n"
     )
+
+
+# -- the operations guide ----------------------------------------------------------------------
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+
+
+def guide_section(title: str) -> str:
+    """The text of the operations guide's section headed ``title``, up to the next heading
+    of the same or a higher level."""
+    text = GUIDE.read_text()
+    found = re.search(rf"^(#+) {re.escape(title)}\n", text, re.MULTILINE)
+    assert found is not None, f"docs/operations.md has no section {title!r}"
+    level = len(found.group(1))
+    rest = text[found.end() :]
+    end = re.search(rf"^#{{1,{level}}} ", rest, re.MULTILINE)
+    return rest if end is None else rest[: end.start()]
+
+
+def json_keys(value: object) -> set[str]:
+    """Every key of every object in a JSON document, at any depth."""
+    if isinstance(value, dict):
+        return set(value).union(*(json_keys(item) for item in value.values()))
+    if isinstance(value, list):
+        return set().union(*(json_keys(item) for item in value))
+    return set()
+
+
+def test_the_guide_names_every_key_of_the_json() -> None:
+    """Scripts read ``--json``: every key either command can print is in the guide, as it
+    spells it, so that a key added to the output cannot go undocumented."""
+    section = guide_section("Read the JSON")
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    case = BY_NAME["big"]
+    topology, state = case.topology, case.state(case.topology)
+    live = Live("unix:///run/cpushim/cri.sock", containers={})
+    printed = json_keys(status_json(topology, state, offline=case.offline, live=live))
+    assert printed >= json_keys(topology_json(topology, offline=case.offline))
+    assert {"state", "runtime"} <= printed
+    assert not printed - named, f"docs/operations.md does not name: {sorted(printed - named)}"
+
+
+def test_the_guide_names_every_column_and_owner_of_the_page() -> None:
+    """What the guide says about reading ``cpushim status``: each column of the table (with
+    the memory and state columns, which only show at times) and each mark of the map."""
+    section = guide_section("Read the page")
+    case = BY_NAME["big"]
+    topology, state = case.topology, case.state(case.topology)
+    key, first = next(iter(state.assignments.items()))
+    other = next(n for n in topology.numa_nodes if n not in topology.numa_nodes_of(first.cpus))
+    moved = state.update(key, mems=CPUSet([other]))
+    page = render_status(topology, moved, width=200, live=Live("unix:///x.sock", containers={}))
+    header = next(line for line in page.splitlines() if line.startswith("TAG "))
+    columns = re.split(r"\s{2,}", header.strip())
+    assert {"MEMS", "STATE"} <= set(columns)
+    missing = [column for column in columns if f"`{column}`" not in section]
+    assert not missing, f"docs/operations.md does not name the columns {missing}"
+    # The map's marks for what is not a container's; containers have letters.
+    assert not {mark for mark in _MARKS.values() if f"`{mark}`" not in section}
