@@ -893,3 +893,13 @@ def test_the_operations_guide_lists_the_keys_a_reload_applies() -> None:
     listed = guide[start : guide.index("It logs `config reloaded`", start)]
     named = set(re.findall(r"`(\w+)`", listed)) & {key.name for key in KEYS}
     assert named == {key.name for key in KEYS if key.field in POLICY_FIELDS | LIVE_FIELDS}
+
+
+def test_the_sample_config_says_which_keys_a_reload_applies() -> None:
+    """contrib/config.toml, installed as /etc/cpushim/config.toml, is where operators edit:
+    its header names the keys an edit changes at once, and they are the reloader's."""
+    sample = (Path(__file__).resolve().parents[2] / "contrib" / "config.toml").read_text()
+    start = sample.index("# cpushim watches this file")
+    listed = sample[start : sample.index("next restart", start)]
+    named = set(re.findall(r"\w+", listed)) & {key.name for key in KEYS}
+    assert named == {key.name for key in KEYS if key.field in POLICY_FIELDS | LIVE_FIELDS}
