@@ -608,6 +608,25 @@ def test_run_refuses_a_bad_config_before_anything_else(tmp_path: Path) -> None:
     assert not (tmp_path / "cri.sock").exists()
 
 
+def test_exit_codes_are_the_guides(tmp_path: Path) -> None:
+    """docs/operations.md's exit codes: 1 with a "cannot run" log line when cpushim cannot
+    start, 2 with argparse's usage (no JSON) for a bad command line."""
+    guide = (REPO / "docs" / "operations.md").read_text()
+    section = guide[guide.index("## Exit codes\n") : guide.index("## Recover from a bad")]
+    assert re.findall(r"^- (\d) ", section, re.MULTILINE) == ["0", "1", "2"]
+    assert '`"msg":"cannot run"`' in " ".join(section.split())
+
+    missing = cpushim("--config", str(tmp_path / "absent.toml"))
+    assert missing.returncode == 1
+    (error,) = log_events(missing.stderr)
+    assert (error["msg"], error["config"]) == ("cannot run", str(tmp_path / "absent.toml"))
+
+    bad_flag = cpushim("--upstream-wait", "soon")
+    assert bad_flag.returncode == 2
+    assert bad_flag.stderr.startswith(b"usage: cpushim run")
+    assert not log_events(bad_flag.stderr)
+
+
 def test_run_takes_its_settings_from_the_config(tmp_path: Path) -> None:
     # The runtime never answers: how long cpushim waits, and for which socket, says which
     # settings reached it.
