@@ -4,6 +4,7 @@ its cgroup parent, exclusive or shared from its CPU resources, and the cpushim.i
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
@@ -300,3 +301,32 @@ def test_plan_for_a_pod_from_config() -> None:
     )
     plan = plan_container(Pod.from_config("sandbox-1", config), "app", resources(3000, 3000))
     assert plan == ContainerPlan(exclusive=3, isolated="prefer", keep_quota=True)
+
+
+# --- the README's table -------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readmes_annotation_table_is_what_plan_container_reads() -> None:
+    """Each row of the README's annotation table names an annotation cpushim reads and the
+    values it takes: each value listed is accepted, and each word listed anywhere in the
+    table that a row does not list is refused by that row's annotation."""
+    rows = re.findall(r"^\| `(cpushim\.io/[^`]+)` \| ([^|]+) \|", README.read_text(), re.M)
+    values = {name: set(re.findall(r'`"?([a-z]+)"?`', cell)) for name, cell in rows}
+    assert set(values) == {
+        ANNOTATION_ISOLATED,
+        ANNOTATION_CFS_QUOTA,
+        ANNOTATION_EXCLUSIVE,
+        f"{ANNOTATION_EXCLUSIVE}.<container>",
+    }
+    words = set().union(*values.values())
+    for name, listed in values.items():
+        annotation = name.replace("<container>", "app")
+        for word in sorted(words):
+            planned = pod(G, **{annotation: word})
+            if word in listed:
+                plan_container(planned, "app", TWO)
+            else:
+                with pytest.raises(AnnotationError):
+                    plan_container(planned, "app", TWO)
