@@ -759,3 +759,41 @@ def test_the_operations_guide_shows_the_refusal_cpushim_logs() -> None:
     quoted = re.search(r"the checkpoint is unusable: [^ ]*:? ?\.\.\. (.*?)\"}", section)
     assert quoted is not None
     assert quoted.group(1) == RECOVERY_HINT
+
+
+def test_the_operations_guide_names_every_file_of_the_state_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator who lists /var/lib/cpushim finds each name there in docs/operations.md:
+    what running cpushim keeps, what a crash mid-write leaves, with ``<random>`` for the
+    random part of a temporary file's name."""
+    guide = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    section = guide[guide.index("## Upgrade\n") : guide.index("## Roll back\n")]
+    patterns = [
+        re.compile(re.escape(quoted).replace(re.escape("<random>"), "[A-Za-z0-9_]+"))
+        for quoted in re.findall(r"`(\.*state\.json[^`]*|\.[a-z][^`/ ]*)`", section)
+    ]
+    file = CheckpointFile(tmp_path)
+    file.hold()
+    try:
+        file.save_sync(ONE)
+        file.save_sync(TWO)
+        interrupted_checkpoint_write(file.path)
+        interrupted_checkpoint_write(tmp_path / SPARE)
+        # A crash between the link of state.json as the previous file and the renames.
+        real_replace = os.replace
+
+        def crash(source: Any, target: Any) -> None:
+            if Path(source).name == SPARE:
+                raise KeyboardInterrupt
+            real_replace(source, target)
+
+        monkeypatch.setattr(os, "replace", crash)
+        with pytest.raises(KeyboardInterrupt):
+            file.save_sync(ONE)
+        found = names(tmp_path)
+    finally:
+        file.release()
+    assert len(found) == 6
+    unnamed = [name for name in found if not any(p.fullmatch(name) for p in patterns)]
+    assert not unnamed, f"docs/operations.md does not name {unnamed}"
