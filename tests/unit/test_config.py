@@ -32,7 +32,7 @@ from shim.config import (
     resolve,
 )
 from shim.engine import FailurePolicy
-from shim.run import RunOptions, build_policy
+from shim.run import DEFAULT_RESERVED_COUNT, RunOptions, build_policy
 from tests.harness.sysfs import SINGLE_SOCKET_NO_HT, write_sysfs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,6 +113,49 @@ def test_the_readmes_flag_table_names_every_flag_with_its_key() -> None:
     rows = re.findall(r"^\| `(--[a-z-]+)` \| `([A-Za-z]+)` \|", readme, re.MULTILINE)
     assert dict(rows) == {key.flag: key.name for key in KEYS}
     assert len(rows) == len(KEYS)
+
+
+def shown_default(value: object) -> str:
+    """A default as the README and the help texts write it."""
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def test_the_readmes_flag_table_gives_each_default_the_code_has() -> None:
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| `(--[a-z-]+)` \| `[A-Za-z]+` \| ([^|]+) \|", readme, re.MULTILINE)
+    assert len(rows) == len(KEYS)
+    by_flag = {key.flag: key for key in KEYS}
+    for flag, written in rows:
+        field = by_flag[flag].field
+        default = getattr(DEFAULTS, field)
+        if field == "image_endpoint":  # follows the runtime's (test below)
+            assert written.strip() == "the runtime endpoint"
+        elif field == "reserved_cpu_count":  # unset: the static policy takes this many
+            assert written.strip() == str(DEFAULT_RESERVED_COUNT)
+        else:
+            assert written.strip().strip("`") == shown_default(default), flag
+
+
+def test_the_help_texts_give_each_default_the_code_has() -> None:
+    subparsers = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    for action in subparsers.choices["run"]._actions:
+        said = re.search(r"\(default:? ([^;)]+)", action.help or "")
+        if said is None or action.dest == "help":
+            continue
+        if action.dest == "image_endpoint":
+            assert said.group(1) == "the runtime's"
+        elif action.dest == "reserved_cpu_count":
+            assert said.group(1) == str(DEFAULT_RESERVED_COUNT)
+        else:
+            assert said.group(1) == shown_default(getattr(DEFAULTS, action.dest)), action.dest
 
 
 def test_failure_policies_are_the_engines() -> None:
