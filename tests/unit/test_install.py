@@ -9,9 +9,12 @@ import shutil
 import stat
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+
+from shim.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "contrib" / "install.sh"
@@ -430,3 +433,14 @@ def test_install_is_quiet_about_drop_ins_that_leave_the_variable_alone(tmp_path:
     assert "WARNING" not in said
     # Installed twice: its own drop-in is no other.
     assert "WARNING" not in run(INSTALL, "--root", str(root), "--skip-package", "--no-systemctl")
+
+
+def test_the_version_cpushim_prints_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/operations.md checks an upgrade with ``cpushim --version``: it must print the
+    version pip installed (pyproject.toml's), not a second number left behind."""
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"cpushim {declared}\n"
+    assert "cpushim --version" in (REPO / "docs" / "operations.md").read_text()
