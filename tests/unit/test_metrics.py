@@ -665,3 +665,17 @@ def test_the_runtime_probe_does_not_wait_on_a_full_listen_backlog() -> None:
         assert runtime_unreachable(f"unix://{path}") == (
             f"runtime unix://{path} takes no connection now: its listen backlog is full"
         )
+
+
+async def test_the_guides_check_that_kubelet_comes_through_matches_a_line(env: Env) -> None:
+    """docs/operations.md has the operator grep /metrics for kubelet's ListPodSandbox
+    calls, its labels written in the order the exposition prints them."""
+    guide = " ".join((SHIM.parent / "docs" / "operations.md").read_text().split())
+    found = re.search(r"/metrics \| grep '([^']+)'", guide)
+    assert found is not None
+    pattern = found.group(1)
+    assert "ListPodSandbox" in pattern
+    metrics = Metrics(env.engine)
+    metrics.relay.call_finished(RUNTIME + "ListPodSandbox", 0, 0.001)
+    lines = metrics.render().decode().splitlines()
+    assert any(pattern in line for line in lines if line.startswith("cpushim_relay_calls_total"))
