@@ -21,7 +21,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -725,4 +725,69 @@ def test_distribute_cpus_across_numa_spreads_evenly_over_the_fewest_nodes(
     fewest = 1 if count <= topology.cpus_per_numa_node else 2
     assert len(used) == fewest, f"{cpus}: per node {per_node}"
     assert max(used) - min(used) <= 1, f"{cpus} is not spread evenly: per node {per_node}"
+    assert_invariants(node)
+
+
+# Last of all: under cgroup v1 a CPU taken offline leaves every cgroup outside kubelet's tree
+# (containerd's, the guest's services) without it for the rest of the guest's life.
+
+
+def on_pool(running: Running, pool: CPUSet, log: Callable[[], str]) -> None:
+    wait_for(
+        lambda: observe(running).cpus_allowed == pool,
+        REACTION_TIMEOUT,
+        f"{running.name} on {pool}",
+        on_timeout=lambda: f"{observe(running)}\n{log()}",
+    )
+
+
+def test_a_cpu_gone_offline_is_replaced_and_given_back_once_online(
+    node: Node, topology: Topology
+) -> None:
+    """The guest's kernel takes one of a pinned container's CPUs offline: cpushim hears it
+    (a uevent) and re-plans, the container gets a whole set again, the shared pool and the
+    containers created after leave the CPU out (under v1 runc refuses a set naming it);
+    back online, the CPU returns to the pool (under v1 only once cpushim has given it back
+    to kubelet's cgroups, as the kernel restores it to the root cpuset alone)."""
+    node.start()
+    shared = node.run("besteffort", None, "besteffort")
+    pinned = node.run("pinned", 2)
+    before = assert_exclusive(topology, observe(pinned), 2)
+    cpu = before.max()
+    online = Path(f"/sys/devices/system/cpu/cpu{cpu}/online")
+
+    def cpushim_log() -> str:
+        return node.process.log()[-6000:] if node.process is not None else ""
+
+    online.write_text("0")
+    try:
+        up = topology.cpus - CPUSet([cpu])
+
+        def replaced() -> bool:
+            seen = observe(pinned)
+            return (
+                len(seen.cpus_allowed) == 2
+                and seen.cpus_allowed == seen.cgroup_cpus
+                and seen.cpus_allowed.issubset(up)
+            )
+
+        wait_for(
+            replaced,
+            REACTION_TIMEOUT,
+            f"the pinned container off CPU {cpu}",
+            on_timeout=lambda: f"{observe(pinned)}\n{cpushim_log()}",
+        )
+        now = assert_exclusive(topology, observe(pinned), 2)
+        pool = up - now
+        on_pool(shared, pool, cpushim_log)
+        late = node.run("late", None, "burstable")
+        assert observe(late).cpus_allowed == pool
+        assert node.checkpoint() == {"pinned": now}
+    finally:
+        online.write_text("1")
+    pool = topology.cpus - now
+    for running in (shared, late):
+        on_pool(running, pool, cpushim_log)
+    after = node.run("after", None, "besteffort")
+    assert observe(after).cpus_allowed == pool
     assert_invariants(node)
