@@ -17,10 +17,12 @@ cannot be built (a reserved CPU named in the config went offline) is refused wit
 reason, once per set of online CPUs, and the old plan stays.
 
 Under cgroup v1 a CPU back online is in the root cpuset only: before the re-plan hands it
-out, the cgroups above kubelet's containers (the kubepods tree: its QoS classes, pods and
-sandboxes) get it back, parents first, as they had every CPU when kubelet made them. The
-containers' own cgroups are cpushim's to write (the re-plan does); cgroup v2 needs none of
-this (a cgroup with no set of its own follows its parent).
+out, the cgroups above kubelet's containers (the kubepods tree: its QoS classes and pods) get
+it back, parents first, as they had every CPU when kubelet made them. Nothing inside a pod's
+cgroup is touched: its containers' cgroups are cpushim's to write (the re-plan does), and one
+cpushim has not located yet (its StartContainer in flight, one another client made) must not
+be given a CPU the re-plan may pin for another container. cgroup v2 needs none of this (a
+cgroup with no set of its own follows its parent).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
@@ -85,27 +88,46 @@ def online_cpus(sysfs_root: Path) -> CPUSet:
     return CPUSet.parse(read_file(f"{sysfs_root}/{ONLINE_LIST}").decode().strip())
 
 
+# The names kubelet gives a pod's cgroup: ``pod<uid>`` (cgroupfs driver), and
+# ``kubepods[-<qos>]-pod<uid, dashes as underscores>.slice`` (systemd driver).
+_POD_CGROUP: Final = re.compile(
+    r"pod[0-9a-fA-F][0-9a-fA-F-]*|.+-pod[0-9a-fA-F][0-9a-fA-F_]*\.slice"
+)
+
+
+def _cgroup_of_a_pod(cgroup_parent: str) -> PurePosixPath | None:
+    """The pod's cgroup below the hierarchy's root, from its sandbox's cgroup parent; None
+    when that names none."""
+    if not cgroup_parent:
+        return None
+    try:
+        relative = cgroups.relative_cgroup_path(cgroups.containerd_cgroups_path(cgroup_parent, "x"))
+    except CgroupError:
+        return None
+    return relative.parent if len(relative.parts) > 1 else None
+
+
 def kubepods_tops(layout: CgroupLayout, cgroup_parents: Iterable[str]) -> set[Path]:
     """The top cgroups of kubelet's tree (``kubepods``, ``kubepods.slice``) in the cpuset
     hierarchy, from pods' cgroup parents."""
-    tops: set[Path] = set()
-    for parent in cgroup_parents:
-        if not parent:
-            continue
-        try:
-            relative = cgroups.relative_cgroup_path(cgroups.containerd_cgroups_path(parent, "x"))
-        except CgroupError:
-            continue
-        if len(relative.parts) > 1:
-            tops.add(layout.root / PurePosixPath(relative.parts[0]))
-    return tops
+    pods = (_cgroup_of_a_pod(parent) for parent in cgroup_parents)
+    return {layout.root / PurePosixPath(pod.parts[0]) for pod in pods if pod is not None}
 
 
-def give_back_online(top: Path, came_online: CPUSet, keep_out: set[Path]) -> list[Path]:
-    """Cgroup v1: add the CPUs that came back online to every cpuset in ``top``'s tree, parents
-    first, as far as each parent has them; the cgroups in ``keep_out`` (containers cpushim
-    writes itself) and their subtrees are left alone. Returns the cgroups widened; a cgroup
-    that refuses (gone meanwhile, or the kernel's refusal) is logged and its subtree left."""
+def pod_cgroups(layout: CgroupLayout, cgroup_parents: Iterable[str]) -> set[Path]:
+    """The pods' own cgroups in the cpuset hierarchy, from their cgroup parents."""
+    pods = (_cgroup_of_a_pod(parent) for parent in cgroup_parents)
+    return {layout.root / pod for pod in pods if pod is not None}
+
+
+def give_back_online(top: Path, came_online: CPUSet, pods: set[Path]) -> list[Path]:
+    """Cgroup v1: add the CPUs that came back online to the cpusets of kubelet's tree below
+    ``top`` (``top`` included), parents first, as far as each parent has them, down to the
+    pods' cgroups and no further: nothing inside a pod's cgroup (a container's, or its
+    sandbox's) is touched. A pod's cgroup is one of ``pods`` (those cpushim knows) or named
+    as kubelet names them (a pod whose sandbox is on its way). Returns the cgroups widened;
+    a cgroup that refuses (gone meanwhile, or the kernel's refusal) is logged and its subtree
+    left."""
     widened: list[Path] = []
     parent_cpus = cgroups.read_cpus(top.parent)
     if parent_cpus is None:
@@ -113,8 +135,6 @@ def give_back_online(top: Path, came_online: CPUSet, keep_out: set[Path]) -> lis
     pending: list[tuple[Path, CPUSet]] = [(top, parent_cpus)]
     while pending:
         directory, above = pending.pop()
-        if directory in keep_out:
-            continue
         try:
             cpus = cgroups.read_cpus(directory)
             if cpus is None:
@@ -123,6 +143,11 @@ def give_back_online(top: Path, came_online: CPUSet, keep_out: set[Path]) -> lis
             if wanted != cpus:
                 cgroups.write_list(directory, cgroups.CPUSET_CPUS, wanted)
                 widened.append(directory)
+            is_pod = directory != top and (
+                directory in pods or _POD_CGROUP.fullmatch(directory.name) is not None
+            )
+            if is_pod:
+                continue
             children = [entry.path for entry in os.scandir(directory) if entry.is_dir()]
         except (OSError, ValueError) as exc:
             if not isinstance(exc, OSError) or exc.errno not in (errno.ENOENT, errno.ENODEV):
@@ -268,10 +293,10 @@ class CPUFollower:
         if not came_online or layout is None or layout.version is not CgroupVersion.V1:
             return
         parents = [pod.cgroup_parent for pod in self.engine.pods.values()]
-        keep_out = {t.cgroup for t in self.engine.containers.values() if t.cgroup is not None}
+        pods = pod_cgroups(layout, parents)
         for top in sorted(kubepods_tops(layout, parents)):
             # A walk of every pod's cgroups: off the loop.
-            widened = await asyncio.to_thread(give_back_online, top, came_online, keep_out)
+            widened = await asyncio.to_thread(give_back_online, top, came_online, pods)
             if widened:
                 log.info(
                     "CPUs back online given back to kubelet's cgroups (cgroup v1)",

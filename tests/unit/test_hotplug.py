@@ -3,6 +3,7 @@ they make the policy planned again with the CPUs online now."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import shutil
@@ -16,8 +17,15 @@ import pytest
 from shim.cgroups import CgroupLayout, CgroupVersion
 from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
+from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions
-from shim.engine.hotplug import CPUFollower, give_back_online, kubepods_tops, tells_of_cpus
+from shim.engine.hotplug import (
+    CPUFollower,
+    give_back_online,
+    kubepods_tops,
+    pod_cgroups,
+    tells_of_cpus,
+)
 from shim.engine.watching import Watcher
 from shim.run import RunOptions, build_policy
 from shim.state import integrity_problems
@@ -245,7 +253,7 @@ def cpus_of(path: Path) -> str:
     return (path / "cpuset.cpus").read_text().strip()
 
 
-def test_a_cpu_back_online_is_given_back_down_kubelets_tree_but_not_to_containers(
+def test_a_cpu_back_online_is_given_back_down_kubelets_tree_but_not_into_pods(
     tmp_path: Path,
 ) -> None:
     root = cgroup(tmp_path, "0-3")  # the kernel gives it back to the root alone
@@ -254,22 +262,44 @@ def test_a_cpu_back_online_is_given_back_down_kubelets_tree_but_not_to_container
     pod = cgroup(qos / "pod1", "0-2")
     sandbox = cgroup(pod / "sandbox", "0-2")
     pinned = cgroup(cgroup(top / "pod2", "0-2") / "pinned", "2")
+    # A pod cpushim does not know yet (its sandbox on its way), known by its name, with a
+    # container another client made.
+    unknown = cgroup(qos / "pod0a1b2c3d-0000-4000-8000-000000000000", "0-2")
+    untracked = cgroup(unknown / "untracked", "1")
     narrow = cgroup(top / "narrow", "1")  # a set of its own, without CPU 3 before either
     elsewhere = cgroup(root / "system.slice", "0-2")
-    widened = give_back_online(top, CPUSet.parse("3"), keep_out={pinned})
-    assert cpus_of(top) == cpus_of(qos) == cpus_of(pod) == cpus_of(sandbox) == "0-3"
+    widened = give_back_online(top, CPUSet.parse("3"), pods={pod, top / "pod2"})
+    assert cpus_of(top) == cpus_of(qos) == cpus_of(pod) == cpus_of(unknown) == "0-3"
     assert cpus_of(top / "pod2") == "0-3"
+    # Inside pods nothing: containers are cpushim's to write, located or not.
+    assert cpus_of(sandbox) == "0-2"
     assert cpus_of(pinned) == "2"
+    assert cpus_of(untracked) == "1"
     assert cpus_of(narrow) == "1,3"
     assert cpus_of(elsewhere) == "0-2"
     assert widened[0] == top
-    assert set(widened) == {top, qos, pod, sandbox, top / "pod2", narrow}
+    assert set(widened) == {top, qos, pod, top / "pod2", unknown, narrow}
+
+
+def test_the_systemd_drivers_pod_slices_are_where_the_give_back_stops(tmp_path: Path) -> None:
+    root = cgroup(tmp_path, "0-3")
+    top = cgroup(root / "kubepods.slice", "0-2")
+    qos = cgroup(top / "kubepods-burstable.slice", "0-2")
+    pod = cgroup(qos / "kubepods-burstable-pod0a1b2c3d_0000_4000_8000_000000000000.slice", "0-2")
+    guaranteed = cgroup(top / "kubepods-pod5678.slice", "0-2")
+    scopes = [
+        cgroup(pod / "cri-containerd-abc.scope", "1"),
+        cgroup(guaranteed / "cri-containerd-def.scope", "2"),
+    ]
+    give_back_online(top, CPUSet.parse("3"), pods=set())
+    assert cpus_of(top) == cpus_of(qos) == cpus_of(pod) == cpus_of(guaranteed) == "0-3"
+    assert [cpus_of(scope) for scope in scopes] == ["1", "2"]
 
 
 def test_nothing_is_given_back_that_a_parent_lacks(tmp_path: Path) -> None:
     root = cgroup(tmp_path, "0-2")  # CPU 3 not back in the root (offline again)
     top = cgroup(root / "kubepods", "0-2")
-    assert give_back_online(top, CPUSet.parse("3"), keep_out=set()) == []
+    assert give_back_online(top, CPUSet.parse("3"), pods=set()) == []
     assert cpus_of(top) == "0-2"
 
 
@@ -281,3 +311,53 @@ def test_kubelets_tree_is_found_from_either_drivers_cgroup_parents(tmp_path: Pat
         "",
     ]
     assert kubepods_tops(layout, parents) == {tmp_path / "kubepods", tmp_path / "kubepods.slice"}
+    assert pod_cgroups(layout, parents) == {
+        tmp_path / "kubepods" / "burstable" / "pod1234",
+        tmp_path
+        / "kubepods.slice"
+        / "kubepods-besteffort.slice"
+        / "kubepods-besteffort-pod5678.slice",
+    }
+
+
+async def test_a_cpu_back_online_is_not_given_to_a_container_whose_start_is_in_flight(
+    tmp_path: Path,
+) -> None:
+    """Under v1 a pinned container's cgroup exists from its StartContainer on (runc makes it)
+    while cpushim locates it only once the start answers: the give-back must not widen it."""
+    async with following(tmp_path) as f:
+        env, root = f.env, tmp_path / "cpuset"
+        assert f.events is not None
+        f.take_offline(3)
+        f.events.send(uevent("offline", cpu=3))
+        await f.replanned()
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        reply = await env.kubelet.create(pod, "main", 1000)
+        container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+        cgroup_dir = env.fake.cgroup_dir(container_id)
+        assert cgroup_dir is not None
+        # The kubepods tree as the kernel left it (CPU 3 gone from all but the root), and the
+        # container's cgroup as runc makes it before the start answers.
+        cgroup(root, "0-7")
+        for level in cgroup_dir.relative_to(root).parents:
+            if level.parts:
+                cgroup(root / level, "0-2,4-7")
+        cgroup(cgroup_dir, env.fake.containers[container_id].resources.cpuset_cpus)
+        pinned = cpus_of(cgroup_dir)
+        assert 3 not in CPUSet.parse(pinned)
+        start = env.fake.gate("StartContainer")
+        starting = asyncio.create_task(
+            env.kubelet.call(
+                "StartContainer",
+                pb.StartContainerRequest(container_id=container_id).SerializeToString(),
+            )
+        )
+        await until(lambda: env.fake.calls_of("StartContainer") != [], "the start sent")
+        f.take_offline()
+        f.events.send(uevent("online", cpu=3))
+        pod_dir = cgroup_dir.parent
+        await until(lambda: cpus_of(pod_dir) == "0-7", "the pod's cgroup given CPU 3")
+        assert cpus_of(cgroup_dir) == pinned
+        start.set()
+        await starting
+        await f.replanned(2)
