@@ -14,7 +14,9 @@ or one whose queue overflowed). A change builds the policy again from the option
 (``Engine.change_policy``): containers whose CPUs went offline get others where there is
 room, the pool follows, the checkpoint is rewritten with the new topology. A policy that
 cannot be built (a reserved CPU named in the config went offline) is refused with the
-reason, once per set of online CPUs, and the old plan stays.
+reason, once per set of online CPUs, and the old plan stays; so is one whose checkpoint
+cannot be written. A refused change is tried again at every full look, or on its own while
+there are none (``resyncPeriod`` 0), as a refused config file is.
 
 Under cgroup v1 a CPU back online is in the root cpuset only: before the re-plan hands it
 out, the cgroups above kubelet's containers (the kubepods tree: its QoS classes and pods) get
@@ -41,6 +43,7 @@ from shim import cgroups
 from shim.cgroups import CgroupError, CgroupLayout, CgroupVersion
 from shim.cpuset import CPUSet
 from shim.engine.resync import adopt_sharing
+from shim.engine.retrying import Retry
 from shim.fileio import read_file
 from shim.policy import CPUPolicy
 
@@ -183,6 +186,16 @@ class CPUFollower:
         # The last refusal (the CPUs online, the reason): told once.
         self._refused: tuple[CPUSet, str] | None = None
         self._stopped = False
+        self._stopping = asyncio.Event()
+        # Checks again after a refusal while no full look will (resyncPeriod 0): the reason
+        # may be the machine's (a checkpoint that could not be written), and no uevent
+        # comes for it.
+        self._retry = Retry(
+            self._check_again,
+            lambda: self.engine.options.retry_delay,
+            self._stopping,
+            self.engine._spawn,
+        )
 
     def start(self) -> None:
         try:
@@ -201,6 +214,7 @@ class CPUFollower:
 
     def stop(self) -> None:
         self._stopped = True
+        self._stopping.set()
         if self.check_soon in self.watcher.full_look_hooks:
             self.watcher.full_look_hooks.remove(self.check_soon)
         if self._socket is not None:
@@ -303,7 +317,21 @@ class CPUFollower:
                     extra={"fields": {"cpus": str(came_online), "cgroups": len(widened)}},
                 )
 
+    async def _check_again(self) -> bool:
+        """Done when the plan follows the CPUs online, or full looks will check instead."""
+        if self._stopped or self.engine._draining.is_set() or self.watcher.resync_period > 0:
+            return True
+        try:
+            await self.check()
+        except Exception:
+            # A defect, not the machine: checking again would fail the same way.
+            log.exception("watch job failed", extra={"fields": {"job": _JOB}})
+            return True
+        return self._refused is None
+
     def _refuse(self, online: CPUSet, reason: str) -> None:
+        if self.watcher.resync_period <= 0:
+            self._retry.soon()
         if self._refused == (online, reason):
             return
         self._refused = (online, reason)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import shutil
 import socket
@@ -28,7 +29,7 @@ from shim.engine.hotplug import (
 )
 from shim.engine.watching import Watcher
 from shim.run import RunOptions, build_policy
-from shim.state import integrity_problems
+from shim.state import CPUState, integrity_problems
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, write_sysfs
 from tests.unit.engine_env import Env, make_env, until
@@ -104,7 +105,7 @@ async def following(
             fake,
             tmp_path / "state",
             build_policy(options),
-            options=EngineOptions(record_delay=3600),
+            options=EngineOptions(record_delay=3600, retry_delay=0.01),
         )
         watcher = Watcher(env.engine, resync_period=0)
         watcher.start()
@@ -231,6 +232,35 @@ async def test_a_reserved_cpu_gone_offline_is_refused_once_and_the_plan_stays(
         assert caplog.text.count("cannot be planned with them") == 1
         (refusal,) = [r for r in caplog.records if r.name == "shim.engine.hotplug"]
         assert "reserved CPUs 4 are not online" in refusal.fields["error"]  # type: ignore[attr-defined]
+
+
+async def test_a_checkpoint_that_could_not_be_written_is_tried_again_without_full_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With resyncPeriod 0 no full look compares the CPUs again: a re-plan refused for the
+    machine's sake (the disk) is tried again on its own, as a refused config file is."""
+    async with following(tmp_path) as f:
+        assert f.watcher.resync_period == 0
+        checkpoint = f.env.engine.checkpoint
+        save = checkpoint.save
+        failures = [OSError(errno.ENOSPC, "No space left on device")]
+
+        async def save_once_failing(state: CPUState) -> None:
+            if failures:
+                raise failures.pop()
+            await save(state)
+
+        monkeypatch.setattr(checkpoint, "save", save_once_failing)
+        shared_pod = await f.env.kubelet.run_pod("web", "besteffort")
+        shared_id = await f.env.kubelet.start_new(shared_pod, "main")
+        f.take_offline(4)
+        assert f.events is not None
+        f.events.send(uevent("offline"))
+        counters = f.env.engine.counters
+        await until(lambda: counters["cpu_hotplug_replans_refused"] == 1, "the refusal")
+        await f.replanned()
+        assert 4 not in CPUSet.parse(f.env.kernel_cpus(shared_id) or "")
+        assert counters["cpu_hotplug_replans_refused"] == 1
 
 
 async def test_stopping_closes_the_uevent_socket_and_leaves_the_full_look(tmp_path: Path) -> None:
