@@ -23,8 +23,10 @@ out, the cgroups above kubelet's containers (the kubepods tree: its QoS classes 
 it back, parents first, as they had every CPU when kubelet made them. Nothing inside a pod's
 cgroup is touched: its containers' cgroups are cpushim's to write (the re-plan does), and one
 cpushim has not located yet (its StartContainer in flight, one another client made) must not
-be given a CPU the re-plan may pin for another container. cgroup v2 needs none of this (a
-cgroup with no set of its own follows its parent).
+be given a CPU the re-plan may pin for another container. Every check does the same for a
+CPU the policy hands out that kubelet's tree lacks with no change to re-plan for: one that
+went offline and came back before a check looked, or while the re-plan was refused. cgroup
+v2 needs none of this (a cgroup with no set of its own follows its parent).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import os
 import re
 import socket
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Final
 
@@ -123,17 +126,25 @@ def pod_cgroups(layout: CgroupLayout, cgroup_parents: Iterable[str]) -> set[Path
     return {layout.root / pod for pod in pods if pod is not None}
 
 
-def give_back_online(top: Path, came_online: CPUSet, pods: set[Path]) -> list[Path]:
-    """Cgroup v1: add the CPUs that came back online to the cpusets of kubelet's tree below
-    ``top`` (``top`` included), parents first, as far as each parent has them, down to the
-    pods' cgroups and no further: nothing inside a pod's cgroup (a container's, or its
-    sandbox's) is touched. A pod's cgroup is one of ``pods`` (those cpushim knows) or named
-    as kubelet names them (a pod whose sandbox is on its way). Returns the cgroups widened;
-    a cgroup that refuses (gone meanwhile, or the kernel's refusal) is logged and its subtree
-    left."""
+def give_back_online(
+    top: Path, came_online: CPUSet, handed_out: CPUSet, pods: set[Path]
+) -> list[Path]:
+    """Cgroup v1: add the CPUs of ``handed_out`` (those the policy gives containers) that
+    came back online, and those ``top`` lacks (the kernel took them out as they went
+    offline, and a check saw them online only: back before it looked, or while a re-plan
+    was refused), to the cpusets of kubelet's tree below ``top`` (``top`` included),
+    parents first, as far as each parent has them, down to the pods' cgroups and no
+    further: nothing inside a pod's cgroup (a container's, or its sandbox's) is touched. A
+    pod's cgroup is one of ``pods`` (those cpushim knows) or named as kubelet names them (a
+    pod whose sandbox is on its way). Returns the cgroups widened; a cgroup that refuses
+    (gone meanwhile, or the kernel's refusal) is logged and its subtree left."""
     widened: list[Path] = []
     parent_cpus = cgroups.read_cpus(top.parent)
-    if parent_cpus is None:
+    top_cpus = cgroups.read_cpus(top)
+    if parent_cpus is None or top_cpus is None:
+        return widened
+    came_online = (came_online | (parent_cpus - top_cpus)) & handed_out
+    if not came_online:
         return widened
     pending: list[tuple[Path, CPUSet]] = [(top, parent_cpus)]
     while pending:
@@ -259,6 +270,9 @@ class CPUFollower:
             planned = self.engine.policy.topology.online
             if online == planned:
                 self._refused = None
+                # A CPU may have gone offline and come back before this look (or while a
+                # re-plan was refused): under v1 kubelet's tree has lost it all the same.
+                await self._give_back_unplanned()
                 return
             try:
                 policy = await asyncio.to_thread(self._build_policy, options)
@@ -266,13 +280,16 @@ class CPUFollower:
                 self._refuse(online, str(exc))
                 return
             now = policy.topology.online
-            if now == planned or self._stopped:
+            if self._stopped:
+                return
+            if now == planned:
                 # Listed online with no topology files (read as not there at start too):
                 # nothing to plan anew.
                 self._refused = None
+                await self._give_back_unplanned()
                 return
             came_online, went_offline = now - planned, planned - now
-            await self._give_back(came_online)
+            await self._give_back(policy, came_online)
             try:
                 lost = await self.engine.change_policy(policy)
             except OSError as exc:
@@ -302,20 +319,46 @@ class CPUFollower:
         # A change while the policy was built made a uevent (or waits for the next full
         # look), which runs this again.
 
-    async def _give_back(self, came_online: CPUSet) -> None:
-        layout = self.engine.mover.layout
-        if not came_online or layout is None or layout.version is not CgroupVersion.V1:
+    async def _give_back_unplanned(self) -> None:
+        """Give kubelet's tree what it lacks with no re-plan to follow: the containers'
+        cgroups lost the CPUs too, with no event to tell the watcher (the kernel's change),
+        and no move writes them. Each is looked at again, and written back as planned."""
+        if not await self._give_back(self.engine.policy, CPUSet()):
             return
+        for tracked in list(self.engine.containers.values()):
+            if tracked.cgroup is not None:
+                self.watcher.jobs.request(tracked.id, partial(self.watcher.check, tracked.id))
+
+    async def _give_back(self, policy: CPUPolicy, came_online: CPUSet) -> bool:
+        """Cgroup v1: kubelet's tree gets back the CPUs ``policy`` hands out that it lacks
+        (:func:`give_back_online`), before the re-plan hands them out. Whether any cgroup
+        was widened."""
+        layout = self.engine.mover.layout
+        if layout is None or layout.version is not CgroupVersion.V1:
+            return False
+        given = False
+        handed_out = policy.shared_pool({}) | policy.exclusive_candidates
         parents = [pod.cgroup_parent for pod in self.engine.pods.values()]
         pods = pod_cgroups(layout, parents)
         for top in sorted(kubepods_tops(layout, parents)):
             # A walk of every pod's cgroups: off the loop.
-            widened = await asyncio.to_thread(give_back_online, top, came_online, pods)
+            try:
+                widened = await asyncio.to_thread(
+                    give_back_online, top, came_online, handed_out, pods
+                )
+            except (OSError, ValueError) as exc:
+                log.warning(
+                    "cannot give a CPU back online to a cgroup",
+                    extra={"fields": {"cgroup": str(top.parent), "error": str(exc)}},
+                )
+                continue
             if widened:
+                given = True
                 log.info(
                     "CPUs back online given back to kubelet's cgroups (cgroup v1)",
-                    extra={"fields": {"cpus": str(came_online), "cgroups": len(widened)}},
+                    extra={"fields": {"top": str(top), "cgroups": len(widened)}},
                 )
+        return given
 
     async def _check_again(self) -> bool:
         """Done when the plan follows the CPUs online, or full looks will check instead."""

@@ -107,7 +107,7 @@ async def following(
             build_policy(options),
             options=EngineOptions(record_delay=3600, retry_delay=0.01),
         )
-        watcher = Watcher(env.engine, resync_period=0)
+        watcher = Watcher(env.engine, resync_period=0, sysfs_root=sysfs)
         watcher.start()
         follower = CPUFollower(watcher, lambda: options, build_policy, open_socket=open_socket)
         follower.start()
@@ -298,7 +298,9 @@ def test_a_cpu_back_online_is_given_back_down_kubelets_tree_but_not_into_pods(
     untracked = cgroup(unknown / "untracked", "1")
     narrow = cgroup(top / "narrow", "1")  # a set of its own, without CPU 3 before either
     elsewhere = cgroup(root / "system.slice", "0-2")
-    widened = give_back_online(top, CPUSet.parse("3"), pods={pod, top / "pod2"})
+    widened = give_back_online(
+        top, CPUSet.parse("3"), CPUSet.parse("0-3"), pods={pod, top / "pod2"}
+    )
     assert cpus_of(top) == cpus_of(qos) == cpus_of(pod) == cpus_of(unknown) == "0-3"
     assert cpus_of(top / "pod2") == "0-3"
     # Inside pods nothing: containers are cpushim's to write, located or not.
@@ -321,7 +323,7 @@ def test_the_systemd_drivers_pod_slices_are_where_the_give_back_stops(tmp_path: 
         cgroup(pod / "cri-containerd-abc.scope", "1"),
         cgroup(guaranteed / "cri-containerd-def.scope", "2"),
     ]
-    give_back_online(top, CPUSet.parse("3"), pods=set())
+    give_back_online(top, CPUSet.parse("3"), CPUSet.parse("0-3"), pods=set())
     assert cpus_of(top) == cpus_of(qos) == cpus_of(pod) == cpus_of(guaranteed) == "0-3"
     assert [cpus_of(scope) for scope in scopes] == ["1", "2"]
 
@@ -329,7 +331,7 @@ def test_the_systemd_drivers_pod_slices_are_where_the_give_back_stops(tmp_path: 
 def test_nothing_is_given_back_that_a_parent_lacks(tmp_path: Path) -> None:
     root = cgroup(tmp_path, "0-2")  # CPU 3 not back in the root (offline again)
     top = cgroup(root / "kubepods", "0-2")
-    assert give_back_online(top, CPUSet.parse("3"), pods=set()) == []
+    assert give_back_online(top, CPUSet.parse("3"), CPUSet.parse("0-3"), pods=set()) == []
     assert cpus_of(top) == "0-2"
 
 
@@ -391,3 +393,40 @@ async def test_a_cpu_back_online_is_not_given_to_a_container_whose_start_is_in_f
         start.set()
         await starting
         await f.replanned(2)
+
+
+async def test_a_cpu_back_online_after_a_refused_re_plan_is_given_back_to_kubelets_tree(
+    tmp_path: Path,
+) -> None:
+    """Under v1 the kernel took the reserved CPU out of kubelet's tree as it went offline;
+    the re-plan was refused, so the plan still names it. Back online, the CPUs online are
+    those planned again, yet kubelet's tree must get it back: the shared containers' sets
+    name it, and runc could create none below a pod's cgroup without it."""
+    async with following(tmp_path, reserved="0,4") as f:
+        env, root = f.env, tmp_path / "cpuset"
+        assert f.events is not None
+        pod = await env.kubelet.run_pod("web", "besteffort")
+        shared_id = await env.kubelet.start_new(pod, "main")
+        cgroup_dir = env.fake.cgroup_dir(shared_id)
+        assert cgroup_dir is not None
+        kubelets = [root / level for level in cgroup_dir.relative_to(root).parents if level.parts]
+        cgroup(root, "0-7")
+        for level in kubelets:
+            cgroup(level, "0-7")
+        f.take_offline(4)
+        # What the kernel does under v1 as the CPU goes: out of every cpuset but the root's.
+        for level in [*kubelets, cgroup_dir]:
+            cgroup(level, "0-3,5-7")
+        f.events.send(uevent("offline"))
+        counters = env.engine.counters
+        await until(lambda: counters["cpu_hotplug_replans_refused"] == 1, "the refusal")
+        f.take_offline()
+        f.events.send(uevent("online"))
+        await until(
+            lambda: all(cpus_of(level) == "0-7" for level in kubelets),
+            "kubelet's tree given CPU 4 back",
+        )
+        # No change to re-plan for, so no move: the container's cgroup is looked at again
+        # (the kernel's change made no event to watch), and written back as planned.
+        await until(lambda: cpus_of(cgroup_dir) == "0-7", "the container given CPU 4 back")
+        assert counters["cpu_hotplug_replans"] == 0
