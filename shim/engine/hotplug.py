@@ -214,7 +214,8 @@ class CPUFollower:
         except OSError as exc:
             log.warning(
                 "cannot receive the kernel's CPU hotplug events; CPUs going offline or online"
-                " are followed at each full look (resyncPeriod) only",
+                " are followed at each full look (resyncPeriod) only, and with resyncPeriod 0"
+                " at the next start",
                 extra={"fields": {"error": str(exc)}},
             )
         else:
