@@ -35,6 +35,7 @@ __all__ = [
     "integrity_problems",
     "policy_of",
     "replan",
+    "topology_changed",
     "topology_fingerprint",
 ]
 
@@ -201,16 +202,19 @@ def policy_of(state: CPUState, topology: Topology) -> CPUPolicy:
         raise CheckpointError(f"its policy cannot be rebuilt on this machine: {exc}") from exc
 
 
+def topology_changed(state: CPUState, topology: Topology) -> bool:
+    """Whether ``state`` was written for other CPUs: some went offline or online, were added
+    or removed, or isolated (a reboot with another ``isolcpus``). Start-up re-plans such a
+    state with the CPUs there are now, as a live change of them does."""
+    return state.topology != topology_fingerprint(topology)
+
+
 def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
-    """Everything that makes ``state`` inconsistent in itself or with this machine."""
+    """Everything that makes ``state`` inconsistent in itself or with this machine. One
+    written for another topology (:func:`topology_changed`) is checked in itself only:
+    which CPUs are online, and what its policy left for the pool, were another machine's."""
     problems: list[str] = []
-    fingerprint = topology_fingerprint(topology)
-    if state.topology != fingerprint:
-        problems.append(
-            f"it was written for another CPU topology ({state.topology}; this machine is"
-            f" {fingerprint}): CPUs were added, removed, offlined or isolated since"
-        )
-        return problems
+    changed = topology_changed(state, topology)
     held = CPUSet()
     holders: dict[str, ContainerKey] = {}
     for key, assignment in state.assignments.items():
@@ -224,7 +228,7 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
                 )
         if not cpus:
             problems.append(f"{key} holds no CPUs")
-        if not cpus.issubset(topology.online):
+        if not changed and not cpus.issubset(topology.online):
             problems.append(f"{key} holds CPUs {cpus - topology.online} that are not online")
         if cpus & held:
             problems.append(f"{key} holds CPUs {cpus & held} that another container also holds")
@@ -236,6 +240,8 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
     if state.shared & held:
         overlap = state.shared & held
         problems.append(f"the shared pool {state.shared} overlaps exclusive CPUs {overlap}")
+    if changed:
+        return problems
     try:
         policy = policy_of(state, topology)
     except UnknownPolicyError:

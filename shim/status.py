@@ -33,6 +33,8 @@ for none).
     reserved, shared  CPU lists
     problems          what is inconsistent in the checkpoint or with this machine (strings;
                       a running cpushim would refuse this checkpoint at start), usually []
+    topology_changed  true when the checkpoint was written for other CPUs (some offline,
+                      online, added or isolated since): cpushim re-plans at its next start
     assignments       one object per exclusive assignment, by lowest CPU: {"tag", "pod_uid",
                       "pod" ("namespace/name", may be ""), "container", "container_id" ("" while
                       its CreateContainer is in flight), "sandbox_id", "attempt", "cpus",
@@ -57,7 +59,13 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from shim.cpuset import CPUSet
-from shim.state import Assignment, ContainerKey, CPUState, integrity_problems
+from shim.state import (
+    Assignment,
+    ContainerKey,
+    CPUState,
+    integrity_problems,
+    topology_changed,
+)
 from shim.topology import Topology
 
 __all__ = [
@@ -669,6 +677,12 @@ def render_status(
         lines += _field("runtime", seen, width)
     for problem in integrity_problems(state, topology):
         lines += _wrap(f"warning: the checkpoint is inconsistent: {problem}", width)
+    if topology_changed(state, topology):
+        lines += _wrap(
+            "note: the checkpoint was written for other CPUs (some went offline or online, or"
+            " were isolated, since); cpushim re-plans with these at its next start",
+            width,
+        )
     lines.append("")
     text = "\n".join(lines) + "\n"
     text += render_map(topology, owners, color, width) + "\n"
@@ -797,6 +811,7 @@ def status_json(
         reserved=str(state.reserved),
         shared=str(state.shared),
         problems=integrity_problems(state, topology),
+        topology_changed=topology_changed(state, topology),
         assignments=[
             {
                 "tag": tags.get(key),

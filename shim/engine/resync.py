@@ -46,6 +46,7 @@ from shim.state import (
     CPUState,
     integrity_problems,
     replan,
+    topology_changed,
 )
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,21 @@ def _load(engine: Engine, recover_from_runtime: bool) -> CPUState | None:
     if problems:
         raise StartupError(
             f"the checkpoint {path} is inconsistent: {'; '.join(problems)}. {RECOVERY_HINT}"
+        )
+    if topology_changed(loaded, engine.policy.topology):
+        # A reboot with a CPU back that went offline while cpushim ran (it followed it),
+        # another isolcpus, a CPU hotplugged while cpushim was down: re-planned below.
+        log.warning(
+            "the CPUs changed since the checkpoint was written (offline, online, added,"
+            " removed or isolated); re-planning with the CPUs there are now",
+            extra={
+                "fields": {
+                    "path": str(path),
+                    "written_for": loaded.topology,
+                    "online": str(engine.policy.topology.online),
+                    "isolated": str(engine.policy.topology.isolated),
+                }
+            },
         )
     return loaded
 
@@ -551,15 +567,15 @@ def _reconcile(
     state = loaded if loaded is not None else CPUState.empty(policy)
     previous = dict(state.assignments)
     displaced: list[ContainerKey] = []
-    if (state.policy, state.options, state.reserved) != (
-        policy.name,
-        policy.option_names,
-        policy.reserved,
-    ):
+    if topology_changed(state, policy.topology) or (
+        state.policy,
+        state.options,
+        state.reserved,
+    ) != (policy.name, policy.option_names, policy.reserved):
         was = f"{state.policy} options={sorted(state.options)} reserved={state.reserved}"
         state, displaced = replan(state, policy)
         log.info(
-            "policy changed since the checkpoint; re-planned",
+            "policy or CPUs changed since the checkpoint; re-planned",
             extra={
                 "fields": {
                     "was": was,

@@ -73,3 +73,25 @@ def test_the_shared_pool_follows_a_cpu_going_offline_and_online(
     tell_the_kernel("online")
     for container_id in (shared_id, guaranteed_id, later_id):
         wait_until_on(shim, kubelet, container_id, "0-1")
+
+
+def test_a_start_after_the_cpus_changed_re_plans_instead_of_refusing(
+    shim: Shim, via: Callable[[], KubeletClient], tmp_path: Path
+) -> None:
+    """CPU 1 went offline while cpushim was down: its checkpoint was written for CPUs 0-1.
+    It starts all the same, and the container is moved to the CPUs there are now."""
+    sysfs = write_sysfs(MACHINE, tmp_path / "sys")
+    shim.reserved_flags = ()
+    flags = ("--policy", "none", "--sysfs-root", str(sysfs))
+    shim.start(*flags)
+    kubelet = via()
+    _, shared_id = start_pod(kubelet, "shared", "besteffort")
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+    shim.stop()
+
+    shutil.rmtree(sysfs)
+    write_sysfs(replace(MACHINE, offline=frozenset({1})), sysfs)
+    shim.start(*flags)
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+    assert shim.process is not None
+    assert "the CPUs changed since the checkpoint was written" in shim.process.log()

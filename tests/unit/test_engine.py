@@ -8,12 +8,14 @@ socket 0 holds CPUs 0,1,4,5 and socket 1 holds 2,3,6,7; CPU 0 is reserved.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 import pytest
@@ -32,7 +34,7 @@ from shim.kube import QOSClass
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
-from shim.state import ContainerKey, CPUState
+from shim.state import ContainerKey, CPUState, topology_changed
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import (
     QoSClass,
@@ -1051,11 +1053,59 @@ async def test_recoveries_within_one_second_keep_every_old_checkpoint(
     assert [p.read_bytes() for p in found] == kept
 
 
-async def test_a_checkpoint_from_another_machine_is_refused(env: Env, tmp_path: Path) -> None:
-    await env.kubelet.start_new(await env.kubelet.run_pod("db", "guaranteed"), "main", 1000)
+async def test_a_checkpoint_written_for_other_cpus_is_re_planned_at_start(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CPU taken offline while cpushim was down (a reboot with another isolcpus, one with
+    a CPU back that went offline while cpushim ran and followed it): the containers keep
+    what they can, the others get CPUs there are now, without a recovery by hand."""
+    kubelet = env.kubelet
+    shared_id = await kubelet.start_new(await kubelet.run_pod("web", "besteffort"), "main")
+    kept_id = await kubelet.start_new(await kubelet.run_pod("kept", "guaranteed"), "main", 1000)
+    moved_id = await kubelet.start_new(await kubelet.run_pod("db", "guaranteed"), "main", 1000)
+    kept, lost = env.cpus(kept_id), CPUSet.parse(env.cpus(moved_id))
+    fewer = expected_topology(
+        MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2, offline=frozenset(lost))
+    )
+    with caplog.at_level(logging.WARNING):
+        await env.restart(StaticPolicy.create(fewer, reserved=CPUSet.parse("0")))
+    assert "the CPUs changed since the checkpoint was written" in caplog.text
+    assert env.cpus(kept_id) == kept
+    moved = CPUSet.parse(env.cpus(moved_id))
+    assert len(moved) == 1
+    assert not moved & (lost | CPUSet.parse("0") | CPUSet.parse(kept))
+    assert env.cpus(shared_id) == str(env.engine.state.shared)
+    assert not env.engine.state.shared & lost
+    saved = env.engine.checkpoint.load()
+    assert saved is not None
+    assert not topology_changed(saved, fewer)
+    assert_consistent(env)
+
+
+async def test_a_checkpoint_in_itself_inconsistent_is_refused_on_other_cpus_too(
+    env: Env,
+) -> None:
+    pinned_id = await env.kubelet.start_new(
+        await env.kubelet.run_pod("db", "guaranteed"), "main", 1000
+    )
+    state = env.engine.state
+    (key,) = state.assignments
+    # A second container on the same CPUs: what no topology change explains.
+    twin = ContainerKey("another-pod", "main")
+    broken = dataclasses.replace(
+        state,
+        assignments=MappingProxyType(
+            {
+                **state.assignments,
+                twin: dataclasses.replace(state.assignments[key], container_id="x"),
+            }
+        ),
+    )
+    env.engine.checkpoint.save_sync(broken)
     other = expected_topology(MachineSpec(sockets=1, cores_per_die=8, threads_per_core=1))
-    with pytest.raises(StartupError, match="another CPU topology"):
+    with pytest.raises(StartupError, match="also holds"):
         await env.restart(StaticPolicy.create(other, reserved=CPUSet.parse("0")))
+    assert env.cpus(pinned_id) == FIRST_SINGLE
 
 
 async def test_a_new_reserved_set_is_replanned_without_a_drain(env: Env) -> None:

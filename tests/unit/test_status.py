@@ -556,19 +556,32 @@ def test_an_empty_state_has_no_table() -> None:
 # -- problems ----------------------------------------------------------------------------------
 
 
-def test_a_checkpoint_from_another_machine_is_flagged() -> None:
+def test_a_checkpoint_for_other_cpus_is_noted_as_re_planned_not_inconsistent() -> None:
     topology = expected_topology(SMALL)
     state = dataclasses.replace(small_state(topology), topology="sha256:" + "0" * 32)
     text = render_status(topology, state, width=80)
-    assert "warning: the checkpoint is inconsistent: it was written for another CPU" in text
-    assert status_json(topology, state)["problems"][0].startswith("it was written for another")
-    assert status_json(topology, small_state(topology))["problems"] == []
+    assert "inconsistent" not in text
+    assert "note: the checkpoint was written for other CPUs" in " ".join(text.split())
+    document = status_json(topology, state)
+    assert document["problems"] == []
+    assert document["topology_changed"] is True
+    assert status_json(topology, small_state(topology))["topology_changed"] is False
+    assert "note:" not in render_status(topology, small_state(topology), width=80)
 
 
 # -- JSON --------------------------------------------------------------------------------------
 
 TOPOLOGY_KEYS = ["format", "online", "isolated", "offline", "summary", "cpus"]
-STATUS_KEYS = [*TOPOLOGY_KEYS, "policy", "options", "reserved", "shared", "problems", "assignments"]
+STATUS_KEYS = [
+    *TOPOLOGY_KEYS,
+    "policy",
+    "options",
+    "reserved",
+    "shared",
+    "problems",
+    "topology_changed",
+    "assignments",
+]
 CPU_KEYS = ["cpu", "socket", "die", "numa_node", "core_id", "last_level_cache", "isolated"]
 OWNER_KEYS = ["owner", "tag", "pod_uid", "container", "in_shared_pool"]
 ASSIGNMENT_KEYS = [
