@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from shim import notify
+from shim import __version__, notify
 from shim.cgroups import CgroupError, CgroupLayout
 from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
@@ -382,6 +382,8 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
                     "runtime": options.runtime_endpoint,
                     "image": options.image_endpoint,
                     "runtime_reply_bytes": sum(len(m) for m in version.messages),
+                    # After an upgrade, whether the process serving is the new one.
+                    "version": __version__,
                 }
             },
         )

@@ -20,6 +20,7 @@ import grpc
 import orjson
 import pytest
 
+from shim import __version__
 from shim.cri.server import AlreadyServingError, prepare_socket_path
 from tests.fake_cri import FakeRuntimeServer, short_tmpdir
 from tests.harness.containerd import cpushim_command, wait_for
@@ -89,6 +90,11 @@ def logged(log: Path, message: str) -> bool:
     )
 
 
+def records(log: Path) -> list[dict[str, object]]:
+    whole = log.read_text().rpartition("\n")[0]
+    return [orjson.loads(line) for line in whole.splitlines() if line.startswith("{")]
+
+
 def call_in_flight(
     fake: FakeRuntimeServer,
     channel: grpc.Channel,
@@ -123,6 +129,8 @@ def test_sigterm_finishes_the_call_in_flight_and_exits_zero(fake: FakeRuntimeSer
         wait_serving(proc, listen, log)
         # The socket accepts connections a moment before the line is logged.
         wait_for(lambda: logged(log, "serving"), 10, "the serving line")
+        (serving,) = [r for r in records(log) if r["msg"] == "serving"]
+        assert serving["version"] == __version__
         outcome: dict[str, object] = {}
         with grpc.insecure_channel(f"unix://{listen}") as ch:
             assert unary(ch, RUNTIME + "Version", b"echo:v", timeout=10).endswith(b"echo:v")
