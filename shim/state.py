@@ -9,7 +9,7 @@ arithmetic, and so a checkpoint whose parts disagree is caught.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Final
@@ -263,16 +263,25 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
     return problems
 
 
-def replan(state: CPUState, policy: CPUPolicy) -> tuple[CPUState, list[ContainerKey]]:
+def replan(
+    state: CPUState,
+    policy: CPUPolicy,
+    fits: Callable[[ContainerKey, Assignment, Mapping[ContainerKey, CPUSet]], bool] | None = None,
+) -> tuple[CPUState, list[ContainerKey]]:
     """Keep each assignment that is still valid under ``policy`` (all its CPUs exclusive
-    candidates, none taken by a kept one); return the state under ``policy`` and the keys that
-    lost their assignment and need a new one."""
+    candidates, none taken by a kept one, and ``fits`` given the ones kept before it, when
+    given); return the state under ``policy`` and the keys that lost their assignment and
+    need a new one."""
     kept: dict[ContainerKey, Assignment] = {}
     displaced: list[ContainerKey] = []
     held = CPUSet()
     candidates = policy.exclusive_candidates
     for key, assignment in sorted(state.assignments.items()):
-        if assignment.cpus.issubset(candidates) and not assignment.cpus & held:
+        if (
+            assignment.cpus.issubset(candidates)
+            and not assignment.cpus & held
+            and (fits is None or fits(key, assignment, {k: a.cpus for k, a in kept.items()}))
+        ):
             kept[key] = assignment
             held |= assignment.cpus
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import orjson
@@ -567,13 +567,17 @@ def _reconcile(
     state = loaded if loaded is not None else CPUState.empty(policy)
     previous = dict(state.assignments)
     displaced: list[ContainerKey] = []
-    if topology_changed(state, policy.topology) or (
+    other_cpus = topology_changed(state, policy.topology)
+    if other_cpus or (
         state.policy,
         state.options,
         state.reserved,
     ) != (policy.name, policy.option_names, policy.reserved):
         was = f"{state.policy} options={sorted(state.options)} reserved={state.reserved}"
-        state, displaced = replan(state, policy)
+        # Written for other CPUs, a set is kept only if it would be handed out now: one
+        # isolated since, or a lone thread of a core whose sibling came online, is not.
+        fits = _fits_now(engine, pods, live) if other_cpus else None
+        state, displaced = replan(state, policy, fits)
         log.info(
             "policy or CPUs changed since the checkpoint; re-planned",
             extra={
@@ -694,6 +698,36 @@ def _reconcile(
             report.adopted_exclusive.append(str(adopted_key))
         candidates = pending
     return state.under(policy)
+
+
+def _fits_now(
+    engine: Engine, pods: Mapping[str, Pod], live: Mapping[str, LiveContainer]
+) -> Callable[[ContainerKey, Assignment, Mapping[ContainerKey, CPUSet]], bool]:
+    """Whether the policy would hand an assignment's CPUs to its container now, beside the
+    ones kept before it (:meth:`refusal`: isolation, whole cores). One whose container is
+    not running is left to the release that follows."""
+
+    def fits(
+        key: ContainerKey, assignment: Assignment, kept: Mapping[ContainerKey, CPUSet]
+    ) -> bool:
+        holders = [
+            c
+            for c in live.values()
+            if c.id == assignment.container_id
+            or (
+                not assignment.container_id
+                and (pod := pods.get(c.sandbox_id)) is not None
+                and ContainerKey(pod.uid, c.name) == key
+            )
+        ]
+        if not holders:
+            return True
+        container = max(holders, key=lambda c: c.attempt)
+        plan = _plan(pods.get(container.sandbox_id), container)
+        request = exclusive_request(len(assignment.cpus), plan.isolated, assignment.mems)
+        return engine.policy.refusal(kept, request, assignment.cpus) is None
+
+    return fits
 
 
 def _shows_pinned(engine: Engine, container: LiveContainer, plan: ContainerPlan) -> bool:

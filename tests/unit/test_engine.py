@@ -1082,6 +1082,49 @@ async def test_a_checkpoint_written_for_other_cpus_is_re_planned_at_start(
     assert_consistent(env)
 
 
+async def test_a_re_plan_for_other_cpus_keeps_no_set_the_container_would_not_be_given(
+    tmp_path: Path,
+) -> None:
+    """A reboot with another isolcpus (or SMT turned on): a kept assignment must still be
+    one the policy would hand its container. One that avoids isolated CPUs does not keep
+    a CPU isolated since, nor does one under full-pcpus-only keep a lone thread of a core
+    whose sibling came online."""
+    options = StaticPolicyOptions(full_pcpus_only=True)
+    without_smt = expected_topology(MachineSpec(sockets=1, cores_per_die=4, threads_per_core=1))
+    async with FakeRuntime() as fake:
+        env = await make_env(
+            fake, tmp_path, StaticPolicy.create(without_smt, reserved=CPUSet.parse("0"))
+        )
+        plain_id = await env.kubelet.start_new(
+            await env.kubelet.run_pod("plain", "guaranteed"), "main", 1000
+        )
+        plain = CPUSet.parse(env.cpus(plain_id))
+        # Now its CPU is isolated and every core has two threads (siblings n and n + 4).
+        isolated_now = expected_topology(
+            MachineSpec(sockets=1, cores_per_die=4, threads_per_core=2, isolated=frozenset(plain))
+        )
+        await env.restart(StaticPolicy.create(isolated_now, reserved=CPUSet.parse("0,4")))
+        moved = CPUSet.parse(env.cpus(plain_id))
+        assert len(moved) == 1
+        assert not moved & isolated_now.isolated
+        assert_consistent(env)
+
+        await env.restart(StaticPolicy.create(without_smt, reserved=CPUSet.parse("0")))
+        whole_id = await env.kubelet.start_new(
+            await env.kubelet.run_pod("whole", "guaranteed"), "main", 2000
+        )
+        lone = CPUSet.parse(env.cpus(whole_id))
+        with_smt = expected_topology(MachineSpec(sockets=1, cores_per_die=4, threads_per_core=2))
+        await env.restart(
+            StaticPolicy.create(with_smt, reserved=CPUSet.parse("0,4"), options=options)
+        )
+        cpus = CPUSet.parse(env.cpus(whole_id))
+        assert cpus != lone
+        assert with_smt.whole_cores_in(cpus) == cpus
+        assert_consistent(env)
+        env.channel.close()
+
+
 async def test_a_checkpoint_in_itself_inconsistent_is_refused_on_other_cpus_too(
     env: Env,
 ) -> None:
