@@ -118,7 +118,8 @@ class CPUSet:
         return self._mask != 0
 
     def __contains__(self, cpu: object) -> bool:
-        if not isinstance(cpu, int) or cpu < 0:
+        # bool is an int, but True is no more CPU 1 here than in the constructor.
+        if not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < 0:
             return False
         return bool(self._mask >> cpu & 1)
 

@@ -113,6 +113,15 @@ def test_constructor_rejects_non_ints() -> None:
         CPUSet([True])
 
 
+def test_membership_is_for_cpu_ids_only() -> None:
+    cpus = CPUSet([0, 1, 3])
+    assert [cpu for cpu in (-1, 0, 1, 2, 3, 70000) if cpu in cpus] == [0, 1, 3]
+    # bool is an int subclass, but the constructor refuses it as a CPU id; so does membership.
+    assert True not in cpus
+    assert False not in cpus
+    assert [value for value in ("1", 1.0, None) if value in cpus] == []
+
+
 def test_from_mask() -> None:
     assert CPUSet.from_mask(0b1011) == CPUSet([0, 1, 3])
     assert CPUSet.from_mask(0) == CPUSet()
