@@ -1,7 +1,8 @@
 """The machine's CPU topology as plain data, and its discovery from sysfs.
 
 Only online CPUs are described: an offline CPU has no topology in sysfs and cannot be given to a
-container. Every grouping (socket, NUMA node, core, last-level cache) is also precomputed as a
+container. Where the kernel has NUMA nodes, neither is a CPU that no node lists (kubelet does not
+see one either). Every grouping (socket, NUMA node, core, last-level cache) is also precomputed as a
 bitmask so the allocator can work with int operations only.
 """
 
@@ -282,7 +283,8 @@ def _read_cpulist(path: Path) -> CPUSet:
 
 
 def _numa_nodes(node_dir: Path) -> dict[int, int]:
-    """CPU -> NUMA node; empty when the kernel has no NUMA support (no node directory)."""
+    """CPU -> NUMA node; empty when the kernel has no NUMA support (no node directory, or
+    no node that lists a CPU)."""
     node_of: dict[int, int] = {}
     if not node_dir.is_dir():
         return node_of
@@ -321,6 +323,11 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
     cluster_of: dict[int, int] = {}
     llc_of: dict[int, CPUSet | None] = {}
     for cpu in online:
+        # Where the kernel has NUMA nodes, a CPU none of them lists (one going offline as we
+        # read) is left out as if offline: kubelet knows CPUs only from the nodes' lists
+        # (cadvisor builds its topology from them), and no node is right to file it under.
+        if node_of and cpu not in node_of:
+            continue
         topology_dir = cpu_dir / f"cpu{cpu}" / "topology"
         # A CPU taken offline after we read the online list loses its topology directory.
         if not topology_dir.is_dir():
@@ -337,6 +344,7 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
     found = _cores_named_apart(found, cluster_of)
 
     infos = [
+        # Without NUMA support the kernel has one memory node, 0.
         CPUInfo(cpu=cpu, socket=socket, core_id=core_id, numa_node=node_of.get(cpu, 0), die=die)
         for cpu, socket, die, core_id in found
     ]

@@ -191,6 +191,21 @@ def test_cpu_in_online_list_without_topology_is_skipped(tmp_path: Path) -> None:
     assert Topology.from_sysfs(root).online == CPUSet.parse("0-2,4-7")
 
 
+def test_cpu_no_numa_node_lists_is_left_out_not_put_in_node_zero(tmp_path: Path) -> None:
+    # A machine whose only node is 1 (node ids need not start at 0), and a CPU it does not
+    # list: cadvisor builds kubelet's topology from the nodes' lists, so kubelet never sees
+    # such a CPU; it is not given out here either (nor filed under a node 0 there is not).
+    root = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path)
+    node_dir = root / "devices/system/node"
+    (node_dir / "node0" / "cpulist").unlink()
+    (node_dir / "node0").rmdir()
+    (node_dir / "node1").mkdir()
+    (node_dir / "node1" / "cpulist").write_text("0-5,7\n")
+    topology = Topology.from_sysfs(root)
+    assert topology.online == CPUSet.parse("0-5,7")
+    assert topology.numa_nodes == (1,)
+
+
 @pytest.mark.parametrize(
     "relative",
     [
