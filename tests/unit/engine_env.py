@@ -27,6 +27,7 @@ from shim.engine.resync import start as resync
 from shim.policy import CPUPolicy
 from shim.policy.static import StaticPolicy
 from shim.progress import StartupProgress
+from shim.run import RunOptions
 from shim.state import integrity_problems
 from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
@@ -308,3 +309,17 @@ async def until(condition: Callable[[], bool], what: str, deadline: float = 5.0)
         if loop.time() > end:
             raise AssertionError(f"not within {deadline}s: {what}")
         await asyncio.sleep(0.001)
+
+
+def in_process_options(fake: FakeRuntime, listen: Path, tmp_path: Path, sysfs: Path) -> RunOptions:
+    """``cpushim run``'s options for a run in the test's own loop, in front of ``fake``:
+    listening on ``listen``, its files below ``tmp_path``, no metrics."""
+    return RunOptions(
+        listen=f"unix://{listen}",
+        runtime_endpoint=fake.endpoint,
+        image_endpoint=fake.endpoint,
+        state_dir=tmp_path / "state",
+        sysfs_root=sysfs,
+        projection_dir=tmp_path / "projection",
+        metrics_address="",
+    )

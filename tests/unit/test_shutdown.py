@@ -14,10 +14,10 @@ import pytest
 import shim.run
 from shim.cri.server import AlreadyServingError
 from shim.engine import Engine
-from shim.run import LAST_WRITES_S, RunOptions, shut_down
+from shim.run import LAST_WRITES_S, shut_down
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, write_sysfs
-from tests.unit.engine_env import until
+from tests.unit.engine_env import in_process_options, until
 
 pytestmark = pytest.mark.anyio
 
@@ -155,15 +155,7 @@ async def test_a_signal_during_the_start_up_resync_stops_without_serving(
     async with FakeRuntime() as fake:
         listing = fake.gate("ListPodSandbox")  # the resync's first call, never answered
         listen = fake.socket_path.with_name("cri.sock")
-        options = RunOptions(
-            listen=f"unix://{listen}",
-            runtime_endpoint=fake.endpoint,
-            image_endpoint=fake.endpoint,
-            state_dir=tmp_path / "state",
-            sysfs_root=sysfs,
-            projection_dir=tmp_path / "projection",
-            metrics_address="",
-        )
+        options = in_process_options(fake, listen, tmp_path, sysfs)
         running = asyncio.ensure_future(shim.run.run(options))
         try:
             await until(lambda: bool(fake.calls_of("ListPodSandbox")), "the resync under way")
@@ -201,15 +193,7 @@ async def test_a_socket_that_cannot_serve_after_the_resync_stops_what_the_resync
     async with FakeRuntime() as fake:
         listing = fake.gate("ListPodSandbox")
         listen = fake.socket_path.with_name("cri.sock")
-        options = RunOptions(
-            listen=f"unix://{listen}",
-            runtime_endpoint=fake.endpoint,
-            image_endpoint=fake.endpoint,
-            state_dir=tmp_path / "state",
-            sysfs_root=sysfs,
-            projection_dir=tmp_path / "projection",
-            metrics_address="",
-        )
+        options = in_process_options(fake, listen, tmp_path, sysfs)
         before = asyncio.all_tasks()
         running = asyncio.ensure_future(shim.run.run(options))
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:

@@ -18,11 +18,11 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.engine import EngineOptions
 from shim.engine import resync as resyncing
 from shim.progress import StartupProgress
-from shim.run import PROGRESS_LOOK_INTERVAL, RunOptions, StartTimeoutExtender, start_extension
+from shim.run import PROGRESS_LOOK_INTERVAL, StartTimeoutExtender, start_extension
 from tests.fake_cri import short_tmpdir
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, write_sysfs
-from tests.unit.engine_env import Env, env, until
+from tests.unit.engine_env import Env, env, in_process_options, until
 
 pytestmark = pytest.mark.anyio
 
@@ -129,15 +129,7 @@ async def test_cpushim_extends_its_start_while_hung_shims_hold_the_resync(
             )
             fake.shims_hung.add(fake.add_sandbox(config))
         listen = fake.socket_path.with_name("cri.sock")
-        options = RunOptions(
-            listen=f"unix://{listen}",
-            runtime_endpoint=fake.endpoint,
-            image_endpoint=fake.endpoint,
-            state_dir=tmp_path / "state",
-            sysfs_root=sysfs,
-            projection_dir=tmp_path / "projection",
-            metrics_address="",
-        )
+        options = in_process_options(fake, listen, tmp_path, sysfs)
         loop = asyncio.get_running_loop()
         said: list[str] = []
 
