@@ -598,11 +598,7 @@ def _reconcile(
     holders: dict[ContainerKey, LiveContainer] = {}
     gone: list[ContainerKey] = []
     for key, assignment in state.assignments.items():
-        container = live.get(assignment.container_id) if assignment.container_id else None
-        if container is None and not assignment.container_id:
-            # cpushim stopped while the create was on its way: the runtime may have made it.
-            matches = [c for c in live.values() if key_of(c) == key]
-            container = max(matches, key=lambda c: c.attempt, default=None)
+        container = _holder(key, assignment, pods, live)
         pod = pods.get(container.sandbox_id) if container is not None else None
         if container is None or (pod is not None and pod.pod_level_resources):
             # A pod with pod-level resources holds none (cpushim stopped before the create
@@ -700,6 +696,25 @@ def _reconcile(
     return state.under(policy)
 
 
+def _holder(
+    key: ContainerKey,
+    assignment: Assignment,
+    pods: Mapping[str, Pod],
+    live: Mapping[str, LiveContainer],
+) -> LiveContainer | None:
+    """The running container an assignment is for: the one it names, or, when it names
+    none (cpushim stopped while the create was on its way: the runtime may have made it),
+    the latest attempt of its pod and name."""
+    if assignment.container_id:
+        return live.get(assignment.container_id)
+    matches = [
+        c
+        for c in live.values()
+        if (pod := pods.get(c.sandbox_id)) is not None and ContainerKey(pod.uid, c.name) == key
+    ]
+    return max(matches, key=lambda c: c.attempt, default=None)
+
+
 def _fits_now(
     engine: Engine, pods: Mapping[str, Pod], live: Mapping[str, LiveContainer]
 ) -> Callable[[ContainerKey, Assignment, Mapping[ContainerKey, CPUSet]], bool]:
@@ -710,19 +725,9 @@ def _fits_now(
     def fits(
         key: ContainerKey, assignment: Assignment, kept: Mapping[ContainerKey, CPUSet]
     ) -> bool:
-        holders = [
-            c
-            for c in live.values()
-            if c.id == assignment.container_id
-            or (
-                not assignment.container_id
-                and (pod := pods.get(c.sandbox_id)) is not None
-                and ContainerKey(pod.uid, c.name) == key
-            )
-        ]
-        if not holders:
+        container = _holder(key, assignment, pods, live)
+        if container is None:
             return True
-        container = max(holders, key=lambda c: c.attempt)
         plan = _plan(pods.get(container.sandbox_id), container)
         request = exclusive_request(len(assignment.cpus), plan.isolated, assignment.mems)
         return engine.policy.refusal(kept, request, assignment.cpus) is None
