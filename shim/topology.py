@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TypeAlias, TypeVar
 
 from shim.cpuset import CPUSet
+from shim.fileio import read_file
 
 __all__ = ["CPUInfo", "CoreKey", "Topology", "TopologyError"]
 
@@ -310,6 +311,13 @@ def _last_level_cache(cache_dir: Path) -> CPUSet | None:
         if level > best_level:
             best_level, best_cpus = level, _read_cpulist(shared_file)
     return best_cpus
+
+
+def online_cpus(root: Path = Path("/sys")) -> CPUSet:
+    """The CPUs online now, from the kernel's list alone (one small read, for the checks
+    that run while cpushim does: a CPU gone offline or back); OSError or ValueError when
+    sysfs does not say."""
+    return CPUSet.parse(read_file(f"{root}/devices/system/cpu/online").decode().strip())
 
 
 def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:

@@ -47,8 +47,8 @@ from shim.cgroups import CgroupError, CgroupLayout, CgroupVersion
 from shim.cpuset import CPUSet
 from shim.engine.resync import adopt_sharing
 from shim.engine.retrying import Retry
-from shim.fileio import read_file
 from shim.policy import CPUPolicy
+from shim.topology import online_cpus
 
 if TYPE_CHECKING:
     from shim.engine.watching import Watcher
@@ -60,8 +60,6 @@ NETLINK_KOBJECT_UEVENT: Final = 15
 # The kernel's own uevents (udev re-broadcasts them, with a header of its own, to group 2).
 _KERNEL_UEVENTS: Final = 1
 _CPU_ACTIONS: Final = frozenset({b"online", b"offline", b"add", b"remove"})
-# Below the sysfs root: the CPUs online now.
-ONLINE_LIST: Final = "devices/system/cpu/online"
 _JOB: Final = "cpus online"
 
 
@@ -87,11 +85,6 @@ def open_uevents() -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def online_cpus(sysfs_root: Path) -> CPUSet:
-    """The CPUs online now; OSError or ValueError when sysfs does not say."""
-    return CPUSet.parse(read_file(f"{sysfs_root}/{ONLINE_LIST}").decode().strip())
 
 
 # The names kubelet gives a pod's cgroup: ``pod<uid>`` (cgroupfs driver), and

@@ -58,13 +58,11 @@ from shim.inotify import (
     Subscription,
     WatchError,
 )
+from shim.topology import online_cpus
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RESYNC_PERIOD = 300.0
-
-# Below the sysfs root: the CPUs online now.
-_ONLINE: Final = "devices/system/cpu/online"
 
 _GONE_EVENTS = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
 # The state directory's .lock gone, replaced, or let go by a holder that opened it to write
@@ -479,7 +477,7 @@ class Watcher:
         if self.sysfs_root is None or applied is None or not found.issubset(applied):
             return False
         try:
-            online = CPUSet.parse(read_file(f"{self.sysfs_root}/{_ONLINE}").decode())
+            online = online_cpus(self.sysfs_root)
         except (OSError, ValueError):
             return False
         offline = applied - online
