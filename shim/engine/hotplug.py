@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Final
 from shim import cgroups
 from shim.cgroups import CgroupError, CgroupLayout, CgroupVersion
 from shim.cpuset import CPUSet
-from shim.engine.resync import adopt_sharing
+from shim.engine.resync import replan_live
 from shim.engine.retrying import Retry
 from shim.policy import CPUPolicy
 from shim.topology import online_cpus
@@ -285,17 +285,11 @@ class CPUFollower:
             came_online, went_offline = now - planned, planned - now
             await self._give_back(policy, came_online)
             try:
-                lost = await self.engine.change_policy(policy)
+                lost, adopted = await replan_live(self.engine, policy, "CPUs online changed")
             except OSError as exc:
                 self._refuse(online, f"cannot write the checkpoint: {exc}")
                 return
             self._refused = None
-            try:
-                adopted = await adopt_sharing(self.engine, skip=lost)
-            except Exception:
-                self.engine.counters["internal_errors"] += 1
-                log.exception("adopting containers after the CPUs online changed failed")
-                adopted = []
             self.engine.counters["cpu_hotplug_replans"] += 1
             log.warning(
                 "the CPUs online changed; re-planned with them",

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shim.config import KEYS, ConfigError, key_line, reload_options
-from shim.engine.resync import adopt_sharing
+from shim.engine.resync import adopt_sharing, replan_live
 from shim.engine.retrying import Retry
 from shim.fileio import identity, read_regular_file
 from shim.inotify import (
@@ -367,19 +367,11 @@ class ConfigReloader:
         adopted: list[ContainerKey] = []
         if policy is not None:
             try:
-                lost = await self.engine.change_policy(policy)
+                lost, adopted = await replan_live(self.engine, policy, "config reload")
             except OSError as exc:
                 error = f"cannot write the checkpoint: {exc}"
                 self._refuse(error, line=None, key=None, asked=asked)
                 return
-            # As a restart would: the containers that share and ask for exclusive CPUs get
-            # them where the new policy has room. The new policy is in force whatever this
-            # meets: the rest of the reload goes on, and the sweeps try again.
-            try:
-                adopted = await adopt_sharing(self.engine, skip=lost)
-            except Exception:
-                self.engine.counters["internal_errors"] += 1
-                log.exception("adopting containers under the reloaded policy failed")
         else:
             lost = []
         self.engine.options = replace(self.engine.options, failure_policy=new.failure_policy)

@@ -37,6 +37,7 @@ from shim.pods import (
     plan_container,
     takes_whole_pod,
 )
+from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.progress import StartupProgress
 from shim.state import (
@@ -836,6 +837,27 @@ def _adopted_cpus(
             extra={"fields": {"container_id": container.id, "count": count, "error": str(exc)}},
         )
         return None
+
+
+async def replan_live(
+    engine: Engine, policy: CPUPolicy, reason: str
+) -> tuple[list[ContainerKey], list[ContainerKey]]:
+    """Run under ``policy`` from now on (:meth:`Engine.change_policy`), then, as a restart
+    would, the containers that share and ask for exclusive CPUs get them where it has room
+    (:func:`adopt_sharing`). Returns the keys that lost their exclusive CPUs and those
+    adopted. OSError when the checkpoint cannot be written, and nothing changes then. The
+    new policy is in force whatever the adoption meets: a failure of it is logged and
+    counted, and the sweeps try again. ``reason``: what asked for the re-plan, for the log."""
+    lost = await engine.change_policy(policy)
+    try:
+        adopted = await adopt_sharing(engine, skip=lost)
+    except Exception:
+        engine.counters["internal_errors"] += 1
+        log.exception(
+            "adopting containers after a re-plan failed", extra={"fields": {"reason": reason}}
+        )
+        adopted = []
+    return lost, adopted
 
 
 async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> list[ContainerKey]:

@@ -866,12 +866,13 @@ async def test_a_failed_adoption_still_applies_the_rest_of_the_reload(
     """The new policy is in force once change_policy is done: an adoption that fails after
     it (an unexpected error) must not leave the log level, failure policy and resync period
     of the same edit unapplied, nor the reload uncounted."""
-    import shim.engine.reloading as reloading
+    import shim.engine.resync as resync
 
     async def broken(*args: object, **kwargs: object) -> list[ContainerKey]:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(reloading, "adopt_sharing", broken)
+    # Where the re-plan's adoption is made (resync.replan_live).
+    monkeypatch.setattr(resync, "adopt_sharing", broken)
     root = logging.getLogger()
     level = root.level
     try:
