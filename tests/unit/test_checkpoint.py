@@ -33,6 +33,7 @@ from shim.state import Assignment, CheckpointError, ContainerKey, CPUState, enco
 from tests.harness.crash import interrupted_checkpoint_write
 from tests.harness.fifo import without_waiting_on
 from tests.harness.sysfs import MachineSpec, expected_topology
+from tests.unit.engine_env import until
 
 TOPOLOGY = expected_topology(MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2))
 POLICY = StaticPolicy.create(TOPOLOGY, reserved=CPUSet.parse("0,8"))
@@ -384,16 +385,6 @@ class LateLock:
             self.first_done.set()
 
 
-async def until(condition: Callable[[], bool], what: str, deadline: float = 10.0) -> None:
-    """Wait for ``condition`` (checked on every turn of the loop) for up to ``deadline`` s."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline
-    while not condition():
-        if loop.time() > end:
-            raise AssertionError(f"not within {deadline}s: {what}")
-        await asyncio.sleep(0.001)
-
-
 @pytest.mark.anyio
 async def test_a_cancelled_save_returns_once_its_write_is_done(tmp_path: Path) -> None:
     """The worker thread of a save whose caller is cancelled goes on and renames its file
@@ -403,7 +394,7 @@ async def test_a_cancelled_save_returns_once_its_write_is_done(tmp_path: Path) -
     late = LateLock()
     file._writing = late  # type: ignore[assignment]
     saving = asyncio.create_task(file.save(ONE))
-    await until(late.first_waiting.is_set, "the write under way")
+    await until(late.first_waiting.is_set, "the write under way", deadline=10.0)
     saving.cancel()
     await asyncio.sleep(0)  # a turn of the loop: the cancel is delivered
     late.go_on.set()
@@ -434,12 +425,14 @@ async def test_a_cancelled_save_is_never_renamed_over_a_later_one(tmp_path: Path
             await file.save(state)
 
     older = asyncio.create_task(save_under_lock(ONE))
-    await until(late.first_waiting.is_set, "the older write under way")
+    await until(late.first_waiting.is_set, "the older write under way", deadline=10.0)
     older.cancel()
     newer = asyncio.create_task(save_under_lock(TWO))
     # The newer save is either done (the older one let the lock go at once) or waits for it.
     await until(
-        lambda: newer.done() or (TWO in started and TWO not in entered), "the newer save's turn"
+        lambda: newer.done() or (TWO in started and TWO not in entered),
+        "the newer save's turn",
+        deadline=10.0,
     )
     late.go_on.set()
     await asyncio.wait({older, newer}, timeout=10)
