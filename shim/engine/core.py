@@ -1344,6 +1344,13 @@ class Engine:
             task = self._persisting = self._spawn(self._persist_latest())
             self._persist_tasks.add(task)
             task.add_done_callback(self._persist_tasks.discard)
+            task.add_done_callback(self._persist_ended)
+
+    def _persist_ended(self, task: asyncio.Task[None]) -> None:
+        # Cancelled before its turn (even before it first ran, when its own code never
+        # runs): a later change must schedule a write of its own, not count on this one.
+        if self._persisting is task:
+            self._persisting = None
 
     async def checkpoint_written(self) -> None:
         """Write the changes waiting for the record delay now, and wait until they are."""

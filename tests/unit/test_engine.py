@@ -22,11 +22,13 @@ import pytest
 from grpclib.const import Status as GrpcStatus
 
 from shim import checkpoint as checkpoint_module
+from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status, UnaryCall
 from shim.cri.server import Pending
-from shim.engine import EngineOptions
+from shim.cri.upstream import RuntimeChannel
+from shim.engine import Engine, EngineOptions
 from shim.engine import requests as rq
 from shim.engine.resync import StartupError
 from shim.engine.tracked import Phase
@@ -34,7 +36,7 @@ from shim.kube import QOSClass
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
-from shim.state import ContainerKey, CPUState, topology_changed
+from shim.state import Assignment, ContainerKey, CPUState, topology_changed
 from tests.fake_runtime import FakeRuntime
 from tests.harness.kubelet import (
     QoSClass,
@@ -1008,6 +1010,85 @@ async def test_a_new_containers_id_reaches_the_checkpoint_after_the_record_delay
 
         await wait_until(recorded)
         env.channel.close()
+
+
+def awaiting(task: asyncio.Task[None]) -> str:
+    """The name of what ``task``'s coroutine waits on now; "" while it is not suspended."""
+    awaited = task.get_coro().cr_await  # type: ignore[union-attr]
+    return str(getattr(awaited, "__qualname__", ""))
+
+
+def engine_alone(state_dir: Path, record_delay: float) -> tuple[Engine, CPUState, CPUState]:
+    """An engine whose runtime is never called, and two states, the second after the first."""
+    policy = static_policy()
+    engine = Engine(
+        policy,
+        CheckpointFile(state_dir),
+        RuntimeChannel(f"unix://{state_dir}/nothing.sock"),
+        EngineOptions(record_delay=record_delay),
+    )
+    first = CPUState.empty(policy).assign(
+        ContainerKey("uid-1", "app"), Assignment(CPUSet.parse("1"), "ctr-1", "sb-1"), policy
+    )
+    second = first.assign(
+        ContainerKey("uid-2", "db"), Assignment(CPUSet.parse("2"), "ctr-2", "sb-2"), policy
+    )
+    return engine, first, second
+
+
+@pytest.mark.parametrize(
+    ("cut", "record_delay", "waits_on"),
+    [
+        ("before it runs", 3600.0, None),
+        ("in the record delay", 3600.0, "wait_for"),
+        ("waiting for the lock", 0.0, "__aenter__"),
+    ],
+)
+async def test_a_cancelled_background_write_leaves_later_changes_a_write_of_their_own(
+    tmp_path: Path, cut: str, record_delay: float, waits_on: str | None
+) -> None:
+    """A background checkpoint write cancelled before it is under way (at any of its waits)
+    no longer stands for one scheduled: the next change gets a write of its own, or it would
+    stay in memory only, and a restart would load the state from before it."""
+    engine, first, second = engine_alone(tmp_path, record_delay)
+    async with engine.lock:  # the write's turn comes only once the test lets it
+        engine._record_soon(first)
+        persisting = engine._persisting
+        assert persisting is not None
+        if waits_on is not None:
+            await until(lambda: waits_on in awaiting(persisting), f"the write at {cut}")
+        persisting.cancel()
+        await asyncio.wait({persisting})
+    engine._record_soon(second)
+    await asyncio.wait_for(engine.checkpoint_written(), 10)
+    assert engine.checkpoint.load() == second
+
+
+async def test_a_background_write_cancelled_while_it_writes_leaves_later_changes_theirs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last of its waits: the write under way (in its worker thread) when cancelled."""
+    engine, first, second = engine_alone(tmp_path, 0.0)
+    writing, go_on = threading.Event(), threading.Event()
+    write = engine.checkpoint._write
+
+    def held_write(data: bytes) -> bytes:
+        writing.set()
+        assert go_on.wait(10)
+        return write(data)
+
+    monkeypatch.setattr(engine.checkpoint, "_write", held_write)
+    engine._record_soon(first)
+    persisting = engine._persisting
+    assert persisting is not None
+    await until(writing.is_set, "the write under way")
+    persisting.cancel()
+    go_on.set()
+    await asyncio.wait({persisting})
+    assert engine.checkpoint.load() == first
+    engine._record_soon(second)
+    await asyncio.wait_for(engine.checkpoint_written(), 10)
+    assert engine.checkpoint.load() == second
 
 
 async def test_restart_after_a_crash_mid_create_finds_the_container(env: Env) -> None:
