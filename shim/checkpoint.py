@@ -72,6 +72,11 @@ class DirectorySyncError(OSError):
         self.written = written
 
 
+class CheckpointAccessError(CheckpointError):
+    """The checkpoint is there, but this process may not read it: nothing is known of the
+    state in it, which may well be good."""
+
+
 class CheckpointFile:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -116,11 +121,14 @@ class CheckpointFile:
             self._held = None
 
     def load(self) -> CPUState | None:
-        """The saved state, None when there is none; CheckpointError when it is unreadable."""
+        """The saved state, None when there is none; CheckpointError when it is unreadable
+        (CheckpointAccessError when this process may not read it)."""
         try:
             data = read_regular_file(self.path)
         except FileNotFoundError:
             return None
+        except PermissionError as exc:  # EACCES, EPERM
+            raise CheckpointAccessError(f"cannot read {self.path}: {exc.strerror}") from exc
         except OSError as exc:
             raise CheckpointError(f"cannot read {self.path}: {exc.strerror}") from exc
         try:

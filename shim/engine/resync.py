@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 
 from shim import cgroups
 from shim.cgroups import CgroupVersion
+from shim.checkpoint import CheckpointAccessError
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
@@ -65,6 +66,11 @@ RECOVERY_HINT = (
     "To rebuild the state from what the runtime reports, start once with"
     " --recover-from-runtime (or recoverFromRuntime = true in the config file, set back"
     " after); the old file is kept beside it."
+)
+
+PERMISSION_HINT = (
+    "Give cpushim read and write permission on the file and its directory back: their owner"
+    " and mode, or what confines the unit (ReadWritePaths, SELinux, AppArmor)."
 )
 
 
@@ -201,6 +207,12 @@ def _load(engine: Engine, recover_from_runtime: bool) -> CPUState | None:
         return None
     try:
         loaded = engine.checkpoint.load()
+    except CheckpointAccessError as exc:
+        # Not RECOVERY_HINT: the state in it may be good, and a recovery would set it aside
+        # where a change of permissions is what is needed.
+        raise StartupError(
+            f"cpushim may not read its checkpoint: {exc}. {PERMISSION_HINT}"
+        ) from exc
     except CheckpointError as exc:
         raise StartupError(f"the checkpoint is unusable: {exc}. {RECOVERY_HINT}") from exc
     if loaded is None:

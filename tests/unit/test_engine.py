@@ -1116,6 +1116,37 @@ async def test_a_corrupt_checkpoint_stops_start_up_with_a_way_out(env: Env) -> N
     assert len(list(env.state_dir.glob("state.json.replaced-*"))) == 1
 
 
+@pytest.mark.parametrize("error", [errno.EACCES, errno.EPERM])
+async def test_a_checkpoint_cpushim_may_not_read_stops_start_up_naming_the_permission(
+    env: Env, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    """A checkpoint cpushim is not allowed to read (its mode, its owner, a confinement of the
+    unit) says nothing of the state in it: recovering from the runtime would set it aside and
+    still not let cpushim write the new one, so start-up names the file and the permission
+    problem and does not offer that."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pod, "main", 1000)
+    path = env.state_dir / "state.json"
+
+    def refused(file: Path) -> bytes:
+        raise PermissionError(error, os.strerror(error), str(file))
+
+    monkeypatch.setattr(checkpoint_module, "read_regular_file", refused)
+    with pytest.raises(StartupError) as caught:
+        await env.restart()
+    message = str(caught.value)
+    assert f"{path}: {os.strerror(error)}" in message
+    assert "permission" in message
+    assert "--recover-from-runtime" not in message
+    monkeypatch.undo()
+    # Left as it was: once cpushim may read it, the state in it is what start-up takes.
+    await env.restart()
+    assert env.saved() == {pod.uid: {"main": FIRST_SINGLE}}
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].cpus == CPUSet.parse(
+        FIRST_SINGLE
+    )
+
+
 async def test_recoveries_within_one_second_keep_every_old_checkpoint(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
