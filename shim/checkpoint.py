@@ -77,6 +77,10 @@ class CheckpointAccessError(CheckpointError):
     state in it, which may well be good."""
 
 
+class CheckpointClosedError(OSError):
+    """A save after :meth:`CheckpointFile.close`: the directory may be another process's."""
+
+
 class CheckpointFile:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -90,6 +94,9 @@ class CheckpointFile:
         self._writing = threading.Lock()
         # The lock on the directory's .lock (hold), while this process holds it.
         self._held: int | None = None
+        # The worker threads' writes under way (save), which close waits for.
+        self._in_flight: set[asyncio.Future[bytes]] = set()
+        self._closed = False
 
     def hold(self) -> None:
         """Take the directory for this process (:func:`hold_directory`) until :meth:`release`."""
@@ -120,6 +127,24 @@ class CheckpointFile:
             os.close(self._held)
             self._held = None
 
+    async def close(self) -> None:
+        """Refuse saves from now on (CheckpointClosedError), wait for the writes under way,
+        then :meth:`release` the directory. A write that lands after the release could land
+        over a checkpoint that the next holder has loaded, or written. Cancels meanwhile
+        wait too (the worker threads cannot be stopped), and are raised once it is done."""
+        self._closed = True
+        cancelled = False
+        try:
+            while self._in_flight:
+                try:
+                    await asyncio.wait(set(self._in_flight))
+                except asyncio.CancelledError:
+                    cancelled = True
+        finally:
+            self.release()
+        if cancelled:
+            raise asyncio.CancelledError
+
     def load(self) -> CPUState | None:
         """The saved state, None when there is none; CheckpointError when it is unreadable
         (CheckpointAccessError when this process may not read it)."""
@@ -137,6 +162,7 @@ class CheckpointFile:
             raise CheckpointError(f"{self.path}: {exc}") from exc
 
     def save_sync(self, state: CPUState) -> None:
+        self._refuse_when_closed()
         try:
             written = self._write(encode_checkpoint(state))
         except DirectorySyncError as exc:
@@ -149,9 +175,12 @@ class CheckpointFile:
         thread to be done before CancelledError reaches it: the thread cannot be stopped, and
         the lock its caller holds (the engine's) must cover the rename, or a later save made
         once it is let go could be renamed into place first, and this older one over it."""
+        self._refuse_when_closed()
         writing = asyncio.get_running_loop().run_in_executor(
             None, self._write, encode_checkpoint(state)
         )
+        self._in_flight.add(writing)
+        writing.add_done_callback(self._in_flight.discard)
         try:
             await asyncio.wait((writing,))
         except asyncio.CancelledError:
@@ -160,6 +189,14 @@ class CheckpointFile:
                 self._learn(writing, state)
             raise
         self._learn(writing, state)
+
+    def _refuse_when_closed(self) -> None:
+        if self._closed:
+            raise CheckpointClosedError(
+                errno.EBADF,
+                "not written: cpushim is stopping and has let the state directory go",
+                str(self.path),
+            )
 
     def _learn(self, writing: asyncio.Future[bytes], state: CPUState) -> None:
         """Take in what a finished write left in the file; raises its OSError."""

@@ -222,7 +222,8 @@ async def run(options: RunOptions) -> int:
             )
         return await _run(options, policy, checkpoint)
     finally:
-        checkpoint.release()
+        # The drain may have ended with an engine task's write still in its worker thread.
+        await checkpoint.close()
 
 
 async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFile) -> int:

@@ -20,6 +20,7 @@ import shim.checkpoint as checkpoint_module
 from shim.checkpoint import (
     BLOCK,
     STATE_FILE,
+    CheckpointClosedError,
     CheckpointFile,
     StateDirectoryInUseError,
     hold_directory,
@@ -442,6 +443,41 @@ async def test_a_cancelled_save_is_never_renamed_over_a_later_one(tmp_path: Path
     assert file.load() == TWO
     assert file.last_written == file.path.read_bytes()
     assert file.saved == TWO
+
+
+@pytest.mark.anyio
+async def test_close_lets_the_directory_go_once_the_write_under_way_is_done(
+    tmp_path: Path,
+) -> None:
+    """Its caller cancelled (an engine task at the loop's end), the write goes on in its
+    thread: the directory is let go only after it, and nothing is written after that."""
+    file = CheckpointFile(tmp_path)
+    file.hold()
+    late = LateLock()
+    file._writing = late  # type: ignore[assignment]
+    saving = asyncio.create_task(file.save(ONE))
+    await until(late.first_waiting.is_set, "the write under way", deadline=10.0)
+    saving.cancel()
+    closing = asyncio.create_task(file.close())
+    await until(lambda: file._closed, "close begun")
+    closing.cancel()  # a cancel waits for the write as well
+    await asyncio.sleep(0)  # a turn of the loop: the cancel is delivered
+    assert not closing.done()
+    with pytest.raises(StateDirectoryInUseError):
+        hold_directory(tmp_path)
+    late.go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(closing, 10)
+    assert late.first_done.is_set()
+    assert saving.cancelled()
+    assert file.load() == ONE
+    os.close(hold_directory(tmp_path))
+    with pytest.raises(CheckpointClosedError):
+        await file.save(TWO)
+    with pytest.raises(CheckpointClosedError):
+        file.save_sync(TWO)
+    assert file.load() == ONE
+    assert file.saved == ONE
 
 
 # --- the spare --------------------------------------------------------------------------------

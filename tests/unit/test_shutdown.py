@@ -6,15 +6,20 @@ import asyncio
 import os
 import signal
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 import shim.run
+from shim.checkpoint import CheckpointFile, StateDirectoryInUseError, hold_directory
 from shim.cri.server import AlreadyServingError
 from shim.engine import Engine
-from shim.run import LAST_WRITES_S, shut_down
+from shim.policy import CPUPolicy
+from shim.run import LAST_WRITES_S, RunOptions, shut_down
+from shim.state import CPUState
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, write_sysfs
 from tests.unit.engine_env import in_process_options, until
@@ -213,3 +218,57 @@ async def test_a_socket_that_cannot_serve_after_the_resync_stops_what_the_resync
         }
         assert left == set()
         assert drained == [LAST_WRITES_S]
+
+
+async def test_the_state_directory_is_held_until_the_last_checkpoint_write_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's drain may end (its grace spent) with a checkpoint write in its worker
+    thread: run() lets the state directory go only once that write is done, or another
+    cpushim could take the directory and load a checkpoint that is then written over."""
+    sysfs = write_sysfs(MachineSpec(sockets=1, cores_per_die=2, threads_per_core=2), tmp_path)
+    options = RunOptions(state_dir=tmp_path / "state", sysfs_root=sysfs, metrics_address="")
+    writing, go_on = threading.Event(), threading.Event()
+    held_while_writing: list[bool] = []
+    left_running: list[asyncio.Future[None]] = []
+    last: list[CPUState] = []
+    returned = asyncio.Event()
+
+    def held_until_told(real: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
+        def write(data: bytes) -> bytes:
+            writing.set()
+            assert go_on.wait(10)
+            try:
+                os.close(hold_directory(options.state_dir))
+            except StateDirectoryInUseError:
+                held_while_writing.append(True)
+            else:
+                held_while_writing.append(False)
+            return real(data)
+
+        return write
+
+    async def ends_with_a_write_in_flight(
+        options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFile
+    ) -> int:
+        monkeypatch.setattr(checkpoint, "_write", held_until_told(checkpoint._write))
+        last.append(CPUState.empty(policy))
+        # As an engine task the drain left running does: _run does not wait for it.
+        left_running.append(asyncio.ensure_future(checkpoint.save(last[0])))
+        await until(writing.is_set, "the last write under way")
+        returned.set()
+        return 0
+
+    monkeypatch.setattr(shim.run, "_run", ends_with_a_write_in_flight)
+    running = asyncio.ensure_future(shim.run.run(options))
+    try:
+        # What run() does once _run has returned, it does with the write still under way.
+        await asyncio.wait_for(returned.wait(), 10)
+        go_on.set()
+        assert await asyncio.wait_for(running, 10) == 0
+        await asyncio.wait_for(left_running[0], 10)
+    finally:
+        go_on.set()
+    assert held_while_writing == [True]
+    assert CheckpointFile(options.state_dir).load() == last[0]
+    os.close(hold_directory(options.state_dir))  # let go once it is done
