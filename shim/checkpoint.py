@@ -14,7 +14,9 @@ names then move in one go: ``state.json`` is linked as ``.state.json.previous``,
 renamed over ``state.json`` and the previous file becomes the spare. On ext4 that is one
 journal commit per write where a new temporary file costs two: the checkpoint is written on
 the CreateContainer and StopContainer paths, on the disk containerd fsyncs its own database to.
-A spare that is missing, or anything but a plain file with one name, is made afresh.
+A spare that is missing, or anything but a plain file with one name, is made afresh. After a
+failed fsync of the directory the renames before it may not be on the disk, where the spare
+may still be ``state.json``: writes take a new temporary file each until a fsync succeeds.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class CheckpointFile:
         self.saved: CPUState | None = None
         # One write at a time: they share the spare.
         self._writing = threading.Lock()
+        # The last write's fsync of the directory failed, and none succeeded since: the
+        # spare may still be state.json on the disk (under _writing).
+        self._renames_unsynced = False
         # The lock on the directory's .lock (hold), while this process holds it.
         self._held: int | None = None
         # The worker threads' writes under way (save), which close waits for.
@@ -221,7 +226,15 @@ class CheckpointFile:
 
     def _write(self, data: bytes) -> bytes:
         with self._writing:
-            return replace_through_spare(self.path, data)
+            try:
+                written = replace_through_spare(
+                    self.path, data, in_place=not self._renames_unsynced
+                )
+            except DirectorySyncError:
+                self._renames_unsynced = True
+                raise
+            self._renames_unsynced = False
+            return written
 
     def remove_leftovers(self) -> list[Path]:
         """Remove the temporary files of checkpoint writes that never finished (the process
@@ -343,12 +356,15 @@ def padded(data: bytes) -> bytes:
     return data + b" " * (-len(data) % BLOCK)
 
 
-def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
+def replace_through_spare(
+    path: Path, data: bytes, mode: int = 0o600, *, in_place: bool = True
+) -> bytes:
     """Replace ``path`` with ``data`` padded to whole blocks, through the spare beside it (see
     the module's notes); returns the bytes the file now holds. OSError when it cannot be
     written: ``path`` is left as it was, unless only the final fsync of the directory failed:
     then DirectorySyncError, and ``path`` holds the new bytes (the error's ``written``), not
-    sure to survive a power cut."""
+    sure to survive a power cut. Not ``in_place`` (the last write's fsync of the directory
+    failed, so the spare may still be ``path`` on the disk), through a new file instead."""
     content = padded(data)
     directory = path.parent
     make_directory(directory)
@@ -356,6 +372,9 @@ def replace_through_spare(path: Path, data: bytes, mode: int = 0o600) -> bytes:
     previous = directory / f".{path.name}.previous"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(previous)  # left by a crash between the link and the renames
+    if not in_place:
+        write_atomically(path, content, mode)
+        return content
     fd = _open_spare(spare, mode)
     if fd is None:
         write_atomically(path, content, mode)

@@ -30,7 +30,14 @@ from shim.checkpoint import (
 from shim.cpuset import CPUSet
 from shim.engine.resync import RECOVERY_HINT
 from shim.policy.static import StaticPolicy
-from shim.state import Assignment, CheckpointError, ContainerKey, CPUState, encode_checkpoint
+from shim.state import (
+    Assignment,
+    CheckpointError,
+    ContainerKey,
+    CPUState,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from tests.harness.crash import interrupted_checkpoint_write
 from tests.harness.fifo import without_waiting_on
 from tests.harness.sysfs import MachineSpec, expected_topology
@@ -758,6 +765,39 @@ async def test_a_failed_fsync_of_the_directory_leaves_the_new_file_known_as_cpus
     assert file.last_written == file.path.read_bytes()
     assert file.saved == TWO
     assert file.writes == 1  # not counted as a write done
+
+
+def test_after_a_failed_fsync_of_the_directory_the_old_checkpoint_is_not_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the directory's fsync failed, the renames before it may not be on the disk: the
+    spare may still be ``state.json`` there, and a power cut while it is overwritten in
+    place would leave a torn checkpoint. The writes take a new file each until a fsync of
+    the directory succeeds, then take turns through the spare again."""
+    file = CheckpointFile(tmp_path)
+    file.save_sync(ONE)
+    file.save_sync(TWO)
+    real = checkpoint_module.fsync_directory
+    monkeypatch.setattr(checkpoint_module, "fsync_directory", raise_on_call(real, 1, errno.EIO))
+    with pytest.raises(OSError, match=re.escape(os.strerror(errno.EIO))):
+        file.save_sync(EMPTY)
+    monkeypatch.undo()
+    # The file that was state.json before the failed fsync, and may still be on the disk.
+    durable_before = os.open(tmp_path / SPARE, os.O_RDONLY)
+    try:
+        unsynced = os.pread(durable_before, 2 * BLOCK, 0)
+        assert decode_checkpoint(unsynced) == TWO
+        file.save_sync(ONE)
+        assert os.pread(durable_before, 2 * BLOCK, 0) == unsynced
+    finally:
+        os.close(durable_before)
+    assert file.load() == ONE
+    # The directory synced again: through the spare, in place, from here on.
+    spare = inode(tmp_path / SPARE)
+    file.save_sync(TWO)
+    assert inode(file.path) == spare
+    assert file.load() == TWO
+    assert names(tmp_path) == [SPARE, STATE_FILE]
 
 
 def test_a_new_state_directory_is_made_durable_in_its_parent(

@@ -1560,13 +1560,15 @@ async def test_a_decision_cancelled_while_the_disk_took_it_is_written_over_with_
         real_replace = checkpoint_module.replace_through_spare
         writing, go_on, written = threading.Event(), threading.Event(), threading.Event()
 
-        def held_replace(path: Path, data: bytes, mode: int = 0o600) -> bytes:
+        def held_replace(
+            path: Path, data: bytes, mode: int = 0o600, *, in_place: bool = True
+        ) -> bytes:
             if go_on.is_set():
-                return real_replace(path, data, mode)
+                return real_replace(path, data, mode, in_place=in_place)
             writing.set()
             assert go_on.wait(10)
             try:
-                return real_replace(path, data, mode)
+                return real_replace(path, data, mode, in_place=in_place)
             finally:
                 written.set()
 
