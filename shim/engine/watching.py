@@ -25,6 +25,7 @@ look now and then in case an event was lost.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -855,7 +856,9 @@ def _look(directory: Path, v2: bool) -> Look:
             populated = cgroups.populated(read_file(f"{base}/{CGROUP_EVENTS}").decode())
         except (FileNotFoundError, NotADirectoryError):
             return GONE
-        except OSError:
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                return GONE  # removed between the open and the read (as read_list takes it)
             populated = None
         if populated is False:
             return GONE
@@ -868,8 +871,8 @@ def _look(directory: Path, v2: bool) -> Look:
         if v2 and os.path.isdir(base):
             return Look(alive=True, no_cpuset=True)
         return GONE
-    except OSError:
-        return Look(alive=True)
+    except OSError as exc:
+        return GONE if exc.errno == errno.ENODEV else Look(alive=True)
     try:
         return Look(alive=True, cpus=CPUSet.parse(text.strip()))
     except ValueError:

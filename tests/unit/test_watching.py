@@ -30,7 +30,7 @@ from shim.engine import requests as rq
 from shim.engine.moves import MoveResult
 from shim.engine.tracked import Phase, Tracked
 from shim.engine.watching import Coalescer, Look, Watcher, _look
-from shim.fileio import identity
+from shim.fileio import identity, read_file
 from shim.inotify import FILE_CHANGES, Event, WatchError
 from shim.policy.static import StaticPolicy
 from shim.state import ContainerKey, CPUState
@@ -426,6 +426,32 @@ def test_a_look_tells_an_exit_from_a_v2_cgroup_without_a_cpuset(tmp_path: Path) 
     assert _look(cgroup, v2=True) == Look(alive=False)
     shutil.rmtree(cgroup)
     assert _look(cgroup, v2=True) == Look(alive=False)
+
+
+@pytest.mark.parametrize(
+    ("removed_at", "v2"),
+    [("cgroup.events", True), ("cpuset.cpus", True), ("cpuset.cpus", False)],
+)
+def test_a_look_takes_a_cgroup_removed_between_open_and_read_for_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, removed_at: str, v2: bool
+) -> None:
+    """kernfs answers the read of a file whose cgroup was removed after the open with
+    ENODEV; other errors say nothing of the container's end."""
+    cgroup = tmp_path / "cri-containerd-abc.scope"
+    cgroup.mkdir()
+    (cgroup / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    (cgroup / "cpuset.cpus").write_text("1\n")
+    failing = errno.ENODEV
+
+    def failing_read(path: str | Path) -> bytes:
+        if os.path.basename(path) == removed_at:
+            raise OSError(failing, os.strerror(failing), str(path))
+        return read_file(path)
+
+    monkeypatch.setattr(watching, "read_file", failing_read)
+    assert _look(cgroup, v2=v2) == Look(alive=False)
+    failing = errno.EIO
+    assert _look(cgroup, v2=v2).alive
 
 
 async def test_a_running_container_whose_v2_cgroup_has_no_cpuset_keeps_its_cpus(
