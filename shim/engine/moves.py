@@ -552,10 +552,33 @@ class Mover:
             return Found(None, ended=status.status.state == pb.CONTAINER_EXITED)
         if not directory.is_dir():
             ended = status.status.state == pb.CONTAINER_EXITED or _process_ended(pid_of(info))
+            if not ended:
+                self._missing_cgroup(tracked, directory)
             return Found(None, ended=ended)
         tracked.cgroup = directory
         tracked.pid = pid_of(info)
         return Found(directory)
+
+    def _missing_cgroup(self, tracked: Tracked, directory: Path) -> None:
+        """Warn, once per container, that the cgroup the runtime names for it is not there
+        while it runs: most likely cpushim sees another cgroup tree than the runtime's (a
+        mount or cgroup namespace of its own). Every full look asks again, and a warning at
+        each would bury the first."""
+        if tracked.missing_cgroup_seen:
+            return
+        tracked.missing_cgroup_seen = True
+        log.warning(
+            "the cgroup the runtime names for a running container is not there: its moves go"
+            " through the runtime, nothing watches it for drift, and its exit is seen only at"
+            " a full look or kubelet's next call for it",
+            extra={
+                "fields": {
+                    "container_id": tracked.id,
+                    "container": str(tracked.key),
+                    "cgroup": str(directory),
+                }
+            },
+        )
 
     def _derive(self, tracked: Tracked) -> bool:
         """Locate the container without asking the runtime: containerd names the cgroup from

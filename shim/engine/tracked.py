@@ -76,6 +76,8 @@ class Tracked:
     adoption_refused: bool = False
     # Its cgroup (v2) was seen without cpuset.cpus, and the warning given.
     no_cpuset_seen: bool = False
+    # The runtime named a cgroup for it, running, that was not there, and the warning given.
+    missing_cgroup_seen: bool = False
     # The cpuset its cgroup (v1) was left with when CPUs went offline, once warned of.
     offline_seen: CPUSet | None = None
     # Under cgroup v1, what cpushim knows of the cgroups the container made below its own,

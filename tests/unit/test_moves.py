@@ -394,6 +394,31 @@ async def test_a_container_whose_cgroup_vanished_moves_through_the_runtime(env: 
     assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
 
 
+async def test_a_cgroup_the_runtime_names_and_that_is_not_there_is_warned_of_once(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The runtime says the container runs in a cgroup cpushim does not find (a cgroup mount
+    it does not see): it can be neither written nor watched, which the operator is told,
+    once per container though every full look asks again."""
+    ids = [await start_located(env, name) for name in ("web", "api")]
+    missing = []
+    for container_id in ids:
+        tracked = env.engine.containers[container_id]
+        assert tracked.cgroup is not None
+        missing.append(str(tracked.cgroup))
+        shutil.rmtree(tracked.cgroup)
+        tracked.cgroup = None
+        env.fake.containers[container_id].pid = os.getpid()  # a process that runs
+    with caplog.at_level("WARNING", logger="shim.engine.moves"):
+        for _ in range(2):  # two full looks
+            for container_id in ids:
+                found = await env.engine.mover.find(env.engine.containers[container_id])
+                assert found == moves.Found(None)
+    warned = [r.__dict__["fields"] for r in caplog.records if "not there" in r.getMessage()]
+    told = [(fields["container_id"], fields["cgroup"]) for fields in warned]
+    assert told == list(zip(ids, missing, strict=True))
+
+
 @pytest.mark.parametrize("child_cpus", [None, "0-3"])
 async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
     env: Env, monkeypatch: pytest.MonkeyPatch, child_cpus: str | None
