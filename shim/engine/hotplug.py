@@ -38,7 +38,6 @@ import os
 import re
 import socket
 from collections.abc import Callable, Iterable
-from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Final
 
@@ -284,6 +283,8 @@ class CPUFollower:
                 return
             came_online, went_offline = now - planned, planned - now
             await self._give_back(policy, came_online)
+            if self._stopped:
+                return  # stopped during the walk: the next start plans with the CPUs then
             try:
                 lost, adopted = await replan_live(self.engine, policy, "CPUs online changed")
             except OSError as exc:
@@ -311,11 +312,12 @@ class CPUFollower:
         """Give kubelet's tree what it lacks with no re-plan to follow: the containers'
         cgroups lost the CPUs too, with no event to tell the watcher (the kernel's change),
         and no move writes them. Each is looked at again, and written back as planned."""
-        if not await self._give_back(self.engine.policy, CPUSet()):
+        # Stopped during the walk (off the loop), the checks would outlive the watcher.
+        if not await self._give_back(self.engine.policy, CPUSet()) or self._stopped:
             return
         for tracked in list(self.engine.containers.values()):
             if tracked.cgroup is not None:
-                self.watcher.jobs.request(tracked.id, partial(self.watcher.check, tracked.id))
+                self.watcher.check_soon(tracked.id)
 
     async def _give_back(self, policy: CPUPolicy, came_online: CPUSet) -> bool:
         """Cgroup v1: kubelet's tree gets back the CPUs ``policy`` hands out that it lacks

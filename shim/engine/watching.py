@@ -385,6 +385,12 @@ class Watcher:
             self.jobs.request(container_id, functools.partial(self.check, container_id))
         return not self._unwatched
 
+    def check_soon(self, container_id: str) -> None:
+        """Look at the container's cgroup soon (:meth:`check`), unless the watcher stopped:
+        its checks end with it, and a repair or a release then is the next start's."""
+        if not self._stopped:
+            self.jobs.request(container_id, functools.partial(self.check, container_id))
+
     def unwatch(self, container_id: str) -> None:
         self._unwatched.pop(container_id, None)
         for subscription in self._containers.pop(container_id, []):

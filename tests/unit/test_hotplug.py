@@ -9,6 +9,7 @@ import errno
 import logging
 import shutil
 import socket
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from shim.cgroups import CgroupLayout, CgroupVersion
 from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
-from shim.engine import EngineOptions
+from shim.engine import EngineOptions, hotplug
 from shim.engine.hotplug import (
     CPUFollower,
     give_back_online,
@@ -430,3 +431,42 @@ async def test_a_cpu_back_online_after_a_refused_re_plan_is_given_back_to_kubele
         # (the kernel's change made no event to watch), and written back as planned.
         await until(lambda: cpus_of(cgroup_dir) == "0-7", "the container given CPU 4 back")
         assert counters["cpu_hotplug_replans"] == 0
+
+
+@pytest.mark.parametrize("offline", [(), (4,)])
+async def test_a_give_back_under_way_at_shutdown_leaves_the_stopped_watcher_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline: tuple[int, ...]
+) -> None:
+    """The give-back walks kubelet's tree in a worker thread; cpushim stops meanwhile (the
+    follower, then the watcher). What the give-back would lead to after it, checks of the
+    containers (the CPUs online as planned) or a re-plan (CPU 4 gone), is not done: the
+    watcher that would run them has stopped, and the next start plans anew."""
+    walking, walked = threading.Event(), threading.Event()
+
+    def held_walk(top: Path, *args: object) -> list[Path]:
+        walking.set()
+        assert walked.wait(10.0), "never let go"
+        return [top]  # widened, as when the kernel had taken a CPU from the tree
+
+    async with following(tmp_path) as f:
+        assert f.events is not None
+        shared_pod = await f.env.kubelet.run_pod("web", "besteffort")
+        shared_id = await f.env.kubelet.start_new(shared_pod, "main")
+        await until(lambda: shared_id in f.watcher._containers, "watched")
+        monkeypatch.setattr(hotplug, "give_back_online", held_walk)
+        checked: list[str] = []  # after the stop
+
+        async def check(container_id: str) -> None:
+            if f.watcher._stopped:
+                checked.append(container_id)
+
+        monkeypatch.setattr(f.watcher, "check", check)
+        f.take_offline(*offline)
+        f.events.send(uevent("offline" if offline else "online"))
+        await until(walking.is_set, "the give-back under way")
+        f.follower.stop()
+        await f.watcher.stop()
+        walked.set()
+        await until(lambda: f.watcher.jobs.pending == 0, "the follower's check done")
+        assert checked == []
+        assert f.env.engine.counters["cpu_hotplug_replans"] == 0

@@ -960,6 +960,18 @@ async def test_a_state_directory_removed_while_events_were_lost_is_watched_again
     assert w.counters["full_resyncs"] == 1
 
 
+async def test_a_check_asked_for_after_the_stop_is_not_made(w: Watched) -> None:
+    """Work still finishing at shutdown (the CPU follower's give-back) may ask for checks:
+    a stopped watcher makes none: what they would repair or release is the next start's."""
+    shared_id = await w.started("web")
+    w.watcher.check_soon(shared_id)
+    assert w.watcher.jobs.pending == 1
+    await w.settled()
+    await w.watcher.stop()
+    w.watcher.check_soon(shared_id)
+    assert w.watcher.jobs.pending == 0
+
+
 async def test_a_repair_refused_both_ways_is_tried_again(w: Watched) -> None:
     w.env.engine.options = replace(w.env.engine.options, retry_delay=0.01)
     shared_id = await w.started("web")
