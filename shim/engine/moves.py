@@ -342,12 +342,16 @@ class Mover:
         quota: int | None,
         *,
         tree_first: bool = True,
+        cpus_written: bool = False,
     ) -> MoveResult:
         """UpdateContainerResources with the container's write lock already held; the
         cgroups below the container's written first (:meth:`write_tree_first`) unless
         ``tree_first`` is False: after a direct write of the same CPUs the kernel refused
-        (:meth:`write_tree` is that write), which it would refuse again."""
-        written = tree_first and self.write_tree_first(tracked, cpus, mems)
+        (:meth:`write_tree` is that write), which it would refuse again. ``cpus_written``:
+        that write was just made, and only the memory nodes are left to write first."""
+        written = tree_first and self.write_tree_first(
+            tracked, cpus, mems, cpus_written=cpus_written
+        )
         request = rq.update_request(tracked.id, cpus, mems, quota=quota)
         reply = await self.runtime.unary(
             UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
@@ -376,14 +380,17 @@ class Mover:
         )
         return MoveResult(ok=False)
 
-    def write_tree_first(self, tracked: Tracked, cpus: CPUSet, mems: str) -> bool:
+    def write_tree_first(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, *, cpus_written: bool = False
+    ) -> bool:
         """Before an update through the runtime (cpushim's move, or kubelet's call carrying
         cpushim's cpuset): under cgroup v1, a running container with child cpusets gets its
         CPUs (and memory nodes) written here, children first, since ``runc update`` writes
         the container's own files only and the kernel refuses a shrink below a child. True
         when written; the caller then settles a refusal with
         :meth:`refused_after_tree_write`. Under v2 the same, for kernels before 5.17, which
-        refuse a shrink below a child's own set there too (:meth:`write_tree`)."""
+        refuse a shrink below a child's own set there too (:meth:`write_tree`).
+        ``cpus_written``: the CPUs are in place already (a drift repair's direct write)."""
         directory = tracked.cgroup
         if (
             directory is None
@@ -392,7 +399,7 @@ class Mover:
             or not child_cpusets.has_children(directory)
         ):
             return False
-        files = [(cgroups.CPUSET_CPUS, cpus)]
+        files = [] if cpus_written else [(cgroups.CPUSET_CPUS, cpus)]
         if mems:
             files.append((cgroups.CPUSET_MEMS, CPUSet.parse(mems)))
         for name, values in files:

@@ -541,10 +541,12 @@ class Watcher:
         try:
             self.engine.mover.write_tree(tracked, CPUSET_CPUS, cpus)
             tracked.applied = cpus
+            written = True
         except OSError as exc:
             # What the cgroup holds: if the runtime fails too, the move retries see the
             # container out of place and try again.
             tracked.applied = found
+            written = False
             log.info(
                 "direct repair failed; the runtime repairs it",
                 extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
@@ -557,9 +559,12 @@ class Watcher:
                 return
         if reversal:
             tracked.reversal_recorded = cpus
-        # Through the runtime too, so its own record (and systemd's) says the same.
+        # Through the runtime too, so its own record (and systemd's) says the same. The CPUs
+        # are not written into the tree again: in place, or refused and refused again.
         async with self._repair_updates:
-            result = await self.engine.mover.update_locked(tracked, cpus, mems, quota)
+            result = await self.engine.mover.update_locked(
+                tracked, cpus, mems, quota, tree_first=written, cpus_written=written
+            )
         if result.ok:
             self.engine._restored(tracked)
         elif (result.moved and tracked.settings_stale) or tracked.applied != cpus:

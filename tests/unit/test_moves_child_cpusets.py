@@ -276,6 +276,37 @@ async def test_a_drift_repair_writes_the_children_itself(
     assert "direct repair failed" not in caplog.text
 
 
+@pytest.mark.parametrize("refused", [False, True])
+async def test_a_drift_repair_writes_the_container_once(
+    w: Watched, monkeypatch: pytest.MonkeyPatch, refused: bool
+) -> None:
+    """The repair's direct write moves the children with the container; the update through
+    the runtime that follows it makes no second write of the same set: done, it is in place,
+    and refused (EACCES here), the kernel would refuse it again."""
+    shared_id = await w.started("ci")
+    await w.started("db", "guaranteed", 1000)
+    cgroup = w.env.fake.cgroup_dir(shared_id)
+    assert cgroup is not None
+    inner = child(cgroup, "docker", SHARED_AFTER_FIRST_SINGLE)
+    v1_write = cgroups.write_list
+    tried: list[str] = []
+
+    def counted(directory: Path, name: str, values: CPUSet) -> None:
+        if directory == cgroup and name == cgroups.CPUSET_CPUS:
+            tried.append(str(values))
+            if refused:
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(directory / name))
+        v1_write(directory, name, values)
+
+    monkeypatch.setattr(cgroups, "write_list", counted)
+    (cgroup / "cpuset.cpus").write_text("0-7\n")
+    await until(lambda: w.counters["drift_repairs"] == 1, "repaired")
+    await w.settled()
+    assert w.env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE  # by runc, if refused
+    assert cpus_of(inner) == SHARED_AFTER_FIRST_SINGLE
+    assert tried == [SHARED_AFTER_FIRST_SINGLE]
+
+
 async def test_a_pinned_container_moved_to_another_numa_node_takes_its_childrens_memory(
     env: Env,
 ) -> None:

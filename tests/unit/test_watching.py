@@ -1004,7 +1004,7 @@ async def test_repairs_send_a_bounded_number_of_updates_at_once(
     peak = 0
     done = asyncio.Event()
 
-    async def held_update(tracked: Tracked, *args: object) -> MoveResult:
+    async def held_update(tracked: Tracked, *args: object, **kwargs: object) -> MoveResult:
         nonlocal peak
         in_flight.append(tracked.id)
         peak = max(peak, len(in_flight))
