@@ -20,7 +20,7 @@ from shim.cpuset import CPUSet
 from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.options import OPTION_NAMES, OptionsError, StaticPolicyOptions
-from shim.policy.static import StaticPolicy
+from shim.policy.static import ExclusiveRequest, StaticPolicy
 from shim.topology import Topology
 
 __all__ = [
@@ -266,24 +266,29 @@ def integrity_problems(state: CPUState, topology: Topology) -> list[str]:
 def replan(
     state: CPUState,
     policy: CPUPolicy,
-    fits: Callable[[ContainerKey, Assignment, Mapping[ContainerKey, CPUSet]], bool] | None = None,
+    request_of: Callable[[ContainerKey, Assignment], ExclusiveRequest | None] | None = None,
 ) -> tuple[CPUState, list[ContainerKey]]:
-    """Keep each assignment that is still valid under ``policy`` (all its CPUs exclusive
-    candidates, none taken by a kept one, and ``fits`` given the ones kept before it, when
-    given); return the state under ``policy`` and the keys that lost their assignment and
-    need a new one."""
+    """Keep each assignment that ``policy`` would hand its container now, beside the ones
+    kept before it; return the state under ``policy`` and the keys that lost their assignment
+    and need a new one. ``request_of`` tells what an assignment's container asks for: its set
+    is kept only when the policy finds nothing against it (:meth:`refusal`: online, not
+    reserved, isolation, whole cores, the shared pool), the rule a new choice meets. Without
+    a request (no ``request_of``, or None: no container to ask for it) it is kept when all
+    its CPUs are still exclusive candidates and none is taken by a kept one."""
     kept: dict[ContainerKey, Assignment] = {}
     displaced: list[ContainerKey] = []
     held = CPUSet()
     candidates = policy.exclusive_candidates
     for key, assignment in sorted(state.assignments.items()):
-        if (
-            assignment.cpus.issubset(candidates)
-            and not assignment.cpus & held
-            and (fits is None or fits(key, assignment, {k: a.cpus for k, a in kept.items()}))
-        ):
+        cpus = assignment.cpus
+        request = request_of(key, assignment) if request_of is not None else None
+        if request is None:
+            keeps = cpus.issubset(candidates) and not cpus & held
+        else:
+            keeps = policy.refusal({k: a.cpus for k, a in kept.items()}, request, cpus) is None
+        if keeps:
             kept[key] = assignment
-            held |= assignment.cpus
+            held |= cpus
         else:
             displaced.append(key)
     # The shared pool may not end up empty (a new reserved set, strict-cpu-reservation turned

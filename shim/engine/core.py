@@ -1241,13 +1241,16 @@ class Engine:
     # --- a new policy while running ------------------------------------------------------------
 
     async def change_policy(self, policy: CPUPolicy) -> list[ContainerKey]:
-        """Run under ``policy`` from now on (a config reload): assignments it still allows are
-        kept, the others get new CPUs where it can give them, every container is moved to
-        match, and the checkpoint says so. Returns the containers that lost their exclusive
-        CPUs for good (they share now). OSError when the checkpoint cannot be written, and
-        nothing changes then."""
+        """Run under ``policy`` from now on (a config reload, CPUs going offline or online):
+        assignments it would hand their containers now are kept, the others get new CPUs
+        where it can give them, every container is moved to match, and the checkpoint says
+        so. Returns the containers that lost their exclusive CPUs for good (they share now).
+        OSError when the checkpoint cannot be written, and nothing changes then."""
         async with self.lock:
-            planned, displaced = replan(self.state, policy)
+            # The rule start-up re-plans by: a set stays only if it would be handed out now.
+            planned, displaced = replan(
+                self.state, policy, lambda _, assignment: self._request_again(assignment)
+            )
             lost: list[ContainerKey] = []
             # Told and counted here: the adoptions that try again do not tell it again.
             refused: set[ContainerKey] = set()

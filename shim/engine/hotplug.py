@@ -12,7 +12,9 @@ subsystem ``cpu``); the online list is also compared at every full look (no ueve
 or one whose queue overflowed). A change builds the policy again from the options in force
 (the config reload's, when there is one, one at a time with it) and re-plans under it
 (``Engine.change_policy``): containers whose CPUs went offline get others where there is
-room, the pool follows, the checkpoint is rewritten with the new topology. A policy that
+room, and so do those the policy would no longer give their CPUs (under full-pcpus-only, a
+lone thread whose sibling came online), the pool follows, the checkpoint is rewritten with
+the new topology. A policy that
 cannot be built (a reserved CPU named in the config went offline) is refused with the
 reason, once per set of online CPUs, and the old plan stays; so is one whose checkpoint
 cannot be written. A refused change is tried again at every full look, or on its own while

@@ -22,7 +22,8 @@ its own, after a while that grows up to a minute. A good one applies what can ch
 running:
 
 - the policy, its options and the reserved CPUs: a new policy is built and the engine re-plans
-  under it (``Engine.change_policy``): containers move, the checkpoint is rewritten; then the
+  under it (``Engine.change_policy``): a container keeps its CPUs only when the new policy
+  would hand them to it, the others move, the checkpoint is rewritten; then the
   containers that share and ask for exclusive CPUs get them where there is room, as start-up
   adopts them (``resync.adopt_sharing``);
 - the failure policy, the log level and the resync period;

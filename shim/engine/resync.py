@@ -580,17 +580,16 @@ def _reconcile(
     state = loaded if loaded is not None else CPUState.empty(policy)
     previous = dict(state.assignments)
     displaced: list[ContainerKey] = []
-    other_cpus = topology_changed(state, policy.topology)
-    if other_cpus or (
+    if topology_changed(state, policy.topology) or (
         state.policy,
         state.options,
         state.reserved,
     ) != (policy.name, policy.option_names, policy.reserved):
         was = f"{state.policy} options={sorted(state.options)} reserved={state.reserved}"
-        # Written for other CPUs, a set is kept only if it would be handed out now: one
-        # isolated since, or a lone thread of a core whose sibling came online, is not.
-        fits = _fits_now(engine, pods, live) if other_cpus else None
-        state, displaced = replan(state, policy, fits)
+        # A set is kept only if it would be handed out now, as a live re-plan keeps it: not
+        # one isolated since, nor lone threads under full-pcpus-only (turned on since, or a
+        # sibling back online).
+        state, displaced = replan(state, policy, _requests_now(pods, live))
         log.info(
             "policy or CPUs changed since the checkpoint; re-planned",
             extra={
@@ -728,24 +727,20 @@ def _holder(
     return max(matches, key=lambda c: c.attempt, default=None)
 
 
-def _fits_now(
-    engine: Engine, pods: Mapping[str, Pod], live: Mapping[str, LiveContainer]
-) -> Callable[[ContainerKey, Assignment, Mapping[ContainerKey, CPUSet]], bool]:
-    """Whether the policy would hand an assignment's CPUs to its container now, beside the
-    ones kept before it (:meth:`refusal`: isolation, whole cores). One whose container is
-    not running is left to the release that follows."""
+def _requests_now(
+    pods: Mapping[str, Pod], live: Mapping[str, LiveContainer]
+) -> Callable[[ContainerKey, Assignment], ExclusiveRequest | None]:
+    """What the running container an assignment is for asks the policy for, for
+    :func:`replan`; None when it is not running (the release that follows sees to it)."""
 
-    def fits(
-        key: ContainerKey, assignment: Assignment, kept: Mapping[ContainerKey, CPUSet]
-    ) -> bool:
+    def request_of(key: ContainerKey, assignment: Assignment) -> ExclusiveRequest | None:
         container = _holder(key, assignment, pods, live)
         if container is None:
-            return True
+            return None
         plan = _plan(pods.get(container.sandbox_id), container)
-        request = exclusive_request(len(assignment.cpus), plan.isolated, assignment.mems)
-        return engine.policy.refusal(kept, request, assignment.cpus) is None
+        return exclusive_request(len(assignment.cpus), plan.isolated, assignment.mems)
 
-    return fits
+    return request_of
 
 
 def _shows_pinned(engine: Engine, container: LiveContainer, plan: ContainerPlan) -> bool:

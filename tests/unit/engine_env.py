@@ -279,6 +279,24 @@ async def second_of_two_released(env: Env) -> Pod:
     return second
 
 
+async def pinned_on_half_cores(env: Env) -> tuple[Pod, str]:
+    """A 2-CPU container pinned on halves of two cores (with CPU 0 reserved, and no option
+    against it): socket 0 has only lone threads free when it is created, CPU 4 beside
+    reserved 0 and the sibling of a 1-CPU neighbour's CPU, and kubelet's memory manager
+    names node 0. Its pod and container id; the neighbours are stopped again."""
+    first = await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "m", 1000)
+    neighbour_pod = await env.kubelet.run_pod("b", "guaranteed")
+    neighbour = await env.kubelet.start_new(neighbour_pod, "m", 1000, mems="0")
+    await env.kubelet.stop(first)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 2000, mems="0")
+    await env.kubelet.stop(neighbour)
+    halves = CPUSet.parse(env.cpus(container_id))
+    assert len(halves) == 2
+    assert env.engine.policy.topology.whole_cores_in(halves) != halves
+    return pod, container_id
+
+
 def assert_consistent(env: Env) -> None:
     """docs/architecture.md's invariants, on the engine's state and what the runtime holds."""
     state = env.engine.state

@@ -55,6 +55,7 @@ from tests.unit.engine_env import (
     assert_consistent,
     env,
     make_env,
+    pinned_on_half_cores,
     second_of_two_released,
     static_policy,
     through_relay,
@@ -1235,6 +1236,21 @@ async def test_a_re_plan_for_other_cpus_keeps_no_set_the_container_would_not_be_
         assert with_smt.whole_cores_in(cpus) == cpus
         assert_consistent(env)
         env.channel.close()
+
+
+async def test_a_restart_that_turns_full_pcpus_only_on_moves_a_container_off_half_cores(
+    env: Env,
+) -> None:
+    """The same CPUs, an option turned on since: a kept set must meet it as after a topology
+    change, so that a restart and a reload under the same config end alike."""
+    pod, container_id = await pinned_on_half_cores(env)
+    options = StaticPolicyOptions(full_pcpus_only=True)
+    await env.restart(StaticPolicy.create(TOPOLOGY, reserved=CPUSet.parse("0"), options=options))
+    moved = CPUSet.parse(env.cpus(container_id))
+    assert len(moved) == 2
+    assert TOPOLOGY.whole_cores_in(moved) == moved
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].cpus == moved
+    assert_consistent(env)
 
 
 async def test_a_checkpoint_in_itself_inconsistent_is_refused_on_other_cpus_too(

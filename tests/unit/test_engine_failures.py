@@ -140,9 +140,10 @@ async def test_a_next_attempt_does_not_keep_a_held_set_the_policy_no_longer_allo
     tmp_path: Path,
 ) -> None:
     # Spread over two cores under distribute-cpus-across-cores; a restart turns on
-    # full-pcpus-only, which keeps the running container's set. Its next attempt, created
-    # before cpushim saw the old one exit, must get whole cores, as it does when the exit
-    # was seen (docs/architecture.md: the rules for an adopted container).
+    # full-pcpus-only, which moves the running container onto whole cores (a set is kept
+    # only if the policy would hand it out now). Its next attempt, created before cpushim
+    # saw the old one exit, must get whole cores too, as it does when the exit was seen
+    # (docs/architecture.md: the rules for an adopted container).
     spread = StaticPolicy.create(
         TOPOLOGY,
         reserved=CPUSet.parse("0"),
@@ -159,7 +160,8 @@ async def test_a_next_attempt_does_not_keep_a_held_set_the_policy_no_longer_allo
             before = CPUSet.parse(env.cpus(first))
             assert TOPOLOGY.whole_cores_in(before) != before  # two lone threads
             await env.restart(whole)
-            assert env.cpus(first) == str(before)  # kept while it runs
+            moved = CPUSet.parse(env.cpus(first))
+            assert TOPOLOGY.whole_cores_in(moved) == moved, f"{moved} is not whole cores"
             fake.exit_container(first, 137)  # a crash cpushim has not seen
             second = await env.kubelet.start_new(pod, "main", 2000, attempt=1)
             after = CPUSet.parse(env.cpus(second))

@@ -86,13 +86,19 @@ class Following:
 
 @contextlib.asynccontextmanager
 async def following(
-    tmp_path: Path, *, reserved: str = "0", uevents: bool = True, unplaced: int | None = None
+    tmp_path: Path,
+    *,
+    reserved: str = "0",
+    uevents: bool = True,
+    unplaced: int | None = None,
+    offline: frozenset[int] = frozenset(),
+    policy_options: tuple[str, ...] = (),
 ) -> AsyncIterator[Following]:
-    sysfs = write_sysfs(MACHINE, tmp_path / "sys")
+    sysfs = write_sysfs(replace(MACHINE, offline=offline), tmp_path / "sys")
     if unplaced is not None:
         # Listed online, with no topology files: discovery leaves it out.
         shutil.rmtree(sysfs / "devices" / "system" / "cpu" / f"cpu{unplaced}" / "topology")
-    options = RunOptions(sysfs_root=sysfs, reserved_cpus=reserved)
+    options = RunOptions(sysfs_root=sysfs, reserved_cpus=reserved, policy_options=policy_options)
     kernel_side, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     ours.setblocking(False)
 
@@ -163,6 +169,36 @@ async def test_a_pinned_cpu_gone_offline_is_replaced_and_left_out_of_the_pool(
         assert restarted is not None
         now = build_policy(RunOptions(sysfs_root=f.sysfs, reserved_cpus="0")).topology
         assert integrity_problems(restarted, now) == []
+
+
+async def test_a_sibling_back_online_moves_a_container_off_its_lone_thread(
+    tmp_path: Path,
+) -> None:
+    """Under full-pcpus-only a core whose sibling is offline is whole with one thread; once
+    the sibling is back, a container holding that thread alone is not on whole cores, and
+    the re-plan moves it as it would at a restart."""
+    async with following(
+        tmp_path,
+        reserved="0,4",
+        offline=frozenset({5, 6, 7}),
+        policy_options=("full-pcpus-only",),
+    ) as f:
+        env = f.env
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+        held = CPUSet.parse(env.kernel_cpus(pinned_id) or "")
+        assert len(held) == 2
+        # The sibling of its first CPU comes back (siblings are n and n + 4).
+        f.take_offline(*({5, 6, 7} - {min(held) + 4}))
+        assert f.events is not None
+        f.events.send(uevent("online", cpu=min(held) + 4))
+        await f.replanned()
+        topology = env.engine.policy.topology
+        assert min(held) + 4 in topology.online
+        moved = CPUSet.parse(env.kernel_cpus(pinned_id) or "")
+        assert len(moved) == 2
+        assert topology.whole_cores_in(moved) == moved
+        assert env.engine.counters["pinning_errors"] == 0
 
 
 async def test_without_a_uevent_a_full_look_sees_the_change(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ from tests.unit.engine_env import (
     SHARED_AFTER_FIRST_SINGLE,
     Env,
     make_env,
+    pinned_on_half_cores,
     until,
 )
 
@@ -904,3 +905,34 @@ def test_the_sample_config_says_which_keys_a_reload_applies() -> None:
     listed = sample[start : sample.index("next restart", start)]
     named = set(re.findall(r"\w+", listed)) & {key.name for key in KEYS}
     assert named == {key.name for key in KEYS if key.field in POLICY_FIELDS | LIVE_FIELDS}
+
+
+async def test_a_reload_that_turns_full_pcpus_only_on_moves_a_container_off_half_cores(
+    r: Reloading,
+) -> None:
+    """A kept set must be one the new options would hand out, as at a restart: a container
+    on two lone threads moves onto a whole core."""
+    env = r.env
+    halves_pod, halves_id = await pinned_on_half_cores(env)
+    topology = env.engine.policy.topology
+    r.write('reservedSystemCPUs = "0"\n[cpuManagerPolicyOptions]\nfull-pcpus-only = true\n')
+    await r.reloaded("config_reloads")
+    moved = CPUSet.parse(env.kernel_cpus(halves_id) or "")
+    assert len(moved) == 2
+    assert topology.whole_cores_in(moved) == moved
+    assert env.engine.state.assignments[ContainerKey(halves_pod.uid, "main")].cpus == moved
+    assert env.engine.counters["pinning_errors"] == 0
+
+
+async def test_a_single_cpu_container_shares_once_full_pcpus_only_is_turned_on(
+    r: Reloading,
+) -> None:
+    """On an SMT machine full-pcpus-only hands out no odd count: the lone thread it ran on
+    is not kept, no other set can be given, and the container shares, counted."""
+    env = r.env
+    shared_id, pinned_id = await pinned_and_shared(env)
+    r.write('reservedSystemCPUs = "0"\n[cpuManagerPolicyOptions]\nfull-pcpus-only = true\n')
+    await r.reloaded("config_reloads")
+    assert env.engine.state.assignments == {}
+    assert env.kernel_cpus(pinned_id) == env.kernel_cpus(shared_id) == str(ALL)
+    assert env.engine.counters["pinning_errors"] == 1

@@ -17,7 +17,7 @@ from shim.cpuset import CPUSet
 from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
-from shim.policy.static import AllocationError, ExclusiveRequest, StaticPolicy
+from shim.policy.static import AllocationError, ExclusiveRequest, IsolatedMode, StaticPolicy
 from shim.state import (
     CHECKPOINT_VERSION,
     Assignment,
@@ -471,6 +471,38 @@ def test_replan_displaces_the_later_of_two_overlapping_assignments() -> None:
         ContainerKey("c", "app"): P("4"),
     }
     assert planned.shared == STATIC.shared_pool(planned.exclusive())
+
+
+def test_replan_keeps_a_set_only_if_the_policy_would_hand_it_to_its_request_now() -> None:
+    """With the containers' requests, the new options are asked of every kept set; one with
+    no request (no running container) is kept on its CPUs being candidates still."""
+    state = state_with(STATIC, a="1,9", b="2,11", c="3", d="4")
+    asks = {"a": 2, "b": 2, "c": 1}
+
+    def request_of(key: ContainerKey, assignment: Assignment) -> ExclusiveRequest | None:
+        count = asks.get(key.pod_uid)
+        return None if count is None else ExclusiveRequest(count)
+
+    planned, displaced = replan(state, FULL, request_of)
+    # b holds halves of two cores, c a lone thread: full-pcpus-only hands out neither.
+    assert displaced == [ContainerKey("b", "app"), ContainerKey("c", "app")]
+    assert planned.exclusive() == {
+        ContainerKey("a", "app"): P("1,9"),
+        ContainerKey("d", "app"): P("4"),
+    }
+    assert planned.shared == FULL.shared_pool(planned.exclusive())
+
+
+def test_replan_asks_isolation_of_a_kept_set() -> None:
+    state = state_with(STATIC, a="6", b="7", c="5")
+    modes: dict[str, IsolatedMode] = {"a": "avoid", "b": "require", "c": "require"}
+
+    def request_of(key: ContainerKey, assignment: Assignment) -> ExclusiveRequest:
+        return ExclusiveRequest(len(assignment.cpus), isolated=modes[key.pod_uid])
+
+    # 6 and 7 are isolated now: a did not ask for isolated CPUs, c asks for them and 5 is not.
+    _, displaced = replan(state, STATIC_ISOLATED, request_of)
+    assert displaced == [ContainerKey("a", "app"), ContainerKey("c", "app")]
 
 
 def test_replan_to_strict_reservation_moves_reserved_cpus_out_of_the_pool() -> None:
