@@ -30,7 +30,7 @@ from shim.engine.hotplug import (
 )
 from shim.engine.watching import Watcher
 from shim.run import RunOptions, build_policy
-from shim.state import CPUState, integrity_problems
+from shim.state import ContainerKey, CPUState, integrity_problems
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, write_sysfs
 from tests.unit.engine_env import Env, make_env, until
@@ -199,6 +199,51 @@ async def test_a_sibling_back_online_moves_a_container_off_its_lone_thread(
         assert len(moved) == 2
         assert topology.whole_cores_in(moved) == moved
         assert env.engine.counters["pinning_errors"] == 0
+
+
+async def test_kubelets_memory_nodes_stay_when_all_their_cpus_go_offline(tmp_path: Path) -> None:
+    """CPU hotplug leaves a node's memory online (the kernel's memory nodes change with
+    memory hotplug only): a container kubelet's memory manager put on node 1 moves to CPUs
+    elsewhere when node 1's all go, and its memory stays where kubelet put it, as on a node
+    with memory and no CPU, back online or not."""
+    async with following(tmp_path) as f:
+        env = f.env
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        container_id = await env.kubelet.start_new(pod, "main", 1000, mems="1")
+        node_1 = env.engine.policy.topology.cpus_in_numa_node(1)
+        assert CPUSet.parse(env.cpus(container_id)).issubset(node_1)
+        f.take_offline(*node_1)
+        assert f.events is not None
+        f.events.send(uevent("offline", cpu=min(node_1)))
+        await f.replanned()
+        assert env.engine.policy.topology.numa_nodes == (0,)
+        moved = CPUSet.parse(env.cpus(container_id))
+        assert len(moved) == 1
+        assert not moved & node_1
+        assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+        key = ContainerKey(pod.uid, "main")
+        assert env.engine.state.assignments[key].mems == CPUSet.parse("1")
+        f.take_offline()
+        f.events.send(uevent("online", cpu=min(node_1)))
+        await f.replanned(2)
+        assert env.cpus(container_id) == str(moved)
+        assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+
+
+async def test_memory_that_follows_the_cpus_moves_with_them_to_another_node(
+    tmp_path: Path,
+) -> None:
+    async with following(tmp_path) as f:
+        env = f.env
+        _, pinned_id = await pinned_and_shared(env)
+        assert env.fake.containers[pinned_id].resources.cpuset_mems == "0"
+        f.take_offline(1, 4, 5)  # node 0's CPUs but the reserved one
+        assert f.events is not None
+        f.events.send(uevent("offline"))
+        await f.replanned()
+        moved = CPUSet.parse(env.cpus(pinned_id))
+        assert moved.issubset(env.engine.policy.topology.cpus_in_numa_node(1))
+        assert env.fake.containers[pinned_id].resources.cpuset_mems == "1"
 
 
 async def test_without_a_uevent_a_full_look_sees_the_change(tmp_path: Path) -> None:
