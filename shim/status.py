@@ -21,11 +21,17 @@ for none).
     format            1
     online, isolated, offline
                       CPU lists (offline = present in sysfs but not online)
-    summary           {"sockets", "dies", "numa_nodes", "last_level_caches", "cores",
-                       "cpus"}: counts of what is online; "threads_per_core": [min, max]
+    summary           {"sockets", "dies", "numa_nodes", "last_level_caches",
+                       "uncore_caches", "cores", "cpus"}: counts of what is online;
+                       "threads_per_core": [min, max]
     cpus              one object per online CPU, by id: {"cpu", "socket", "die",
-                      "numa_node", "core_id", "last_level_cache", "isolated"}; core_id
-                      repeats across sockets, so a core is (socket, die, core_id)
+                      "numa_node", "core_id", "last_level_cache", "uncore_cache",
+                      "isolated"}; core_id repeats across sockets, so a core is (socket,
+                      die, core_id); last_level_cache numbers the groups sharing the
+                      highest-level cache (the socket id without cache data),
+                      uncore_cache the groups prefer-align-cpus-by-uncorecache keeps a
+                      request in (kubelet's: a level 3+ cache that is not the NUMA node's
+                      own, else the socket); both by lowest CPU
 
 ``status_json``: everything ``topology_json`` has, plus::
 
@@ -705,6 +711,7 @@ def render_topology(
         lines += _field("dies", str(summary["dies"]), width, label_width=19)
     lines += _field("NUMA nodes", str(summary["numa_nodes"]), width, label_width=19)
     lines += _field("last-level caches", str(summary["last_level_caches"]), width, 19)
+    lines += _field("uncore caches", str(summary["uncore_caches"]), width, label_width=19)
     lines += _field("cores", str(summary["cores"]), width, label_width=19)
     lines += _field("threads per core", str(low) if low == high else f"{low}-{high}", width, 19)
     lines += _field("CPUs online", f"{len(topology.online)}: {topology.online}", width, 19)
@@ -756,7 +763,8 @@ def _summary(topology: Topology) -> dict[str, Any]:
         "sockets": topology.num_sockets,
         "dies": len({(info.socket, info.die) for info in topology.cpus}),
         "numa_nodes": topology.num_numa_nodes,
-        "last_level_caches": len(topology.uncore_masks),
+        "last_level_caches": len({info.last_level_cache for info in topology.cpus}),
+        "uncore_caches": len(topology.uncore_masks),
         "cores": topology.num_cores,
         "cpus": len(topology.online),
         "threads_per_core": [min(sizes), max(sizes)],
@@ -771,7 +779,8 @@ def _cpu_entry(topology: Topology, cpu: int) -> dict[str, Any]:
         "die": info.die,
         "numa_node": info.numa_node,
         "core_id": info.core_id,
-        "last_level_cache": info.uncore_cache,
+        "last_level_cache": info.last_level_cache,
+        "uncore_cache": info.uncore_cache,
         "isolated": cpu in topology.isolated,
     }
 

@@ -2,8 +2,8 @@
 
 Only online CPUs are described: an offline CPU has no topology in sysfs and cannot be given to a
 container. Where the kernel has NUMA nodes, neither is a CPU that no node lists (kubelet does not
-see one either). Every grouping (socket, NUMA node, core, last-level cache) is also precomputed as a
-bitmask so the allocator can work with int operations only.
+see one either). Every grouping the allocator uses (socket, NUMA node, core, uncore cache) is also
+precomputed as a bitmask so it can work with int operations only.
 """
 
 from __future__ import annotations
@@ -42,8 +42,13 @@ class CPUInfo:
     core_id: int
     numa_node: int = 0
     die: int = 0
-    # The group of CPUs sharing the last-level cache; cache-less machines use the socket id.
+    # The group kubelet's prefer-align-cpus-by-uncorecache keeps a request in: CPUs sharing a
+    # level 3+ cache that is not the NUMA node's own, else the socket's CPUs (see
+    # _with_cache_groups). An index: groups are numbered by their lowest CPU.
     uncore_cache: int = 0
+    # The group sharing the highest-level cache, whatever that level is; for the status
+    # pages only. The socket id when some CPU has no cache data.
+    last_level_cache: int = 0
 
     @property
     def core(self) -> CoreKey:
@@ -298,19 +303,19 @@ def _numa_nodes(node_dir: Path) -> dict[int, int]:
     return node_of
 
 
-def _last_level_cache(cache_dir: Path) -> CPUSet | None:
-    """The CPUs sharing this CPU's highest-level cache, or None when sysfs does not say."""
+def _caches(cache_dir: Path) -> list[tuple[int, CPUSet]] | None:
+    """``(level, CPUs sharing it)`` for each cache this CPU sees, in the order of their
+    ``index`` directories' names (the order cadvisor reads them in), or None when sysfs does
+    not say. An entry without a level or a CPU list says nothing and is passed over."""
     if not cache_dir.is_dir():
         return None
-    best_level, best_cpus = -1, None
+    caches: list[tuple[int, CPUSet]] = []
     for index in sorted(cache_dir.glob("index[0-9]*")):
         level_file, shared_file = index / "level", index / "shared_cpu_list"
         if not (level_file.is_file() and shared_file.is_file()):
             continue
-        level = _read_int(level_file)
-        if level > best_level:
-            best_level, best_cpus = level, _read_cpulist(shared_file)
-    return best_cpus
+        caches.append((_read_int(level_file), _read_cpulist(shared_file)))
+    return caches
 
 
 def online_cpus(root: Path = Path("/sys")) -> CPUSet:
@@ -329,7 +334,7 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
 
     found: list[tuple[int, int, int, int]] = []
     cluster_of: dict[int, int] = {}
-    llc_of: dict[int, CPUSet | None] = {}
+    caches_of: dict[int, list[tuple[int, CPUSet]] | None] = {}
     for cpu in online:
         # Where the kernel has NUMA nodes, a CPU none of them lists (one going offline as we
         # read) is left out as if offline: kubelet knows CPUs only from the nodes' lists
@@ -348,7 +353,7 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
         cluster_file = topology_dir / "cluster_id"
         if cluster_file.is_file():
             cluster_of[cpu] = _read_int(cluster_file)
-        llc_of[cpu] = _last_level_cache(cpu_dir / f"cpu{cpu}" / "cache")
+        caches_of[cpu] = _caches(cpu_dir / f"cpu{cpu}" / "cache")
     found = _cores_named_apart(found, cluster_of)
 
     infos = [
@@ -356,7 +361,7 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
         CPUInfo(cpu=cpu, socket=socket, core_id=core_id, numa_node=node_of.get(cpu, 0), die=die)
         for cpu, socket, die, core_id in found
     ]
-    return _with_uncore_ids(infos, llc_of), isolated
+    return _with_cache_groups(infos, caches_of), isolated
 
 
 def _cores_named_apart(
@@ -386,19 +391,64 @@ def _cores_named_apart(
     ]
 
 
-def _with_uncore_ids(infos: list[CPUInfo], llc_of: Mapping[int, CPUSet | None]) -> list[CPUInfo]:
-    """Number the last-level-cache groups densely, in order of their lowest online CPU.
+def _with_cache_groups(
+    infos: list[CPUInfo], caches_of: Mapping[int, list[tuple[int, CPUSet]] | None]
+) -> list[CPUInfo]:
+    """Each CPU's uncore-cache and last-level-cache groups, numbered by lowest CPU.
 
-    Without cache data for every CPU the socket id stands in for all of them, so the two
-    numberings never mix.
+    The uncore group is kubelet's for prefer-align-cpus-by-uncorecache: cadvisor keeps, as a
+    core's uncore caches, those of level 3 or more that do not span exactly its NUMA node,
+    and kubelet groups by the first one's id, else by the socket. So an L2 is never one (an
+    arm64 cluster without an L3 groups by socket), and neither is an L3 that is the node's
+    own (cluster-on-die parts): those group by socket too.
+
+    The last-level group is the highest level's, whatever it is, for the status pages. Without
+    cache data for every CPU the socket id stands in for all of them, so the two numberings
+    never mix.
     """
     present = CPUSet(info.cpu for info in infos)
-    groups: dict[int, int] = {}
+    node_masks: dict[int, int] = {}
     for info in infos:
-        llc = llc_of.get(info.cpu)
-        if llc is None:
-            return [replace(info, uncore_cache=info.socket) for info in infos]
-        groups[info.cpu] = ((llc & present) | CPUSet([info.cpu])).mask
-    ordered = sorted(set(groups.values()), key=lambda group: group & -group)
-    dense = {group: index for index, group in enumerate(ordered)}
-    return [replace(info, uncore_cache=dense[groups[info.cpu]]) for info in infos]
+        node_masks[info.numa_node] = node_masks.get(info.numa_node, 0) | 1 << info.cpu
+
+    def sharing(cpu: int, cpus: CPUSet) -> int:
+        # shared_cpu_list may name CPUs we left out (offline, in no node).
+        return (cpus.mask & present.mask) | 1 << cpu
+
+    uncore_key: dict[int, tuple[str, int]] = {}
+    llc_group: dict[int, int] = {}
+    for info in infos:
+        caches = caches_of.get(info.cpu) or []
+        node = node_masks[info.numa_node]
+        uncore = next(
+            (
+                shared
+                for level, cpus in caches
+                if level >= 3 and (shared := sharing(info.cpu, cpus)) != node
+            ),
+            None,
+        )
+        uncore_key[info.cpu] = ("socket", info.socket) if uncore is None else ("cache", uncore)
+        if caches:
+            # The first of the highest level, as sysfs lists them.
+            top = max(level for level, _ in caches)
+            llc_group[info.cpu] = sharing(info.cpu, next(c for lv, c in caches if lv == top))
+    uncore_ids = _numbered_by_lowest_cpu(infos, uncore_key)
+    if len(llc_group) < len(infos):
+        return [
+            replace(info, uncore_cache=uncore_ids[info.cpu], last_level_cache=info.socket)
+            for info in infos
+        ]
+    llc_ids = _numbered_by_lowest_cpu(infos, llc_group)
+    return [
+        replace(info, uncore_cache=uncore_ids[info.cpu], last_level_cache=llc_ids[info.cpu])
+        for info in infos
+    ]
+
+
+def _numbered_by_lowest_cpu(infos: list[CPUInfo], group_of: Mapping[int, _K]) -> dict[int, int]:
+    """CPU -> a dense index of its group, the groups in order of their lowest CPU."""
+    index: dict[_K, int] = {}
+    for info in sorted(infos, key=lambda info: info.cpu):
+        index.setdefault(group_of[info.cpu], len(index))
+    return {info.cpu: index[group_of[info.cpu]] for info in infos}

@@ -68,7 +68,7 @@ class StaticPolicyOptions:
     distribute_cpus_across_cores: bool = False
     # Reserved CPUs are kept out of the shared pool too (only system daemons run there).
     strict_cpu_reservation: bool = False
-    # Best effort: a request is packed into as few last-level-cache groups as possible.
+    # Best effort: a request is packed into as few uncore-cache groups as possible.
     prefer_align_cpus_by_uncorecache: bool = False
 
     def __post_init__(self) -> None:

@@ -233,7 +233,7 @@ class _Accumulator:
                             return
 
     def take_uncore_aligned(self) -> None:
-        """prefer-align-cpus-by-uncorecache: whole last-level-cache groups while the request
+        """prefer-align-cpus-by-uncorecache: whole uncore-cache groups while the request
         needs at least one, then the rest from the fullest single group that can hold it."""
         topology = self.topology
         uncore_masks, within = topology.uncore_masks, self.layout.numa_uncores
@@ -283,7 +283,7 @@ def _fitting_groups(topology: Topology, avail: int, count: int, uncore: bool) ->
     """Masks of the single NUMA nodes, else single sockets (the smaller kind of group
     first), that can hold all ``count`` CPUs, best first: those whose whole free cores cover
     the most of the request (so the choice splits no more cores than need be), then, with
-    ``uncore``, those with a last-level-cache group that holds it all, then best fit (fewest
+    ``uncore``, those with an uncore-cache group that holds it all, then best fit (fewest
     free CPUs), then lowest id."""
     per_core = topology.cpus_per_core
     cores_wanted = count // per_core

@@ -120,13 +120,28 @@ def expected_topology(spec: MachineSpec) -> Topology:
     """The Topology that discovery should return for ``write_sysfs(spec, ...)``."""
     online = spec.online()
     threads = [th for th in spec.threads() if th.cpu in online]
-    if spec.write_cache:
-        # Dense L3 ids in order of each group's lowest online CPU.
-        lowest: dict[int, int] = {}
+    l3_cpus: dict[int, set[int]] = {}
+    node_cpus: dict[int, set[int]] = {}
+    for th in threads:
+        l3_cpus.setdefault(th.l3_group, set()).add(th.cpu)
+        node_cpus.setdefault(th.numa_node if spec.write_numa else 0, set()).add(th.cpu)
+
+    def uncore_group(th: ThreadSpec) -> tuple[str, int]:
+        # kubelet's rule: an L3 that is not exactly the CPU's NUMA node, else the socket.
+        node = th.numa_node if spec.write_numa else 0
+        if spec.write_cache and l3_cpus[th.l3_group] != node_cpus[node]:
+            return ("l3", th.l3_group)
+        return ("socket", th.socket)
+
+    def dense(group_of: dict[int, tuple[str, int]]) -> dict[int, int]:
+        # Groups numbered in order of their lowest online CPU (threads come sorted by CPU).
+        order: dict[tuple[str, int], int] = {}
         for th in threads:
-            lowest.setdefault(th.l3_group, th.cpu)
-        order = sorted(lowest, key=lambda g: lowest[g])
-        uncore = {g: i for i, g in enumerate(order)}
+            order.setdefault(group_of[th.cpu], len(order))
+        return {cpu: order[group] for cpu, group in group_of.items()}
+
+    uncore = dense({th.cpu: uncore_group(th) for th in threads})
+    llc = dense({th.cpu: ("l3", th.l3_group) for th in threads})
     infos = [
         CPUInfo(
             cpu=th.cpu,
@@ -134,7 +149,8 @@ def expected_topology(spec: MachineSpec) -> Topology:
             core_id=th.core_id,
             numa_node=th.numa_node if spec.write_numa else 0,
             die=th.die if spec.write_die_id else 0,
-            uncore_cache=uncore[th.l3_group] if spec.write_cache else th.socket,
+            uncore_cache=uncore[th.cpu],
+            last_level_cache=llc[th.cpu] if spec.write_cache else th.socket,
         )
         for th in threads
     ]

@@ -582,7 +582,16 @@ STATUS_KEYS = [
     "topology_changed",
     "assignments",
 ]
-CPU_KEYS = ["cpu", "socket", "die", "numa_node", "core_id", "last_level_cache", "isolated"]
+CPU_KEYS = [
+    "cpu",
+    "socket",
+    "die",
+    "numa_node",
+    "core_id",
+    "last_level_cache",
+    "uncore_cache",
+    "isolated",
+]
 OWNER_KEYS = ["owner", "tag", "pod_uid", "container", "in_shared_pool"]
 ASSIGNMENT_KEYS = [
     "tag",
@@ -620,7 +629,8 @@ def test_topology_json_round_trips(case: Case) -> None:
                 core_id=e["core_id"],
                 numa_node=e["numa_node"],
                 die=e["die"],
-                uncore_cache=e["last_level_cache"],
+                uncore_cache=e["uncore_cache"],
+                last_level_cache=e["last_level_cache"],
             )
             for e in document["cpus"]
         ),
@@ -634,6 +644,30 @@ def test_topology_json_round_trips(case: Case) -> None:
     assert summary["cpus"] == len(topology.online)
     assert summary["cores"] == topology.num_cores
     assert summary["numa_nodes"] == topology.num_numa_nodes
+    assert summary["last_level_caches"] == len({c.last_level_cache for c in topology.cpus})
+    assert summary["uncore_caches"] == len(topology.uncore_masks)
+
+
+def test_uncore_groups_are_told_apart_from_last_level_caches() -> None:
+    # Each socket's L3 is split per NUMA node: the highest-level cache is the node's, and
+    # prefer-align-cpus-by-uncorecache groups by socket (kubelet's rule), so the two differ.
+    topology = expected_topology(
+        MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2, numa_per_socket=2, l3_per_die=2)
+    )
+    document = topology_json(topology)
+    assert document["summary"]["last_level_caches"] == topology.num_numa_nodes
+    assert document["summary"]["uncore_caches"] == topology.num_sockets
+    for entry in document["cpus"]:
+        assert topology.cpus_in_uncore_cache(entry["uncore_cache"]) == topology.cpus_in_socket(
+            entry["socket"]
+        )
+        sharing = CPUSet(
+            e["cpu"] for e in document["cpus"] if e["last_level_cache"] == entry["last_level_cache"]
+        )
+        assert sharing == topology.cpus_in_numa_node(entry["numa_node"])
+    page = render_topology(topology)
+    assert re.search(rf"^last-level caches +{topology.num_numa_nodes}$", page, re.MULTILINE)
+    assert re.search(rf"^uncore caches +{topology.num_sockets}$", page, re.MULTILINE)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)

@@ -137,6 +137,99 @@ def test_the_highest_complete_cache_entry_wins_stray_node_files_do_not_count(
     assert Topology.from_sysfs(root) == expected_topology(spec)
 
 
+def _write_cache(root: Path, cpu: int, index: int, level: int, shared: str) -> None:
+    cache = root / f"devices/system/cpu/cpu{cpu}/cache/index{index}"
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "level").write_text(f"{level}\n")
+    (cache / "shared_cpu_list").write_text(f"{shared}\n")
+
+
+def test_arm64_l2_clusters_without_l3_group_by_socket_for_the_uncore_option(
+    tmp_path: Path,
+) -> None:
+    # Two clusters of four cores, each sharing an L2, no L3: cadvisor reports no uncore
+    # cache (level 2 is never one), so kubelet aligns by socket. The L2 is still the last
+    # level the status pages show.
+    _arm64_board(tmp_path, [(cpu // 4, cpu % 4, str(cpu)) for cpu in range(8)])
+    for cpu in range(8):
+        _write_cache(tmp_path, cpu, 0, 1, str(cpu))
+        _write_cache(tmp_path, cpu, 1, 2, "0-3" if cpu < 4 else "4-7")
+    topology = Topology.from_sysfs(tmp_path)
+    assert topology.uncore_caches == (0,)
+    assert topology.cpus_in_uncore_cache(0) == topology.cpus_in_socket(0) == CPUSet.parse("0-7")
+    assert [info.last_level_cache for info in topology.cpus] == [0] * 4 + [1] * 4
+
+
+def test_an_l3_that_is_exactly_its_numa_node_groups_by_socket(tmp_path: Path) -> None:
+    # Cluster-on-die: each socket's L3 is split in two halves, one per NUMA node. cadvisor
+    # files such an L3 as the node's cache, not an uncore one, so kubelet aligns by socket.
+    spec = MachineSpec(
+        sockets=2, cores_per_die=8, threads_per_core=2, numa_per_socket=2, l3_per_die=2
+    )
+    topology = discover(spec, tmp_path)
+    assert topology.uncore_caches == (0, 1)
+    for socket in (0, 1):
+        assert topology.cpus_in_uncore_cache(socket) == topology.cpus_in_socket(socket)
+    assert topology == expected_topology(spec)
+    halves = {info.last_level_cache for info in topology.cpus}
+    assert halves == {0, 1, 2, 3}
+    assert all(
+        CPUSet(c.cpu for c in topology.cpus if c.last_level_cache == half)
+        == topology.cpus_in_numa_node(half)
+        for half in halves
+    )
+
+
+def test_without_an_l3_the_uncore_groups_are_the_sockets(tmp_path: Path) -> None:
+    spec = MachineSpec(sockets=2, cores_per_die=4, threads_per_core=2)
+    root = write_sysfs(spec, tmp_path)
+    for l3 in root.glob("devices/system/cpu/cpu*/cache/index3"):
+        for child in l3.iterdir():
+            child.unlink()
+        l3.rmdir()
+    topology = Topology.from_sysfs(root)
+    assert topology.uncore_caches == (0, 1)
+    for socket in (0, 1):
+        assert topology.cpus_in_uncore_cache(socket) == topology.cpus_in_socket(socket)
+    # The L2, one per core, is the last level now.
+    assert len({info.last_level_cache for info in topology.cpus}) == topology.num_cores
+
+
+@pytest.mark.parametrize("spec", [XEON_E5_2680_V3_X2, AMD_EPYC_LIKE], ids=lambda s: s.name)
+def test_an_l3_per_socket_or_per_ccx_is_both_the_uncore_and_the_last_level_group(
+    spec: MachineSpec, tmp_path: Path
+) -> None:
+    topology = discover(spec, tmp_path)
+    assert [info.uncore_cache for info in topology.cpus] == [
+        info.last_level_cache for info in topology.cpus
+    ]
+
+
+def test_the_first_cache_of_level_3_or_more_not_the_node_s_own_is_the_uncore_one(
+    tmp_path: Path,
+) -> None:
+    # One socket, two NUMA nodes of four cores, an L3 per two cores and an L4 for the whole
+    # socket: the L3 comes first and is not a node's own, so it groups (not the L4).
+    spec = MachineSpec(cores_per_die=8, numa_per_socket=2, l3_per_die=4)
+    root = write_sysfs(spec, tmp_path / "l3")
+    for cpu in spec.online():
+        _write_cache(root, cpu, 4, 4, "0-7")
+    topology = Topology.from_sysfs(root)
+    assert [topology.cpus_in_uncore_cache(u) for u in topology.uncore_caches] == [
+        CPUSet.parse(cpus) for cpus in ("0-1", "2-3", "4-5", "6-7")
+    ]
+    # Two sockets of two nodes, an L3 per node (each node's own, passed over) and an L4 for
+    # the whole machine: the L4 groups all eight CPUs, where the sockets would make two.
+    spec = MachineSpec(sockets=2, cores_per_die=4, numa_per_socket=2, l3_per_die=2)
+    root = write_sysfs(spec, tmp_path / "l4")
+    for cpu in spec.online():
+        _write_cache(root, cpu, 4, 4, "0-7")
+    topology = Topology.from_sysfs(root)
+    assert topology.uncore_caches == (0,)
+    assert topology.cpus_in_uncore_cache(0) == CPUSet.parse("0-7")
+    assert {info.last_level_cache for info in topology.cpus} == {0}
+
+
 def _arm64_board(root: Path, cores: list[tuple[int, int, str]]) -> None:
     """One package; ``cores`` gives each CPU's cluster id, core id and the kernel's thread
     siblings (a device-tree arm64 board restarts the core ids in each cluster)."""
