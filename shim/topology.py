@@ -1,13 +1,15 @@
 """The machine's CPU topology as plain data, and its discovery from sysfs.
 
 Only online CPUs are described: an offline CPU has no topology in sysfs and cannot be given to a
-container. Where the kernel has NUMA nodes, neither is a CPU that no node lists (kubelet does not
-see one either). Every grouping the allocator uses (socket, NUMA node, core, uncore cache) is also
+container. Where the kernel has NUMA nodes, neither is a CPU that no node lists, nor anywhere one
+whose topology lacks its core or package id (kubelet sees neither: cadvisor leaves them out).
+Every grouping the allocator uses (socket, NUMA node, core, uncore cache) is also
 precomputed as a bitmask so it can work with int operations only.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -27,6 +29,8 @@ CoreKey: TypeAlias = tuple[int, int, int]  # (socket, die, core id)
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+
+log = logging.getLogger(__name__)
 
 
 class TopologyError(ValueError):
@@ -280,6 +284,16 @@ def _read_int(path: Path) -> int:
         raise TopologyError(f"{path} holds {text!r}, not an integer") from None
 
 
+def _read_id(path: Path) -> int | None:
+    """The integer in ``path``, or None when there is no such file."""
+    try:
+        return _read_int(path)
+    except TopologyError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            return None
+        raise
+
+
 def _read_cpulist(path: Path) -> CPUSet:
     text = _read_text(path)
     try:
@@ -306,7 +320,8 @@ def _numa_nodes(node_dir: Path) -> dict[int, int]:
 def _caches(cache_dir: Path) -> list[tuple[int, CPUSet]] | None:
     """``(level, CPUs sharing it)`` for each cache this CPU sees, in the order of their
     ``index`` directories' names (the order cadvisor reads them in), or None when sysfs does
-    not say. An entry without a level or a CPU list says nothing and is passed over."""
+    not say. An entry without a level or a CPU list says nothing and is passed over, and so
+    is one whose level is not a number (with a warning: the other entries still count)."""
     if not cache_dir.is_dir():
         return None
     caches: list[tuple[int, CPUSet]] = []
@@ -314,7 +329,14 @@ def _caches(cache_dir: Path) -> list[tuple[int, CPUSet]] | None:
         level_file, shared_file = index / "level", index / "shared_cpu_list"
         if not (level_file.is_file() and shared_file.is_file()):
             continue
-        caches.append((_read_int(level_file), _read_cpulist(shared_file)))
+        level = _read_text(level_file).strip()
+        if not level.isdecimal():
+            log.warning(
+                "ignoring a cache whose level is not a number",
+                extra={"fields": {"path": str(level_file), "level": level}},
+            )
+            continue
+        caches.append((int(level), _read_cpulist(shared_file)))
     return caches
 
 
@@ -345,8 +367,17 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
         # A CPU taken offline after we read the online list loses its topology directory.
         if not topology_dir.is_dir():
             continue
-        socket = _read_int(topology_dir / "physical_package_id")
-        core_id = _read_int(topology_dir / "core_id")
+        # Without one of its ids a CPU cannot be placed; cadvisor leaves it out with a
+        # warning (so kubelet never sees it) rather than failing, and so do we.
+        package_file, core_file = topology_dir / "physical_package_id", topology_dir / "core_id"
+        socket, core_id = _read_id(package_file), _read_id(core_file)
+        if socket is None or core_id is None:
+            missing = package_file if socket is None else core_file
+            log.warning(
+                "leaving out a CPU whose topology lacks an id",
+                extra={"fields": {"cpu": cpu, "missing": str(missing)}},
+            )
+            continue
         die_file = topology_dir / "die_id"
         die = _read_int(die_file) if die_file.exists() else 0
         found.append((cpu, socket, die, core_id))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -303,8 +304,6 @@ def test_cpu_no_numa_node_lists_is_left_out_not_put_in_node_zero(tmp_path: Path)
     "relative",
     [
         "devices/system/cpu/online",
-        "devices/system/cpu/cpu2/topology/physical_package_id",
-        "devices/system/cpu/cpu2/topology/core_id",
         "devices/system/node/node0/cpulist",
     ],
 )
@@ -321,7 +320,7 @@ def test_missing_mandatory_file_names_the_path(tmp_path: Path, relative: str) ->
         ("devices/system/cpu/online", "0-x\n"),
         ("devices/system/cpu/isolated", "3-1\n"),
         ("devices/system/cpu/cpu1/topology/core_id", "one\n"),
-        ("devices/system/cpu/cpu1/cache/index3/level", "\n"),
+        ("devices/system/cpu/cpu1/topology/physical_package_id", "\n"),
     ],
 )
 def test_malformed_file_names_the_path(tmp_path: Path, relative: str, content: str) -> None:
@@ -329,6 +328,41 @@ def test_malformed_file_names_the_path(tmp_path: Path, relative: str, content: s
     (root / relative).write_text(content)
     with pytest.raises(TopologyError, match=str(root / relative)):
         Topology.from_sysfs(root)
+
+
+@pytest.mark.parametrize("name", ["core_id", "physical_package_id"])
+def test_a_cpu_without_a_core_or_package_id_is_left_out_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    # cadvisor skips such a CPU with a warning (kubelet never sees it) rather than failing.
+    root = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path)
+    missing = root / "devices/system/cpu/cpu2/topology" / name
+    missing.unlink()
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        topology = Topology.from_sysfs(root)
+    assert topology.online == CPUSet.parse("0-1,3-7")
+    fields = [getattr(record, "fields", None) for record in caplog.records]
+    assert fields == [{"cpu": 2, "missing": str(missing)}]
+
+
+@pytest.mark.parametrize("level", ["", "three", "L3"])
+def test_a_cache_whose_level_is_not_a_number_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, level: str
+) -> None:
+    # Two L3 groups of two cores in one NUMA node; CPU 1's L3 entry says nothing usable, so
+    # CPU 1 has no uncore cache of its own and groups by socket, apart from CPU 0's L3.
+    spec = MachineSpec(cores_per_die=4, l3_per_die=2)
+    root = write_sysfs(spec, tmp_path)
+    bad = root / "devices/system/cpu/cpu1/cache/index3/level"
+    bad.write_text(f"{level}\n")
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        topology = Topology.from_sysfs(root)
+    assert topology.online == spec.online()
+    assert topology.cpus_in_uncore_cache(topology.info(0).uncore_cache) == CPUSet([0])
+    assert topology.cpus_in_uncore_cache(topology.info(1).uncore_cache) == CPUSet([1])
+    assert topology.cpus_in_uncore_cache(topology.info(2).uncore_cache) == CPUSet([2, 3])
+    fields = [getattr(record, "fields", None) for record in caplog.records]
+    assert fields == [{"path": str(bad), "level": level}]
 
 
 def test_empty_root_is_a_clear_error(tmp_path: Path) -> None:
