@@ -76,16 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
         policy,
         "cpuManagerPolicy",
         choices=POLICIES,
-        help="static: exclusive CPUs for integer-CPU containers of Guaranteed pods (default);"
-        " none: every container on every CPU",
+        help="static: exclusive CPUs for integer-CPU containers of Guaranteed pods, a shared"
+        " pool for the rest (default); none: every container on every online CPU",
     )
     reserved = policy.add_mutually_exclusive_group()
     _option(
         reserved,
         "reservedSystemCPUs",
         metavar="LIST",
-        help="CPUs kept for system daemons, kernel list format (like kubelet's"
-        " reservedSystemCPUs); never handed out exclusively",
+        help="CPUs never handed out exclusively, kernel list format (like kubelet's"
+        " reservedSystemCPUs); shared containers still run on them unless"
+        " strict-cpu-reservation; the none policy uses every online CPU whatever this says",
     )
     _option(
         reserved,
@@ -118,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         policy,
         "failurePolicy",
         choices=FAILURE_POLICIES,
-        help="on an internal error: refuse the call with INTERNAL (fail-closed, default) or"
-        " forward it unchanged (fail-open)",
+        help="on an internal error deciding a call, before it reaches the runtime: refuse it"
+        " with INTERNAL (fail-closed, default) or forward it unchanged (fail-open)",
     )
     _option(
         policy,

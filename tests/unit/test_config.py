@@ -31,6 +31,7 @@ from shim.config import (
     reload_options,
     resolve,
 )
+from shim.cpuset import CPUSet
 from shim.engine import FailurePolicy
 from shim.run import DEFAULT_RESERVED_COUNT, RunOptions, build_policy
 from tests.harness.sysfs import SINGLE_SOCKET_NO_HT, write_sysfs
@@ -156,6 +157,30 @@ def test_the_help_texts_give_each_default_the_code_has() -> None:
             assert said.group(1) == str(DEFAULT_RESERVED_COUNT)
         else:
             assert said.group(1) == shown_default(getattr(DEFAULTS, action.dest)), action.dest
+
+
+def run_help(dest: str) -> str:
+    subparsers = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    return next(a.help or "" for a in subparsers.choices["run"]._actions if a.dest == dest)
+
+
+def test_the_help_texts_say_which_cpus_the_none_policy_gives(tmp_path: Path) -> None:
+    """Offline CPUs left out, reserved ones kept in: what the help, the README and the sample
+    config say of none is what build_policy makes of it."""
+    spec = replace(SINGLE_SOCKET_NO_HT, offline=frozenset({7}))
+    sysfs = write_sysfs(spec, tmp_path / "sys")
+    policy = build_policy(replace(DEFAULTS, policy="none", reserved_cpus="0", sysfs_root=sysfs))
+    assert policy.shared_pool({}) == spec.online() == CPUSet.parse("0-6")
+    said = "every container on every online CPU"
+    assert f"none: {said}" in run_help("policy")
+    readme = (REPO / "README.md").read_text()
+    assert f"`none`: {said} |" in readme
+    assert f'"none": {said}.' in SAMPLE.read_text()
+    # The reserved CPUs are still in the none policy's pool: their texts must not say
+    # otherwise.
+    assert "none policy uses every online CPU" in run_help("reserved_cpus")
 
 
 def test_failure_policies_are_the_engines() -> None:
