@@ -10,6 +10,9 @@ Annotations (pod-level; kubelet passes a pod's annotations in its sandbox config
 * ``cpushim.io/exclusive: "false"`` — no exclusive CPUs for any container of the pod, or
   ``cpushim.io/exclusive.<container-name>: "false"`` for one container.
 
+Any other ``cpushim.io/`` key is ignored; :func:`unknown_annotations` names them, so that a
+misspelt one can be told of.
+
 kubelet's memory manager (its ``Static`` policy) names the NUMA nodes a Guaranteed
 container's memory comes from in the request's ``cpuset_mems``: :func:`kubelet_memory_nodes`.
 """
@@ -29,6 +32,10 @@ from shim.policy.static import ExclusiveRequest, IsolatedMode
 ANNOTATION_ISOLATED: Final = "cpushim.io/isolated-cpus"
 ANNOTATION_CFS_QUOTA: Final = "cpushim.io/cfs-quota"
 ANNOTATION_EXCLUSIVE: Final = "cpushim.io/exclusive"
+ANNOTATION_PREFIX: Final = "cpushim.io/"
+_KNOWN_ANNOTATIONS: Final = frozenset(
+    {ANNOTATION_ISOLATED, ANNOTATION_CFS_QUOTA, ANNOTATION_EXCLUSIVE}
+)
 
 _BOOL: Final = {"true": True, "false": False}
 _ISOLATED_MODES: Final[Mapping[str, IsolatedMode]] = {
@@ -108,6 +115,20 @@ def _flag(annotations: Mapping[str, str], name: str) -> bool | None:
     if parsed is None:
         raise AnnotationError(f'annotation {name}: {value!r} is not "true" or "false"')
     return parsed
+
+
+def unknown_annotations(annotations: Mapping[str, str]) -> list[str]:
+    """The ``cpushim.io/`` keys among a pod's annotations that cpushim does not read, in name
+    order. ``cpushim.io/exclusive.<name>`` is known whatever the name: the sandbox does not
+    list the containers to come."""
+    per_container = f"{ANNOTATION_EXCLUSIVE}."
+    return sorted(
+        key
+        for key in annotations
+        if key.startswith(ANNOTATION_PREFIX)
+        and key not in _KNOWN_ANNOTATIONS
+        and not (key.startswith(per_container) and len(key) > len(per_container))
+    )
 
 
 def isolated_mode(pod: Pod) -> IsolatedMode:

@@ -55,6 +55,7 @@ from shim.pods import (
     plan_container,
     shows_pod_level_resources,
     takes_whole_pod,
+    unknown_annotations,
 )
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
@@ -405,8 +406,7 @@ class Engine:
         except DecodeError:
             return
         config = pb.RunPodSandboxRequest.FromString(request).config
-        pod = self.marked(Pod.from_config(sandbox_id, config))
-        self.pods[sandbox_id] = pod
+        pod = self._learn_pod(sandbox_id, config)
         if pod.qos is None and self.policy.name != "none":
             # kubelet with cgroupsPerQOS: false puts every pod under its cgroup root: no QoS
             # class to read, so nothing is pinned. Said once per pod, where it is decided.
@@ -496,6 +496,28 @@ class Engine:
 
         return lambda: self._spawn(forget())
 
+    def _learn_pod(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
+        """The pod of a sandbox kubelet names with its config, remembered; a sandbox seen for
+        the first time (its RunPodSandbox, or a create whose reply to that was unreadable)
+        has its unknown ``cpushim.io/`` annotations told of, once."""
+        pod = self.marked(Pod.from_config(sandbox_id, config))
+        new = sandbox_id not in self.pods
+        self.pods[sandbox_id] = pod
+        if new and (unknown := unknown_annotations(pod.annotations)):
+            # Ignored as before: a pod must not fail for a key a later cpushim may read. But
+            # a misspelt one silently does nothing the operator meant.
+            log.warning(
+                "pod annotations cpushim does not know are ignored (misspelt?)",
+                extra={
+                    "fields": {
+                        "pod": pod.label,
+                        "pod_uid": pod.uid,
+                        "annotations": unknown,
+                    }
+                },
+            )
+        return pod
+
     def marked(self, pod: Pod) -> Pod:
         """``pod``, marked when the state says it has pod-level resources (a new sandbox of
         a marked pod, a pod learnt from the runtime)."""
@@ -505,9 +527,7 @@ class Engine:
 
     def _pod_of(self, sandbox_id: str, config: pb.PodSandboxConfig) -> Pod:
         if config.metadata.uid:
-            pod = self.marked(Pod.from_config(sandbox_id, config))
-            self.pods[sandbox_id] = pod
-            return pod
+            return self._learn_pod(sandbox_id, config)
         known = self.pods.get(sandbox_id)
         if known is not None:
             return known

@@ -643,6 +643,48 @@ async def wait_until(condition: Callable[[], bool], within: float = 5.0) -> None
             await asyncio.sleep(0.001)
 
 
+@pytest.mark.parametrize("learnt_from", ["RunPodSandbox", "CreateContainer"])
+async def test_an_unknown_cpushim_annotation_is_warned_of_once_and_ignored(
+    env: Env, caplog: pytest.LogCaptureFixture, learnt_from: str
+) -> None:
+    """A misspelt opt-out did nothing and said nothing. The pod is learnt from its
+    RunPodSandbox, or from its first create when that reply could not be read."""
+    annotations = {
+        "cpushim.io/exclusiv": "false",  # misspelt: the containers are still pinned
+        "cpushim.io/cfs-quota": "keep",
+        "cpushim.io/exclusive.sidecar": "true",
+        "example.com/team": "db",
+    }
+    with caplog.at_level(logging.WARNING):
+        if learnt_from == "RunPodSandbox":
+            pod = await env.kubelet.run_pod("db", "guaranteed", annotations=annotations)
+        else:
+            config = pb.PodSandboxConfig(
+                metadata=pb.PodSandboxMetadata(name="db", uid="uid-db", namespace="default"),
+                annotations=annotations,
+                linux=pb.LinuxPodSandboxConfig(cgroup_parent="/kubepods/poduid-db"),
+            )
+            request = pb.RunPodSandboxRequest(config=config).SerializeToString()
+            # Straight to the runtime: the engine sees no RunPodSandbox reply.
+            reply = await env.kubelet.runtime.unary(
+                UnaryCall(rq.RUN_POD_SANDBOX, (), request, 10.0)
+            )
+            sandbox_id = pb.RunPodSandboxResponse.FromString(reply.messages[0]).pod_sandbox_id
+            assert sandbox_id not in env.engine.pods
+            pod = Pod(sandbox_id, config, "guaranteed")
+        await env.kubelet.start_new(pod, "main", 1000)
+        await env.kubelet.start_new(pod, "sidecar", 1000)
+    told = [
+        record.__dict__["fields"]
+        for record in caplog.records
+        if record.getMessage().startswith("pod annotations cpushim does not know")
+    ]
+    assert told == [
+        {"pod": "default/db", "pod_uid": pod.uid, "annotations": ["cpushim.io/exclusiv"]}
+    ]
+    assert len(env.engine.state.assignments) == 2
+
+
 async def test_a_pod_is_remembered_from_its_run_pod_sandbox_through_the_relay(env: Env) -> None:
     # RunPodSandbox is spliced and followed: the engine reads the sandbox id from the reply
     # the relay copied on its way to kubelet.

@@ -21,6 +21,7 @@ from shim.pods import (
     ContainerPlan,
     Pod,
     plan_container,
+    unknown_annotations,
 )
 from tests.harness.kubelet import CPU_PERIOD_US, milli_cpu_to_quota, milli_cpu_to_shares
 from tests.harness.sysfs import PROPERTY_SETTINGS
@@ -295,6 +296,25 @@ def test_unknown_cpushim_annotations_are_ignored() -> None:
     assert plan == ContainerPlan(exclusive=2)
 
 
+def test_unknown_annotations_are_the_cpushim_keys_not_read() -> None:
+    annotations = {
+        ANNOTATION_ISOLATED: "prefer",
+        ANNOTATION_CFS_QUOTA: "keep",
+        ANNOTATION_EXCLUSIVE: "false",
+        f"{ANNOTATION_EXCLUSIVE}.sidecar": "false",  # any container name: none listed yet
+        "cpushim.io/isolated-cpu": "require",
+        f"{ANNOTATION_EXCLUSIVE}.": "false",  # names no container
+        "cpushim.io/Exclusive": "false",
+        "example.com/isolated-cpus": "require",  # not cpushim's
+        "cpushim.io.example.com/exclusive": "false",
+    }
+    assert unknown_annotations(annotations) == [
+        "cpushim.io/Exclusive",
+        f"{ANNOTATION_EXCLUSIVE}.",
+        "cpushim.io/isolated-cpu",
+    ]
+
+
 def test_plan_for_a_pod_from_config() -> None:
     config = sandbox_config(
         f"kubepods-pod{UID_}.slice", {ANNOTATION_ISOLATED: "prefer", ANNOTATION_CFS_QUOTA: "keep"}
@@ -320,6 +340,7 @@ def test_the_readmes_annotation_table_is_what_plan_container_reads() -> None:
         ANNOTATION_EXCLUSIVE,
         f"{ANNOTATION_EXCLUSIVE}.<container>",
     }
+    assert unknown_annotations({name.replace("<container>", "app"): "" for name in values}) == []
     words = set().union(*values.values())
     for name, listed in values.items():
         annotation = name.replace("<container>", "app")
