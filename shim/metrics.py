@@ -117,6 +117,10 @@ ENGINE_COUNTERS: dict[str, str] = {
         " chosen: refused by the runtime, or cancelled before they went out (the CPUs"
         " were returned)"
     ),
+    "startup_status_errors": (
+        "PodSandboxStatus calls that failed at start-up, verbose and plain (the pod was"
+        " taken from the runtime's list)"
+    ),
     "unknown_create_outcomes": (
         "CreateContainer calls that went to the runtime and got no answer back (a lost"
         " connection, a reset stream); an exclusive one's CPUs stay held for the container's"

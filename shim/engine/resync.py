@@ -278,7 +278,21 @@ async def _sandboxes(
         if item.state != pb.SANDBOX_READY:
             stopped.add(item.id)
         if read.error:
-            raise StartupError(f"resync: PodSandboxStatus {item.id} failed: {read.error}")
+            # Kept down for one sandbox, cpushim would keep kubelet's runtime down for the
+            # whole node. The list names the pod and carries its annotations; its cgroup
+            # parent, and so its QoS class, is looked for on its containers, as when only
+            # the verbose status fails. Nothing is released for it: its containers are
+            # read (and held) as any other's.
+            engine.counters["startup_status_errors"] += 1
+            log.warning(
+                "cannot read a sandbox's status; its pod is taken from the runtime's list",
+                extra={"fields": {"sandbox_id": item.id, "error": read.error}},
+            )
+            unplaced.add(item.id)
+            pods[item.id] = Pod.from_config(
+                item.id, sandbox_config(item, pb.PodSandboxStatusResponse())
+            )
+            continue
         if read.status is None:
             continue  # removed since it was listed
         if read.status.status.state != pb.SANDBOX_READY:

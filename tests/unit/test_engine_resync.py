@@ -18,13 +18,13 @@ from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
 from shim.engine import resync
 from shim.engine.resync import (
-    StartupError,
     adopt_sharing,
     live_status,
     placed_pod,
     spec_resources,
 )
 from shim.kube import QOSClass
+from shim.pods import ANNOTATION_CFS_QUOTA
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
@@ -642,13 +642,52 @@ async def test_sandboxes_whose_shims_hang_are_waited_for_together(
     assert_consistent(env)
 
 
-async def test_a_sandbox_whose_plain_status_fails_too_stops_start_up(env: Env) -> None:
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    await env.kubelet.start_new(pod, "main", 1000)
-    env.fake.fail_next("PodSandboxStatus", GrpcStatus.UNAVAILABLE, "restarting", count=2)
-    failed = f"PodSandboxStatus {pod.sandbox_id} failed: UNAVAILABLE"
-    with pytest.raises(StartupError, match=failed):
-        await env.restart()
+def unreadable(env: Env, monkeypatch: pytest.MonkeyPatch, status: Status) -> set[str]:
+    """Sandboxes and containers, by id, whose PodSandboxStatus and ContainerStatus calls
+    fail with ``status`` (verbose or not) while their id is in the returned set."""
+    failing: set[str] = set()
+    unary = env.channel.unary
+
+    async def failed(call: UnaryCall, request: bytes | None = None) -> Reply:
+        named = ""
+        if call.path == rq.POD_SANDBOX_STATUS:
+            named = pb.PodSandboxStatusRequest.FromString(call.request).pod_sandbox_id
+        elif call.path == rq.CONTAINER_STATUS:
+            named = pb.ContainerStatusRequest.FromString(call.request).container_id
+        if named in failing:
+            return Reply.error(status, "context deadline exceeded")
+        return await unary(call, request)
+
+    monkeypatch.setattr(env.channel, "unary", failed)
+    return failing
+
+
+@pytest.mark.parametrize("recover", [False, True], ids=["checkpoint", "recovered"])
+async def test_a_sandbox_whose_status_cannot_be_read_at_all_is_taken_from_the_list(
+    driven_env: Env, recover: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain and verbose status both failing (containerd's shim sandboxer asks the shim for
+    either) used to stop start-up, and with cpushim kubelet's runtime. The pod comes from
+    the runtime's list, its QoS class from its container's cgroup: its CPU stays (or is
+    adopted) as it was, and the sharing pod next to it gets none of it."""
+    env = driven_env
+    pinned = await env.kubelet.run_pod("db", "guaranteed", {ANNOTATION_CFS_QUOTA: "keep"})
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    sharing = await env.kubelet.run_pod("web", "burstable")
+    sharing_id = await env.kubelet.start_new(sharing, "main", 500)
+    await env.engine.checkpoint_written()
+    unreadable(env, monkeypatch, Status.DEADLINE_EXCEEDED).add(pinned.sandbox_id)
+
+    await env.restart(recover=recover)
+    assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert FIRST_SINGLE not in env.cpus(sharing_id).split(",")
+    pod = env.engine.pods[pinned.sandbox_id]
+    assert (pod.uid, pod.qos) == (pinned.uid, QOSClass.GUARANTEED)
+    # Its annotations come with the list's entry.
+    assert env.engine.containers[pinned_id].keep_quota
+    assert env.engine.counters["startup_status_errors"] == 1
+    assert_consistent(env)
 
 
 async def test_a_pod_whose_containers_name_another_pods_cgroup_is_not_classified_by_them(
