@@ -118,8 +118,9 @@ ENGINE_COUNTERS: dict[str, str] = {
         " were returned)"
     ),
     "startup_status_errors": (
-        "PodSandboxStatus calls that failed at start-up, verbose and plain (the pod was"
-        " taken from the runtime's list)"
+        "PodSandboxStatus (verbose and plain) and ContainerStatus calls that failed at"
+        " start-up: the pod was taken from the runtime's list, the container left as it was"
+        " (any CPUs it held kept) for a sweep"
     ),
     "unknown_create_outcomes": (
         "CreateContainer calls that went to the runtime and got no answer back (a lost"

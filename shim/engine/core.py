@@ -151,6 +151,9 @@ class Engine:
         # Set by the watcher: asks for a sweep of the runtime's containers soon
         # (shim/engine/sweeping.py), after a create whose container cpushim did not record.
         self.sweeper: Callable[[], None] | None = None
+        # A sweep asked for while no watcher runs (start-up left containers unread): made as
+        # soon as one starts.
+        self.sweep_wanted = False
         # A container that shares and asks for exclusive CPUs found no room (at start-up, a
         # reload, a sweep): a release then asks the watcher for an adoption (room_made), or
         # it would wait for a full look. Cleared once none waits: a release costs nothing
@@ -342,6 +345,8 @@ class Engine:
     def _sweep_soon(self) -> None:
         if self.sweeper is not None:
             self.sweeper()
+        else:
+            self.sweep_wanted = True
 
     async def _dispatch(self, call: UnaryCall, forward: Forward) -> Reply:
         handler = self._handlers.get(call.path)

@@ -4,7 +4,9 @@ The runtime is the truth about which containers exist; the checkpoint is the tru
 CPUs they were given. Assignments whose containers are gone are released; running containers
 cpushim does not know (created while it was down) are adopted, exclusive when their pod and
 resources ask for it and CPUs are free, shared otherwise; a changed policy, option set or
-reserved set is re-planned; then every container's cpuset is written where it differs.
+reserved set is re-planned; then every container's cpuset is written where it differs. A
+container whose status the runtime cannot give keeps any CPUs it holds, untracked, until a
+sweep (shim/engine/sweeping.py) reads it and takes it in.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class ResyncReport:
     adopted_shared: list[str] = field(default_factory=list)
     replanned: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    # Containers whose ContainerStatus failed: left as they are for a sweep.
+    unread: list[str] = field(default_factory=list)
 
 
 async def start(
@@ -106,7 +110,9 @@ async def start(
     progress: StartupProgress | None = None,
 ) -> ResyncReport:
     """Load or rebuild the state, resync with the runtime and apply it; StartupError when the
-    checkpoint cannot be trusted or the runtime cannot be listed. Each step done is told to
+    checkpoint cannot be trusted or the runtime cannot be listed. A sandbox or container
+    whose status the runtime does not give does not stop it (see :func:`_sandboxes`,
+    :func:`_reconcile`): cpushim down is kubelet's runtime down. Each step done is told to
     ``progress``: none waits longer than one runtime call's deadline (two for a sandbox: its
     verbose status given up, then the plain one), so progress that stops for longer means
     start-up is stuck."""
@@ -118,7 +124,7 @@ async def start(
         progress.begin("resync: listing sandboxes")
         pods, stopped, unplaced = await _sandboxes(engine, progress)
         progress.begin("resync: listing containers")
-        live, exited = await _containers(engine, stopped, progress)
+        live, exited, unread = await _containers(engine, stopped, progress)
     except DecodeError as exc:
         raise StartupError(
             f"resync: {engine.runtime.endpoint} answered with a message that does not decode"
@@ -126,14 +132,14 @@ async def start(
         ) from exc
     for sandbox_id in unplaced:
         pods[sandbox_id] = _placed_or_told(pods[sandbox_id], live.values())
-    report = ResyncReport()
+    report = ResyncReport(unread=[item.id for item in unread])
     pods = _with_pod_level_resources(pods, live, loaded.pod_level if loaded is not None else ())
     async with engine.lock:
         engine.pods = pods
         # Learnt from the runtime: one another client made never has its RemovePodSandbox
         # pass here, so a sweep forgets it once the runtime no longer lists it.
         engine.learnt_sandboxes = set(pods)
-        state = _reconcile(engine, loaded, pods, live, report)
+        state = _reconcile(engine, loaded, pods, live, unread, report)
         for pod in pods.values():
             if pod.pod_level_resources:
                 state = state.with_pod_level(pod.uid)
@@ -168,7 +174,17 @@ async def start(
         # An exited container's directory stays with its pod, as while cpushim runs: its
         # next attempt (a crash loop's) writes there, the generation going on.
         keep |= {ContainerKey(pods[sid].uid, name) for sid, name in exited if sid in pods}
+        # An unread one may run with its directory mounted.
+        keep |= {
+            ContainerKey(pods[c.pod_sandbox_id].uid, c.metadata.name)
+            for c in unread
+            if c.pod_sandbox_id in pods
+        }
         await engine.projector.clean_stale(keep)
+    if unread:
+        # The runtime may answer for them later: a sweep takes them in as it takes in a
+        # container cpushim does not track, and tries again while it cannot.
+        engine._sweep_soon()
     log.info(
         "resynced with the runtime",
         extra={
@@ -182,6 +198,7 @@ async def start(
                 "adopted_shared": len(report.adopted_shared),
                 "replanned": report.replanned,
                 "refused": report.refused,
+                "unread": report.unread,
             }
         },
     )
@@ -416,15 +433,17 @@ def _json_int(value: object, *, signed: bool = False) -> int:
 
 async def _containers(
     engine: Engine, stopped: set[str], progress: StartupProgress
-) -> tuple[dict[str, LiveContainer], list[tuple[str, str]]]:
-    """Containers that are not exited (exited ones hold no CPUs), and the (sandbox id, name)
-    of the exited ones. A container created in a sandbox that is stopped since counts as
+) -> tuple[dict[str, LiveContainer], list[tuple[str, str]], list[pb.Container]]:
+    """Containers that are not exited (exited ones hold no CPUs), the (sandbox id, name)
+    of the exited ones, and the listed containers whose status the runtime could not give
+    (they may run). A container created in a sandbox that is stopped since counts as
     exited: the runtime starts none there (and the sandbox's stop left it created), so it
     never runs. So does one created beside a later attempt of it (kubelet went on to the
     next attempt when the create's answer was lost): kubelet never starts an earlier one."""
     reply = await _call(engine, rq.LIST_CONTAINERS, b"")
     live: dict[str, LiveContainer] = {}
     exited: list[tuple[str, str]] = []
+    unread: list[pb.Container] = []
     items = pb.ListContainersResponse.FromString(reply.messages[0]).containers
     superseded = superseded_attempts(items)
     asked: list[pb.Container] = []
@@ -446,10 +465,21 @@ async def _containers(
         if status_reply.status is Status.NOT_FOUND:
             continue
         if status_reply.status is not Status.OK or not status_reply.messages:
-            raise StartupError(
-                f"resync: ContainerStatus {item.id} failed: {status_reply.status.name}:"
-                f" {status_reply.status_message}"
+            # Without its resources and cgroup nothing can be decided for it; stopping
+            # start-up for it would keep kubelet's runtime down for the whole node.
+            engine.counters["startup_status_errors"] += 1
+            log.warning(
+                "cannot read a container's status; it stays as it is until a sweep reads it",
+                extra={
+                    "fields": {
+                        "container_id": item.id,
+                        "sandbox_id": item.pod_sandbox_id,
+                        "error": f"{status_reply.status.name}: {status_reply.status_message}",
+                    }
+                },
             )
+            unread.append(item)
+            continue
         response = pb.ContainerStatusResponse.FromString(status_reply.messages[0])
         if response.status.state == pb.CONTAINER_EXITED:
             # Exited since it was listed: taken as listed, it would hold or even be given
@@ -457,7 +487,7 @@ async def _containers(
             exited.append((item.pod_sandbox_id, item.metadata.name))
             continue
         live[item.id] = live_container(item.id, item.pod_sandbox_id, item.metadata, response)
-    return live, exited
+    return live, exited, unread
 
 
 def superseded_attempts(items: Iterable[pb.Container]) -> set[str]:
@@ -588,8 +618,12 @@ def _reconcile(
     loaded: CPUState | None,
     pods: dict[str, Pod],
     live: dict[str, LiveContainer],
+    unread: Collection[pb.Container],
     report: ResyncReport,
 ) -> CPUState:
+    """``unread``: listed containers whose status the runtime could not give. Any CPUs one
+    of them holds stay held under the assignment as it is (it may run on them), and none
+    is adopted: a sweep takes them in once the runtime answers."""
     policy = engine.policy
     state = loaded if loaded is not None else CPUState.empty(policy)
     previous = dict(state.assignments)
@@ -625,6 +659,8 @@ def _reconcile(
     gone: list[ContainerKey] = []
     for key, assignment in state.assignments.items():
         container = _holder(key, assignment, pods, live)
+        if _held_unread(key, assignment, pods, unread, container):
+            continue
         pod = pods.get(container.sandbox_id) if container is not None else None
         if container is None or (pod is not None and pod.pod_level_resources):
             # A pod with pod-level resources holds none (cpushim stopped before the create
@@ -739,6 +775,26 @@ def _holder(
         if (pod := pods.get(c.sandbox_id)) is not None and ContainerKey(pod.uid, c.name) == key
     ]
     return max(matches, key=lambda c: c.attempt, default=None)
+
+
+def _held_unread(
+    key: ContainerKey,
+    assignment: Assignment,
+    pods: Mapping[str, Pod],
+    unread: Collection[pb.Container],
+    holder: LiveContainer | None,
+) -> bool:
+    """Whether the container an assignment is for may be one whose status could not be
+    read: the one it names, or, when it names none, a later attempt of its pod and name
+    than ``holder`` (the running one :func:`_holder` found, if any)."""
+    if assignment.container_id:
+        return any(c.id == assignment.container_id for c in unread)
+    return any(
+        (pod := pods.get(c.pod_sandbox_id)) is not None
+        and ContainerKey(pod.uid, c.metadata.name) == key
+        and (holder is None or c.metadata.attempt > holder.attempt)
+        for c in unread
+    )
 
 
 def _requests_now(

@@ -189,6 +189,11 @@ class Watcher:
                 # Ended between the start-up's look at the runtime and its look for the
                 # cgroup, it would hold its CPUs until the first full look.
                 self.jobs.request(tracked.id, partial(self.look_at_unlocated, tracked))
+        if self.engine.sweep_wanted:
+            # Start-up could not read some containers: until a sweep takes them in, nothing
+            # watches them, and those that hold no CPUs run wherever they ran.
+            self.engine.sweep_wanted = False
+            self.sweep_soon()
         if self.resync_period > 0:
             self._timer = asyncio.get_running_loop().create_task(self._periodically())
 

@@ -319,6 +319,26 @@ def updates_to(fake: FakeRuntime, container_id: str) -> list[str]:
     ]
 
 
+def unreadable(env: Env, monkeypatch: pytest.MonkeyPatch, status: Status) -> set[str]:
+    """Sandboxes and containers, by id, whose PodSandboxStatus and ContainerStatus calls
+    fail with ``status`` (verbose or not) while their id is in the returned set."""
+    failing: set[str] = set()
+    unary = env.channel.unary
+
+    async def failed(call: UnaryCall, request: bytes | None = None) -> Reply:
+        named = ""
+        if call.path == rq.POD_SANDBOX_STATUS:
+            named = pb.PodSandboxStatusRequest.FromString(call.request).pod_sandbox_id
+        elif call.path == rq.CONTAINER_STATUS:
+            named = pb.ContainerStatusRequest.FromString(call.request).container_id
+        if named in failing:
+            return Reply.error(status, "context deadline exceeded")
+        return await unary(call, request)
+
+    monkeypatch.setattr(env.channel, "unary", failed)
+    return failing
+
+
 async def until(condition: Callable[[], bool], what: str, deadline: float = 5.0) -> None:
     """Wait for ``condition`` (checked on every turn of the loop) for up to ``deadline`` s."""
     loop = asyncio.get_running_loop()

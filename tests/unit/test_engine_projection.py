@@ -36,6 +36,7 @@ from tests.unit.engine_env import (
     Env,
     Pod,
     make_env,
+    unreadable,
     until,
 )
 from tests.unit.test_projection import TOPOLOGY
@@ -313,6 +314,21 @@ async def test_a_restart_keeps_the_directory_of_an_exited_container_whose_pod_is
     await env.kubelet.start_new(pod, "main", attempt=1)
     await settled(env)
     assert projected(env, pod, "main").generation == before.generation
+
+
+@pytest.mark.anyio
+async def test_a_restart_keeps_the_directory_of_a_container_whose_status_cannot_be_read(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up leaves such a container for a sweep; it may run with its directory mounted."""
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    container_id = await env.kubelet.start_new(pod, "main")
+    before = projected(env, pod, "main")
+    unreadable(env, monkeypatch, Status.UNKNOWN).add(container_id)
+    await env.restart()
+    await settled(env)
+    assert container_id not in env.engine.containers
+    assert projected(env, pod, "main") == before
 
 
 @pytest.mark.anyio

@@ -23,6 +23,8 @@ from shim.engine.resync import (
     placed_pod,
     spec_resources,
 )
+from shim.engine.sweeping import sweep
+from shim.engine.watching import Watcher
 from shim.kube import QOSClass
 from shim.pods import ANNOTATION_CFS_QUOTA
 from shim.policy.none import NonePolicy
@@ -40,6 +42,7 @@ from tests.unit.engine_env import (
     make_env,
     second_of_two_released,
     static_policy,
+    unreadable,
     until,
 )
 
@@ -642,26 +645,6 @@ async def test_sandboxes_whose_shims_hang_are_waited_for_together(
     assert_consistent(env)
 
 
-def unreadable(env: Env, monkeypatch: pytest.MonkeyPatch, status: Status) -> set[str]:
-    """Sandboxes and containers, by id, whose PodSandboxStatus and ContainerStatus calls
-    fail with ``status`` (verbose or not) while their id is in the returned set."""
-    failing: set[str] = set()
-    unary = env.channel.unary
-
-    async def failed(call: UnaryCall, request: bytes | None = None) -> Reply:
-        named = ""
-        if call.path == rq.POD_SANDBOX_STATUS:
-            named = pb.PodSandboxStatusRequest.FromString(call.request).pod_sandbox_id
-        elif call.path == rq.CONTAINER_STATUS:
-            named = pb.ContainerStatusRequest.FromString(call.request).container_id
-        if named in failing:
-            return Reply.error(status, "context deadline exceeded")
-        return await unary(call, request)
-
-    monkeypatch.setattr(env.channel, "unary", failed)
-    return failing
-
-
 @pytest.mark.parametrize("recover", [False, True], ids=["checkpoint", "recovered"])
 async def test_a_sandbox_whose_status_cannot_be_read_at_all_is_taken_from_the_list(
     driven_env: Env, recover: bool, monkeypatch: pytest.MonkeyPatch
@@ -687,6 +670,97 @@ async def test_a_sandbox_whose_status_cannot_be_read_at_all_is_taken_from_the_li
     # Its annotations come with the list's entry.
     assert env.engine.containers[pinned_id].keep_quota
     assert env.engine.counters["startup_status_errors"] == 1
+    assert_consistent(env)
+
+
+async def test_a_pinned_container_whose_status_cannot_be_read_keeps_its_cpus_for_a_sweep(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed ContainerStatus used to stop start-up. The container may run: its CPUs stay
+    held, given to no container adopted beside it, until the watcher's first sweep reads
+    it and takes it in on them."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    await env.engine.checkpoint_written()
+    # Made while cpushim was down, it asks for every CPU but the reserved one: it fits only
+    # if the unread container's CPU is given away.
+    big = await env.kubelet.run_pod("big", "guaranteed")
+    request = env.kubelet.create_request(big, "main", 7000)
+    big_id = env.fake.add_container(big.sandbox_id, request.config)
+    failing = unreadable(env, monkeypatch, Status.UNKNOWN)
+    failing.add(pinned_id)
+
+    await env.restart()
+    key = ContainerKey(pinned.uid, "main")
+    assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
+    assert env.engine.state.assignments[key].container_id == pinned_id
+    assert pinned_id not in env.engine.containers
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert env.cpus(big_id) == str(env.engine.state.shared)
+    assert FIRST_SINGLE not in env.engine.state.shared
+    assert env.engine.counters["startup_status_errors"] == 1
+    assert_consistent(env)
+
+    failing.clear()
+    watcher = Watcher(env.engine, resync_period=0)
+    watcher.start()
+    try:
+        await until(lambda: pinned_id in env.engine.containers, "the sweep took it in")
+    finally:
+        await watcher.stop()
+        await env.engine.drain(5.0)
+    assert env.engine.containers[pinned_id].exclusive
+    assert env.engine.state.assignments[key].container_id == pinned_id
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_a_container_whose_status_cannot_be_read_is_recovered_by_a_sweep(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under --recover-from-runtime nothing says what an unread container holds: it is left
+    where it runs, and the sweep adopts it as start-up would have."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    await env.engine.checkpoint_written()
+    failing = unreadable(env, monkeypatch, Status.DEADLINE_EXCEEDED)
+    failing.add(pinned_id)
+
+    await env.restart(recover=True)
+    assert env.saved() == {}
+    assert pinned_id not in env.engine.containers
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert env.engine.sweep_wanted
+
+    failing.clear()
+    report = await sweep(env.engine)
+    assert report.tracked == [pinned_id]
+    assert report.adopted_exclusive == [ContainerKey(pinned.uid, "main")]
+    assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert_consistent(env)
+
+
+async def test_a_create_cut_short_whose_container_cannot_be_read_keeps_its_cpus(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assignment persisted without its container id finds its container by pod and
+    name: one whose status fails may be it, so the CPUs stay held for the sweep."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    key = ContainerKey(pod.uid, "main")
+    env.engine.checkpoint.save_sync(env.engine.state.update(key, container_id=""))
+    failing = unreadable(env, monkeypatch, Status.UNKNOWN)
+    failing.add(container_id)
+
+    await env.restart()
+    assert env.saved() == {pod.uid: {"main": FIRST_SINGLE}}
+    assert env.engine.state.assignments[key].container_id == ""
+
+    failing.clear()
+    assert (await sweep(env.engine)).tracked == [container_id]
+    assert env.engine.state.assignments[key].container_id == container_id
+    assert env.cpus(container_id) == FIRST_SINGLE
     assert_consistent(env)
 
 
