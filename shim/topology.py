@@ -5,6 +5,10 @@ container. Where the kernel has NUMA nodes, neither is a CPU that no node lists,
 whose topology lacks its core or package id (kubelet sees neither: cadvisor leaves them out).
 Every grouping the allocator uses (socket, NUMA node, core, uncore cache) is also
 precomputed as a bitmask so it can work with int operations only.
+
+Beside the CPUs, the NUMA nodes with memory, every node a container's ``cpuset.mems`` may name.
+They are not the CPUs' nodes where a node has memory and no online CPU (CXL memory, HBM, a node
+whose CPUs are all offline), or CPUs and no memory.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ def _freeze(mapping: Mapping[_K, _V]) -> Mapping[_K, _V]:
 
 @dataclass(frozen=True)
 class Topology:
-    """Online CPUs and where they sit, plus the kernel's isolated CPUs (``isolcpus``).
+    """Online CPUs and where they sit, plus the kernel's isolated CPUs (``isolcpus``) and the
+    NUMA nodes with memory.
 
     Build from plain data (``Topology(cpus=[CPUInfo(...), ...])``) or with ``from_sysfs``.
     Isolated CPUs that are not online are dropped: they cannot be used either way.
@@ -73,6 +78,10 @@ class Topology:
 
     cpus: tuple[CPUInfo, ...]
     isolated: CPUSet = field(default_factory=CPUSet)
+    # Every memory node: the NUMA nodes with memory, which a container kubelet creates may
+    # use unless kubelet's memory manager confines it (the root cpuset's ``cpuset.mems``).
+    # Left empty, the nodes of the CPUs (a kernel that does not say; plain data in tests).
+    memory_nodes: CPUSet = field(default_factory=CPUSet)
 
     # Derived in __post_init__; masks are CPUSet.mask ints for the allocator's hot loops.
     online: CPUSet = field(init=False, compare=False)
@@ -114,6 +123,8 @@ class Topology:
         setattr_ = object.__setattr__
         setattr_(self, "cpus", infos)
         setattr_(self, "isolated", self.isolated & online)
+        if not self.memory_nodes:
+            setattr_(self, "memory_nodes", CPUSet(numas))
         setattr_(self, "online", online)
         setattr_(self, "socket_masks", _freeze(by_id(sockets)))
         setattr_(self, "numa_masks", _freeze(by_id(numas)))
@@ -129,7 +140,8 @@ class Topology:
     def from_sysfs(cls, root: Path = Path("/sys")) -> Topology:
         """Read the topology below ``root``, which plays the part of ``/sys``."""
         cpus, isolated = _read_sysfs(root)
-        return cls(cpus=tuple(cpus), isolated=isolated)
+        memory_nodes = _memory_nodes(root / "devices" / "system" / "node")
+        return cls(cpus=tuple(cpus), isolated=isolated, memory_nodes=memory_nodes)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -145,6 +157,7 @@ class Topology:
 
     @property
     def numa_nodes(self) -> tuple[int, ...]:
+        """The NUMA nodes of the online CPUs (see ``memory_nodes`` for those with memory)."""
         return tuple(self.numa_masks)
 
     @property
@@ -315,6 +328,29 @@ def _numa_nodes(node_dir: Path) -> dict[int, int]:
         for cpu in _read_cpulist(entry / "cpulist"):
             node_of[cpu] = int(match.group(1))
     return node_of
+
+
+def _memory_nodes(node_dir: Path) -> CPUSet:
+    """The NUMA nodes with memory: ``has_memory``, else (a kernel or a tree without it) the
+    nodes ``online``, else none (a kernel without NUMA support: the nodes of the CPUs stand
+    for them). A list that does not read, or reads empty, is passed over with a warning: the
+    CPUs are read all the same, and every node is only what a container that shares gets."""
+    for name in ("has_memory", "online"):
+        path = node_dir / name
+        if not path.exists():
+            continue
+        try:
+            nodes = _read_cpulist(path)
+        except TopologyError as exc:
+            log.warning(
+                "ignoring a list of memory nodes that cannot be read",
+                extra={"fields": {"path": str(path), "error": str(exc)}},
+            )
+            continue
+        if nodes:
+            return nodes
+        log.warning("ignoring an empty list of memory nodes", extra={"fields": {"path": str(path)}})
+    return CPUSet()
 
 
 def _caches(cache_dir: Path) -> list[tuple[int, CPUSet]] | None:

@@ -1,7 +1,8 @@
 """Fake ``/sys`` trees generated from a machine description, and the topology they describe.
 
 ``MachineSpec`` says how a machine is built (sockets, dies, cores, threads, NUMA split, L3
-groups, how the kernel numbers sibling threads, offline and isolated CPUs, renumbered ids);
+groups, how the kernel numbers sibling threads, offline and isolated CPUs, renumbered ids,
+NUMA nodes with memory and no CPU);
 ``write_sysfs`` lays out the files the kernel would show, and ``expected_topology`` gives the
 Topology that discovery must find in them, computed independently of shim.topology's reader.
 """
@@ -65,7 +66,11 @@ class MachineSpec:
     cpu_ids: Sequence[int] | None = None
     # Kernel core ids within a socket; real parts skip values (0-5, 8-13 on a 12-core Xeon).
     core_ids: Sequence[int] | None = None
+    # NUMA nodes with memory and no CPU (CXL memory, HBM), numbered after the CPUs' nodes.
+    memory_only_nodes: int = 0
     write_numa: bool = True
+    # Without has_memory, discovery falls back on the nodes online (the same nodes here).
+    write_has_memory: bool = True
     write_cache: bool = True
     write_die_id: bool = True
     write_isolated: bool = True
@@ -115,6 +120,13 @@ class MachineSpec:
     def online(self) -> CPUSet:
         return self.all_cpus() - CPUSet(self.offline)
 
+    def memory_nodes(self) -> CPUSet:
+        """The NUMA nodes with memory: every node of a CPU (online or not; each has memory
+        here) and the memory-only ones after them."""
+        cpu_nodes = CPUSet(th.numa_node for th in self.threads())
+        last = max(cpu_nodes)
+        return cpu_nodes | CPUSet(range(last + 1, last + 1 + self.memory_only_nodes))
+
 
 def expected_topology(spec: MachineSpec) -> Topology:
     """The Topology that discovery should return for ``write_sysfs(spec, ...)``."""
@@ -154,7 +166,11 @@ def expected_topology(spec: MachineSpec) -> Topology:
         )
         for th in threads
     ]
-    return Topology(cpus=tuple(infos), isolated=CPUSet(spec.isolated) & online)
+    # Without node files the kernel has no NUMA support: the CPUs' one node stands for them.
+    memory_nodes = spec.memory_nodes() if spec.write_numa else CPUSet([0])
+    return Topology(
+        cpus=tuple(infos), isolated=CPUSet(spec.isolated) & online, memory_nodes=memory_nodes
+    )
 
 
 def _write(path: Path, text: str) -> None:
@@ -219,9 +235,15 @@ def write_sysfs(spec: MachineSpec, root: Path) -> Path:
 
     if spec.write_numa:
         node_dir = root / "devices" / "system" / "node"
-        for node, cpus in sorted(by_numa.items()):
-            _write(node_dir / f"node{node}" / "cpulist", str(CPUSet(cpus) & online))
-        _write(node_dir / "online", str(CPUSet(by_numa)))
+        memory_nodes = spec.memory_nodes()
+        for node in memory_nodes:
+            # A node of offline CPUs only, or of none, lists none ("\n", as the kernel writes).
+            _write(
+                node_dir / f"node{node}" / "cpulist", str(CPUSet(by_numa.get(node, ())) & online)
+            )
+        _write(node_dir / "online", str(memory_nodes))
+        if spec.write_has_memory:
+            _write(node_dir / "has_memory", str(memory_nodes))
     return root
 
 

@@ -569,6 +569,20 @@ def test_fingerprint_ignores_isolated_cpus_that_are_not_online() -> None:
     )
 
 
+def test_fingerprint_is_the_one_earlier_versions_wrote() -> None:
+    """A checkpoint written before is for this machine still: no re-plan at an upgrade."""
+    assert topology_fingerprint(TOPOLOGY) == "sha256:7adb32261ba4a14e387f57f13c46407c"
+
+
+def test_fingerprint_ignores_the_memory_nodes() -> None:
+    """Which nodes have memory changes with memory hotplug (a CXL device added), which moves
+    no CPU and makes no checkpoint stale."""
+    with_cxl = expected_topology(dataclasses.replace(SPEC, memory_only_nodes=1))
+    assert with_cxl.memory_nodes == P("0-2")
+    assert topology_fingerprint(with_cxl) == topology_fingerprint(TOPOLOGY)
+    assert not topology_changed(CPUState.empty(STATIC), with_cxl)
+
+
 @pytest.mark.parametrize(
     "other",
     [

@@ -365,6 +365,89 @@ def test_a_cache_whose_level_is_not_a_number_is_ignored_with_a_warning(
     assert fields == [{"path": str(bad), "level": level}]
 
 
+# -- the memory nodes -------------------------------------------------------------------------
+
+
+def test_memory_nodes_are_the_nodes_with_memory_not_those_of_the_cpus(tmp_path: Path) -> None:
+    """A node with memory and no CPU (CXL memory), and one whose CPUs are all offline: both
+    are memory nodes a container kubelet creates may use, though neither has an online CPU."""
+    spec = MachineSpec(
+        sockets=2, cores_per_die=2, offline=frozenset({2, 3}), memory_only_nodes=1, name="cxl"
+    )
+    topology = discover(spec, tmp_path)
+    assert topology == expected_topology(spec)
+    assert topology.numa_nodes == (0,)
+    assert topology.memory_nodes == CPUSet([0, 1, 2])
+
+
+def test_has_memory_is_the_kernels_word_over_the_nodes_online(tmp_path: Path) -> None:
+    # Node 1 is online with CPUs and no memory (a memoryless node): cpuset.mems refuses it.
+    root = write_sysfs(MachineSpec(sockets=2, cores_per_die=2, memory_only_nodes=1), tmp_path)
+    (root / "devices/system/node/has_memory").write_text("0,2\n")
+    topology = Topology.from_sysfs(root)
+    assert topology.numa_nodes == (0, 1)
+    assert topology.memory_nodes == CPUSet([0, 2])
+
+
+def test_without_has_memory_the_nodes_online_are_the_memory_nodes(tmp_path: Path) -> None:
+    spec = MachineSpec(sockets=2, cores_per_die=2, memory_only_nodes=1, write_has_memory=False)
+    root = write_sysfs(spec, tmp_path)
+    assert not (root / "devices/system/node/has_memory").exists()
+    assert Topology.from_sysfs(root).memory_nodes == CPUSet([0, 1, 2])
+
+
+def test_without_a_list_of_nodes_the_cpus_nodes_are_the_memory_nodes(tmp_path: Path) -> None:
+    root = write_sysfs(MachineSpec(sockets=2, cores_per_die=2, memory_only_nodes=1), tmp_path)
+    (root / "devices/system/node/has_memory").unlink()
+    (root / "devices/system/node/online").unlink()
+    topology = Topology.from_sysfs(root)
+    assert topology.numa_nodes == (0, 1)
+    assert topology.memory_nodes == CPUSet([0, 1])
+    # And without NUMA support at all, node 0 (the kernel's only one).
+    assert discover(MachineSpec(write_numa=False), tmp_path / "flat").memory_nodes == CPUSet([0])
+
+
+@pytest.mark.parametrize(
+    ("has_memory", "online", "found", "warned"),
+    [
+        pytest.param("0-x\n", "0-2\n", "0-2", ["has_memory"], id="has_memory malformed"),
+        pytest.param("\n", "0-2\n", "0-2", ["has_memory"], id="has_memory empty"),
+        pytest.param("2-0\n", "one\n", "0-1", ["has_memory", "online"], id="both malformed"),
+        pytest.param("\n", "\n", "0-1", ["has_memory", "online"], id="both empty"),
+    ],
+)
+def test_a_list_of_memory_nodes_that_does_not_read_is_passed_over_with_a_warning(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    has_memory: str,
+    online: str,
+    found: str,
+    warned: list[str],
+) -> None:
+    """The CPUs are read all the same: every node is only what a shared container gets."""
+    root = write_sysfs(MachineSpec(sockets=2, cores_per_die=2, memory_only_nodes=1), tmp_path)
+    node_dir = root / "devices/system/node"
+    (node_dir / "has_memory").write_text(has_memory)
+    (node_dir / "online").write_text(online)
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        topology = Topology.from_sysfs(root)
+    assert topology.online == CPUSet.parse("0-3")
+    assert topology.memory_nodes == CPUSet.parse(found)
+    paths = [getattr(record, "fields", {})["path"] for record in caplog.records]
+    assert paths == [str(node_dir / name) for name in warned]
+
+
+def test_plain_data_has_the_cpus_nodes_as_memory_nodes_unless_told() -> None:
+    cpus = (CPUInfo(cpu=0, socket=0, core_id=0, numa_node=1),)
+    assert Topology(cpus=cpus).memory_nodes == CPUSet([1])
+    told = Topology(cpus=cpus, memory_nodes=CPUSet([0, 1, 3]))
+    assert told.memory_nodes == CPUSet([0, 1, 3])
+    assert told.numa_nodes == (1,)
+    # Topologies differing in their memory nodes alone differ.
+    assert told != Topology(cpus=cpus)
+    assert Topology(cpus=cpus, memory_nodes=CPUSet([1])) == Topology(cpus=cpus)
+
+
 def test_empty_root_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(TopologyError, match="online"):
         Topology.from_sysfs(tmp_path)
@@ -445,7 +528,9 @@ machine_specs = st.builds(
     cores_per_die=st.sampled_from([1, 2, 4, 6]),
     threads_per_core=st.integers(1, 2),
     sibling_numbering=st.sampled_from(["intel", "amd"]),
+    memory_only_nodes=st.integers(0, 1),
     write_numa=st.booleans(),
+    write_has_memory=st.booleans(),
     write_cache=st.booleans(),
 )
 
