@@ -1473,11 +1473,12 @@ class Engine:
         if tracked.exclusive:
             # It lost its exclusive CPUs (a new policy or reserved set): it shares now, so it
             # gets kubelet's settings back: its quota, and the memory nodes kubelet's memory
-            # manager chose (when cpushim knows them), else every node, as a shared one has.
+            # manager chose (when cpushim knows them), else every node with memory, as a
+            # shared one has (a node with memory and no CPU among them).
             if tracked.kubelet_mems is not None:
                 mems = str(tracked.kubelet_mems)
             else:
-                mems = rq.mems_of(self.policy.topology.numa_nodes)
+                mems = rq.mems_of(self.policy.topology.memory_nodes)
             return self.state.shared, mems, tracked.kubelet_quota or None
         return self.state.shared, "", None
 

@@ -1135,9 +1135,9 @@ def tracked_from_runtime(
     shared_mems = None
     if not exclusive:
         # Its cgroup keeps the nodes it was created with (kubelet's memory manager's), or
-        # was given back when it lost exclusive CPUs (kubelet's, or every node).
+        # was given back when it lost exclusive CPUs (kubelet's, or every node with memory).
         shared_mems = _recorded_mems(container)
-        if shared_mems == CPUSet(engine.policy.topology.numa_nodes):
+        if shared_mems == engine.policy.topology.memory_nodes:
             shared_mems = None
     recorded = _current_cpus(container) or None
     running = container.state == pb.CONTAINER_RUNNING
@@ -1191,9 +1191,10 @@ def _carries_exclusive_settings(
 ) -> bool:
     """Whether the runtime shows what cpushim gives an exclusive container: kubelet's quota
     replaced by -1 (kubelet with its CPU manager off never writes -1), or, for a container
-    that could be exclusive, memory nodes narrower than all of them and exactly those of its
-    CPUs (the annotation that keeps the quota leaves only those). One that holds no CPUs
-    after the resync lost them while cpushim was down; its shared settings are written back.
+    that could be exclusive, memory nodes narrower than every node with memory and exactly
+    those of its CPUs (the annotation that keeps the quota leaves only those). One that holds
+    no CPUs after the resync lost them while cpushim was down; its shared settings are written
+    back.
     Settings equal to what a restore writes are not a mark, so a restored container is not
     restored again; nor are the nodes kubelet's memory manager chose for a container that
     shares: one with kubelet's quota when its pod does not keep it (cpushim drops it), or
@@ -1213,4 +1214,4 @@ def _carries_exclusive_settings(
     if cpus == engine.state.shared:
         return False
     nodes_of_cpus = CPUSet(topology.numa_nodes_of(cpus))
-    return mems != CPUSet(topology.numa_nodes) and mems == nodes_of_cpus
+    return mems != topology.memory_nodes and mems == nodes_of_cpus

@@ -5,6 +5,7 @@ holds CPUs 2,3,6,7 (tests/unit/engine_env.py)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import orjson
@@ -26,6 +27,7 @@ from shim.state import (
     encode_checkpoint,
     integrity_problems,
 )
+from shim.topology import Topology
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, expected_topology
 from tests.unit.engine_env import (
@@ -379,3 +381,72 @@ async def test_memory_nodes_refused_leave_the_earlier_attempt_as_it_was(env: Env
     assert env.engine.state.assignments == {}
     assert env.saved() == {}
     assert_consistent(env)
+
+
+# --- every node: a node with memory and no CPU ---------------------------------------------
+
+# The fake machine with node 2 holding memory and no CPU (CXL memory), as the kernel's
+# has_memory tells: a container kubelet creates gets nodes 0-2, and so must one cpushim gives
+# every node.
+WITH_CXL = Topology(
+    cpus=TOPOLOGY.cpus, isolated=TOPOLOGY.isolated, memory_nodes=CPUSet.parse("0-2")
+)
+
+
+@pytest.fixture
+async def cxl_env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with FakeRuntime() as fake:
+        environment = await make_env(
+            fake, tmp_path / "state", StaticPolicy.create(WITH_CXL, reserved=CPUSet([0]))
+        )
+        yield environment
+        environment.channel.close()
+
+
+async def test_an_exclusive_containers_memory_still_follows_its_cpus(cxl_env: Env) -> None:
+    pod = await cxl_env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(cxl_env, pod, "")
+    resources = cxl_env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == (FIRST_SINGLE, "0")
+
+
+async def test_a_container_that_loses_its_cpus_gets_the_memory_only_node_too(
+    cxl_env: Env,
+) -> None:
+    pod = await cxl_env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(cxl_env, pod, "")
+    lost = await cxl_env.engine.change_policy(NonePolicy(WITH_CXL))
+    assert lost == [ContainerKey(pod.uid, "main")]
+    resources = cxl_env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "0-2")
+    assert cxl_env.engine.containers[container_id].shared_mems is None
+
+
+@pytest.mark.parametrize("keep_quota", [False, True], ids=["quota removed", "quota kept"])
+async def test_at_a_restart_the_memory_only_node_tells_exclusive_settings_apart(
+    cxl_env: Env, keep_quota: bool
+) -> None:
+    """An exclusive container on CPUs of both nodes has memory nodes 0-1: every node with a
+    CPU, and still narrower than every node with memory, so a restart that finds it sharing
+    (here: a switch to none) knows it by them, and gives it every node back, node 2 among
+    them. The next restart takes those for every node: no mark, no narrowing of its own."""
+    env = cxl_env
+    annotations = {"cpushim.io/cfs-quota": "keep"} if keep_quota else {}
+    pod = await env.kubelet.run_pod("db", "guaranteed", annotations)
+    request = env.kubelet.create_request(pod, "main", 6000)
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK, reply.status_message
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    resources = env.fake.containers[container_id].resources
+    assert len(CPUSet.parse(resources.cpuset_cpus)) == 6
+    assert resources.cpuset_mems == "0-1"
+    await env.engine.checkpoint_written()
+    await env.restart(NonePolicy(WITH_CXL))
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "0-2")
+    assert resources.cpu_quota == 600_000
+    await env.restart()
+    tracked = env.engine.containers[container_id]
+    assert not tracked.exclusive
+    assert tracked.shared_mems is None  # its projection says every node
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0-2"
