@@ -103,6 +103,12 @@ class CheckpointFile:
         self._in_flight: set[asyncio.Future[bytes]] = set()
         self._closed = False
 
+    @property
+    def durable(self) -> bool:
+        """Whether the last write reached the disk: its fsync of the directory did not fail
+        (nor did one since). Without any write yet, True."""
+        return not self._renames_unsynced
+
     def hold(self) -> None:
         """Take the directory for this process (:func:`hold_directory`) until :meth:`release`."""
         self._held = hold_directory(self.directory)

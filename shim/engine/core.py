@@ -143,6 +143,12 @@ class Engine:
         self._move_retry = Retry(
             self._apply_again, lambda: self.options.retry_delay, self._draining, self._spawn
         )
+        # Writes the checkpoint again after a write that only logged its failure: with no
+        # decision to follow on a quiet node, the file would stay behind memory, and a crash
+        # would start again from it. Same waits as the moves'.
+        self._save_retry = Retry(
+            self._save_again, lambda: self.options.retry_delay, self._draining, self._spawn
+        )
         # Set by the watcher when it starts (shim/engine/watching.py); None without one.
         self.watcher: Watcher | None = None
         # Set by the config reloader (shim/engine/reloading.py): gives the containers that
@@ -319,6 +325,10 @@ class Engine:
         self._draining.set()
         self._persist_now.set()
         self.mover.flush()
+        if self._save_retry.running:
+            # The retry ends with the drain: one last write, or the next start reads a
+            # checkpoint behind what the runtime did.
+            self._spawn(self._save_again())
         deadline = asyncio.get_running_loop().time() + grace
         while self._tasks:
             left = deadline - asyncio.get_running_loop().time()
@@ -1336,9 +1346,11 @@ class Engine:
             return
         try:
             await self.checkpoint.save(state)
-        except (DirectorySyncError, asyncio.CancelledError):
+        except (DirectorySyncError, asyncio.CancelledError) as exc:
             if self.checkpoint.saved == state:
                 self._record_soon(self.state)
+            if isinstance(exc, DirectorySyncError):
+                self.save_later()
             raise
         self.state = state
 
@@ -1352,15 +1364,48 @@ class Engine:
         await self._save_quietly(state)
 
     async def _save_quietly(self, state: CPUState) -> None:
-        """Persist ``state``; a failure is logged and counted, not raised."""
+        """Persist ``state``; a failure is logged and counted, not raised, and the engine's
+        state is written again later (``save_later``)."""
         try:
             await self.checkpoint.save(state)
         except OSError as exc:
             self.counters["checkpoint_errors"] += 1
             log.error(
-                "could not write the checkpoint; the state in memory is kept",
+                "could not write the checkpoint; the state in memory is kept and written"
+                " again later",
                 extra={"fields": {"path": str(self.checkpoint.path), "error": str(exc)}},
             )
+            self.save_later()
+
+    def save_later(self) -> None:
+        """After a checkpoint write that failed and was only logged: write the engine's
+        state again after ``retry_delay``, doubling the wait up to a minute, until a write
+        (this one or any other) has put it on the disk, or cpushim drains (which tries once
+        more)."""
+        self._save_retry.soon()
+
+    async def _save_again(self) -> bool:
+        async with self.lock:
+            checkpoint = self.checkpoint
+            if (
+                checkpoint.saved == self.state
+                and checkpoint.durable
+                and checkpoint.on_disk() == checkpoint.last_written
+            ):
+                return True
+            try:
+                await self.checkpoint.save(self.state)
+            except OSError as exc:
+                self.counters["checkpoint_errors"] += 1
+                log.error(
+                    "still cannot write the checkpoint; trying again later",
+                    extra={"fields": {"path": str(self.checkpoint.path), "error": str(exc)}},
+                )
+                return False
+            log.info(
+                "checkpoint written again", extra={"fields": {"path": str(self.checkpoint.path)}}
+            )
+            return True
 
     def _record_soon(self, state: CPUState) -> None:
         """Make ``state`` the engine's now and persist it in the background, under the lock,

@@ -763,6 +763,7 @@ class Watcher:
                     "cannot rewrite the state file",
                     extra={"fields": {"path": str(checkpoint.path), "error": str(exc)}},
                 )
+                self.engine.save_later()
 
     # --- everything -------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+import orjson
 import pytest
 from grpclib.const import Status as GrpcStatus
 
@@ -1478,6 +1479,8 @@ async def test_a_checkpoint_that_fails_after_the_runtime_acted_keeps_memory_true
         await real_save(state)
 
     monkeypatch.setattr(env.engine.checkpoint, "save", save_once_then_fail)
+    # Its retry (below) would count failures of its own.
+    env.engine.options = dataclasses.replace(env.engine.options, retry_delay=3600.0)
     # The decision is persisted; recording the container id after the create is not.
     pinned_id = await kubelet.start_new(pod, "main", 1000)
     key = ContainerKey(pod.uid, "main")
@@ -1492,6 +1495,95 @@ async def test_a_checkpoint_that_fails_after_the_runtime_acted_keeps_memory_true
     monkeypatch.undo()
     await env.restart()
     assert env.saved() == {}
+
+
+def failing_saves(env: Env, monkeypatch: pytest.MonkeyPatch, after: int) -> list[int]:
+    """Make the checkpoint's saves after the first ``after`` fail until the returned list
+    is cleared (it holds a 1 while they fail)."""
+    checkpoint = env.engine.checkpoint
+    real_save = checkpoint.save
+    saves = 0
+    failing = [1]
+
+    async def save(state: CPUState) -> None:
+        nonlocal saves
+        saves += 1
+        if saves > after and failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        await real_save(state)
+
+    monkeypatch.setattr(checkpoint, "save", save)
+    return failing
+
+
+async def test_a_checkpoint_write_that_failed_after_the_runtime_acted_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path / "state", options=EngineOptions(retry_delay=0.01))
+        try:
+            kubelet = env.kubelet
+            pod = await kubelet.run_pod("db", "guaranteed")
+            failing = failing_saves(env, monkeypatch, after=1)
+            # The decision is persisted; the container id learnt from the create is not, and
+            # no later decision comes to carry it.
+            pinned_id = await kubelet.start_new(pod, "main", 1000)
+            await until(lambda: env.engine.counters["checkpoint_errors"] >= 2, "a failed retry")
+            assert env.engine.checkpoint.saved != env.engine.state
+            failing.clear()
+            await until(lambda: env.engine.checkpoint.saved == env.engine.state, "the retry")
+            body = orjson.loads((env.state_dir / "state.json").read_bytes())["body"]
+            assert body["assignments"][pod.uid]["main"]["container_id"] == pinned_id
+            assert env.engine.checkpoint.on_disk() == env.engine.checkpoint.last_written
+            await until(lambda: not env.engine._save_retry.running, "the retry done")
+        finally:
+            env.channel.close()
+
+
+async def test_a_drain_writes_a_checkpoint_its_retry_had_not_made_yet(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env.engine.options = dataclasses.replace(env.engine.options, retry_delay=3600.0)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    failing = failing_saves(env, monkeypatch, after=1)
+    await env.kubelet.start_new(pod, "main", 1000)
+    assert env.engine.checkpoint.saved != env.engine.state
+    assert env.engine._save_retry.running
+    failing.clear()
+    await env.engine.drain(5.0)
+    assert env.engine.checkpoint.saved == env.engine.state
+    assert not env.engine._save_retry.running
+
+
+async def test_a_failed_fsync_of_the_state_directory_is_made_good_by_a_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renamed file may not be on the disk: writes go on until a fsync succeeds, even
+    with no decision to make one."""
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path / "state", options=EngineOptions(retry_delay=0.01))
+        try:
+            real_sync = checkpoint_module.fsync_directory
+            failures = [2]
+
+            def sync(directory: Path) -> None:
+                if failures[0] > 0:
+                    failures[0] -= 1
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                real_sync(directory)
+
+            monkeypatch.setattr(checkpoint_module, "fsync_directory", sync)
+            pod = await env.kubelet.run_pod("db", "guaranteed")
+            reply = await env.kubelet.create(pod, "main", 1000)
+            assert reply.status is not Status.OK  # the decision's own write failed
+            assert env.engine.state.assignments == {}
+            assert not env.engine.checkpoint.durable
+            await until(lambda: env.engine.checkpoint.durable, "a write whose fsync succeeds")
+            assert failures == [0]
+            assert env.engine.checkpoint.saved == env.engine.state
+            await until(lambda: not env.engine._save_retry.running, "the retry done")
+        finally:
+            env.channel.close()
 
 
 async def test_cpus_whose_container_id_was_never_learnt_go_with_their_sandbox(

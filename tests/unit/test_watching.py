@@ -783,6 +783,35 @@ async def test_a_deleted_state_file_is_rewritten(w: Watched) -> None:
     assert w.counters["state_rewrites"] == 1
 
 
+async def test_a_state_file_whose_rewrite_failed_is_rewritten_later(
+    w: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No event follows a rewrite that failed: only the retry puts memory back on the disk."""
+    w.env.engine.options = replace(w.env.engine.options, retry_delay=0.01)
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    await w.env.kubelet.start_new(pod, "main", 1000)
+    await w.settled()
+    before = w.env.saved()
+    checkpoint = w.env.engine.checkpoint
+    real_save = checkpoint.save
+    refused: list[CPUState] = []
+
+    async def refuse_once(state: CPUState) -> None:
+        if not refused:
+            refused.append(state)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        await real_save(state)
+
+    monkeypatch.setattr(checkpoint, "save", refuse_once)
+    (w.env.state_dir / "state.json").unlink()
+
+    await until(lambda: (w.env.state_dir / "state.json").exists(), "state rewritten")
+    assert refused
+    assert w.env.saved() == before
+    assert w.counters["checkpoint_errors"] == 1
+    assert checkpoint.on_disk() == checkpoint.last_written
+
+
 async def test_a_fifo_renamed_over_the_state_file_is_replaced_without_blocking(
     w: Watched,
 ) -> None:
