@@ -554,7 +554,7 @@ class Mover:
         except DecodeError:
             return Found(None, answered=False)
         info = status.info.get("info", "")
-        directory = self.cgroup_of(info)
+        directory = self.cgroup_of(info, tracked.id, tracked)
         if directory is None:
             return Found(None, ended=status.status.state == pb.CONTAINER_EXITED)
         if not directory.is_dir():
@@ -611,13 +611,24 @@ class Mover:
         self.counters["cgroups_derived"] += 1
         return True
 
-    def cgroup_of(self, verbose_info: str) -> Path | None:
-        """The cgroup directory named in a ContainerStatus verbose ``info`` document."""
+    def cgroup_of(
+        self, verbose_info: str, container_id: str, tracked: Tracked | None = None
+    ) -> Path | None:
+        """The cgroup directory named in a ContainerStatus verbose ``info`` document. One
+        that cannot be placed is warned of once per ``tracked`` container: every full look
+        asks again."""
         if self.layout is None or not verbose_info:
             return None
         try:
             path = cgroups_path_of(verbose_info)
             return self.layout.container_dir(path) if path else None
         except (ValueError, CgroupError) as exc:
-            log.warning("cannot place a container's cgroup", extra={"fields": {"error": str(exc)}})
+            if tracked is None or not tracked.unplaceable_cgroup_seen:
+                if tracked is not None:
+                    tracked.unplaceable_cgroup_seen = True
+                log.warning(
+                    "cannot place a container's cgroup: its moves go through the runtime, and"
+                    " nothing watches it for drift",
+                    extra={"fields": {"container_id": container_id, "error": str(exc)}},
+                )
             return None

@@ -1141,7 +1141,7 @@ def tracked_from_runtime(
             shared_mems = None
     recorded = _current_cpus(container) or None
     running = container.state == pb.CONTAINER_RUNNING
-    cgroup = engine.mover.cgroup_of(container.info) if running else None
+    cgroup = engine.mover.cgroup_of(container.info, container.id) if running else None
     applied = recorded
     if cgroup is not None:
         try:

@@ -419,6 +419,25 @@ async def test_a_cgroup_the_runtime_names_and_that_is_not_there_is_warned_of_onc
     assert told == list(zip(ids, missing, strict=True))
 
 
+async def test_a_cgroup_the_runtime_names_out_of_reach_is_warned_of_once(
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cgroupsPath cpushim cannot place (here one that climbs out of the hierarchy): told
+    once per container, with its id, though every full look asks again."""
+    ids = [await start_located(env, name) for name in ("web", "api")]
+    monkeypatch.setattr(env.fake, "cgroup_path", lambda container_id: f"/../{container_id}")
+    for container_id in ids:
+        env.engine.containers[container_id].cgroup = None
+    with caplog.at_level("WARNING", logger="shim.engine.moves"):
+        for _ in range(2):  # two full looks
+            for container_id in ids:
+                found = await env.engine.mover.find(env.engine.containers[container_id])
+                assert found == moves.Found(None)
+    warned = [r.__dict__["fields"] for r in caplog.records if "cannot place" in r.getMessage()]
+    assert [fields["container_id"] for fields in warned] == ids
+    assert all("below the root" in fields["error"] for fields in warned)
+
+
 @pytest.mark.parametrize("child_cpus", [None, "0-3"])
 async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
     env: Env, monkeypatch: pytest.MonkeyPatch, child_cpus: str | None
