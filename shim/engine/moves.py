@@ -73,6 +73,15 @@ def pid_of(verbose_info: str) -> int:
 
 
 @dataclass(frozen=True)
+class CgroupPlace:
+    """Where the runtime says a container's cgroup is: ``directory`` is None when no layout
+    is known, the runtime names none, or the name cannot be placed (``error`` says why)."""
+
+    directory: Path | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class Found:
     """Where a container's cgroup is (None: not found), and whether the container has
     ended (its process is gone: its CPUs may go back)."""
@@ -554,7 +563,10 @@ class Mover:
         except DecodeError:
             return Found(None, answered=False)
         info = status.info.get("info", "")
-        directory = self.cgroup_of(info, tracked.id, tracked)
+        place = self.cgroup_of(info)
+        if place.error:
+            self.unplaceable_cgroup(tracked, place.error)
+        directory = place.directory
         if directory is None:
             return Found(None, ended=status.status.state == pb.CONTAINER_EXITED)
         if not directory.is_dir():
@@ -611,24 +623,26 @@ class Mover:
         self.counters["cgroups_derived"] += 1
         return True
 
-    def cgroup_of(
-        self, verbose_info: str, container_id: str, tracked: Tracked | None = None
-    ) -> Path | None:
-        """The cgroup directory named in a ContainerStatus verbose ``info`` document. One
-        that cannot be placed is warned of once per ``tracked`` container: every full look
-        asks again."""
+    def cgroup_of(self, verbose_info: str) -> CgroupPlace:
+        """The cgroup directory named in a ContainerStatus verbose ``info`` document, or why
+        it cannot be placed (told by :meth:`unplaceable_cgroup`, once per container)."""
         if self.layout is None or not verbose_info:
-            return None
+            return CgroupPlace(None)
         try:
             path = cgroups_path_of(verbose_info)
-            return self.layout.container_dir(path) if path else None
+            return CgroupPlace(self.layout.container_dir(path) if path else None)
         except (ValueError, CgroupError) as exc:
-            if tracked is None or not tracked.unplaceable_cgroup_seen:
-                if tracked is not None:
-                    tracked.unplaceable_cgroup_seen = True
-                log.warning(
-                    "cannot place a container's cgroup: its moves go through the runtime, and"
-                    " nothing watches it for drift",
-                    extra={"fields": {"container_id": container_id, "error": str(exc)}},
-                )
-            return None
+            return CgroupPlace(None, str(exc))
+
+    @staticmethod
+    def unplaceable_cgroup(tracked: Tracked, error: str) -> None:
+        """Warn, once per container, that the runtime's description of its cgroup cannot be
+        placed: every full look asks again, and so does start-up's before it."""
+        if tracked.unplaceable_cgroup_seen:
+            return
+        tracked.unplaceable_cgroup_seen = True
+        log.warning(
+            "cannot place a container's cgroup: its moves go through the runtime, and nothing"
+            " watches it for drift",
+            extra={"fields": {"container_id": tracked.id, "error": error}},
+        )

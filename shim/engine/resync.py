@@ -28,7 +28,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
 from shim.engine.core import Engine
-from shim.engine.moves import cgroups_path_of, pid_of
+from shim.engine.moves import CgroupPlace, cgroups_path_of, pid_of
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import CgroupParentError, kubelet_cfs_quota, pod_cgroup
 from shim.pods import (
@@ -1141,7 +1141,8 @@ def tracked_from_runtime(
             shared_mems = None
     recorded = _current_cpus(container) or None
     running = container.state == pb.CONTAINER_RUNNING
-    cgroup = engine.mover.cgroup_of(container.info, container.id) if running else None
+    place = engine.mover.cgroup_of(container.info) if running else CgroupPlace(None)
+    cgroup = place.directory
     applied = recorded
     if cgroup is not None:
         try:
@@ -1164,7 +1165,7 @@ def tracked_from_runtime(
         wanted = CPUSet.parse(engine._mems_of(assignment))
         quota_kept = keep_quota or resources.cpu_quota == rq.NO_QUOTA
         settings_stale = _recorded_mems(container) != wanted or not quota_kept
-    return Tracked(
+    tracked = Tracked(
         settings_stale=settings_stale,
         id=container.id,
         key=key,
@@ -1184,6 +1185,9 @@ def tracked_from_runtime(
         whole_pod=pod is not None and takes_whole_pod(pod, resources),
         own_resources=has_own_resources(resources),
     )
+    if place.error:
+        engine.mover.unplaceable_cgroup(tracked, place.error)
+    return tracked
 
 
 def _carries_exclusive_settings(

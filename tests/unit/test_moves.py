@@ -438,6 +438,24 @@ async def test_a_cgroup_the_runtime_names_out_of_reach_is_warned_of_once(
     assert all("below the root" in fields["error"] for fields in warned)
 
 
+async def test_a_cgroup_out_of_reach_at_start_up_is_warned_of_once_with_the_looks_after(
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up meets the cgroupsPath it cannot place first: the full looks after it, which
+    ask again, do not warn of it a second time."""
+    ids = [await start_located(env, name) for name in ("web", "api")]
+    monkeypatch.setattr(env.fake, "cgroup_path", lambda container_id: f"/../{container_id}")
+    with caplog.at_level("WARNING", logger="shim.engine.moves"):
+        engine = await env.restart()
+        for _ in range(2):  # two full looks
+            for container_id in ids:
+                tracked = engine.containers[container_id]
+                assert tracked.cgroup is None
+                assert await engine.mover.find(tracked) == moves.Found(None)
+    warned = [r.__dict__["fields"] for r in caplog.records if "cannot place" in r.getMessage()]
+    assert sorted(fields["container_id"] for fields in warned) == sorted(ids)
+
+
 @pytest.mark.parametrize("child_cpus", [None, "0-3"])
 async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
     env: Env, monkeypatch: pytest.MonkeyPatch, child_cpus: str | None
