@@ -464,7 +464,8 @@ async def _containers(
         progress.advance()
         if status_reply.status is Status.NOT_FOUND:
             continue
-        if status_reply.status is not Status.OK or not status_reply.messages:
+        response, error = _container_status(status_reply)
+        if response is None:
             # Without its resources and cgroup nothing can be decided for it; stopping
             # start-up for it would keep kubelet's runtime down for the whole node.
             engine.counters["startup_status_errors"] += 1
@@ -474,13 +475,12 @@ async def _containers(
                     "fields": {
                         "container_id": item.id,
                         "sandbox_id": item.pod_sandbox_id,
-                        "error": f"{status_reply.status.name}: {status_reply.status_message}",
+                        "error": error,
                     }
                 },
             )
             unread.append(item)
             continue
-        response = pb.ContainerStatusResponse.FromString(status_reply.messages[0])
         if response.status.state == pb.CONTAINER_EXITED:
             # Exited since it was listed: taken as listed, it would hold or even be given
             # CPUs, tracked as created, until a full look found it out.
@@ -488,6 +488,16 @@ async def _containers(
             continue
         live[item.id] = live_container(item.id, item.pod_sandbox_id, item.metadata, response)
     return live, exited, unread
+
+
+def _container_status(reply: Reply) -> tuple[pb.ContainerStatusResponse | None, str]:
+    """The status in a ContainerStatus answer, or why there is none."""
+    if reply.status is not Status.OK or not reply.messages:
+        return None, f"{reply.status.name}: {reply.status_message}"
+    try:
+        return pb.ContainerStatusResponse.FromString(reply.messages[0]), ""
+    except DecodeError as exc:
+        return None, f"the answer does not decode ({exc})"
 
 
 def superseded_attempts(items: Iterable[pb.Container]) -> set[str]:
@@ -1079,20 +1089,12 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
     )
     if reply.status is Status.NOT_FOUND:
         return StatusRead(None)
-    if reply.status is not Status.OK or not reply.messages:
+    response, error = _container_status(reply)
+    if response is None:
         log.warning(
             "cannot read a container's state; it stays as it is",
-            extra={
-                "fields": {
-                    "container_id": container_id,
-                    "error": f"{reply.status.name}: {reply.status_message}",
-                }
-            },
+            extra={"fields": {"container_id": container_id, "error": error}},
         )
-        return StatusRead(None, answered=False)
-    try:
-        response = pb.ContainerStatusResponse.FromString(reply.messages[0])
-    except DecodeError:
         return StatusRead(None, answered=False)
     if response.status.state == pb.CONTAINER_EXITED:
         return StatusRead(None)

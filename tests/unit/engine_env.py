@@ -319,9 +319,14 @@ def updates_to(fake: FakeRuntime, container_id: str) -> list[str]:
     ]
 
 
-def unreadable(env: Env, monkeypatch: pytest.MonkeyPatch, status: Status) -> set[str]:
+# What a runtime that is not what it claims may answer: no protobuf message.
+UNDECODABLE = b"\x0a\x05ab"
+
+
+def unreadable(env: Env, monkeypatch: pytest.MonkeyPatch, status: Status | None) -> set[str]:
     """Sandboxes and containers, by id, whose PodSandboxStatus and ContainerStatus calls
-    fail with ``status`` (verbose or not) while their id is in the returned set."""
+    fail with ``status`` (verbose or not) while their id is in the returned set; with
+    ``status`` None they succeed with an answer that does not decode."""
     failing: set[str] = set()
     unary = env.channel.unary
 
@@ -332,6 +337,8 @@ def unreadable(env: Env, monkeypatch: pytest.MonkeyPatch, status: Status) -> set
         elif call.path == rq.CONTAINER_STATUS:
             named = pb.ContainerStatusRequest.FromString(call.request).container_id
         if named in failing:
+            if status is None:
+                return Reply.ok(UNDECODABLE)
             return Reply.error(status, "context deadline exceeded")
         return await unary(call, request)
 

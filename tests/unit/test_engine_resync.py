@@ -673,12 +673,13 @@ async def test_a_sandbox_whose_status_cannot_be_read_at_all_is_taken_from_the_li
     assert_consistent(env)
 
 
+@pytest.mark.parametrize("status", [Status.UNKNOWN, None], ids=["failed", "undecodable"])
 async def test_a_pinned_container_whose_status_cannot_be_read_keeps_its_cpus_for_a_sweep(
-    env: Env, monkeypatch: pytest.MonkeyPatch
+    env: Env, monkeypatch: pytest.MonkeyPatch, status: Status | None
 ) -> None:
-    """A failed ContainerStatus used to stop start-up. The container may run: its CPUs stay
-    held, given to no container adopted beside it, until the watcher's first sweep reads
-    it and takes it in on them."""
+    """A failed ContainerStatus, or one whose answer does not decode, used to stop start-up.
+    The container may run: its CPUs stay held, given to no container adopted beside it,
+    until the watcher's first sweep reads it and takes it in on them."""
     pinned = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
     await env.engine.checkpoint_written()
@@ -687,7 +688,7 @@ async def test_a_pinned_container_whose_status_cannot_be_read_keeps_its_cpus_for
     big = await env.kubelet.run_pod("big", "guaranteed")
     request = env.kubelet.create_request(big, "main", 7000)
     big_id = env.fake.add_container(big.sandbox_id, request.config)
-    failing = unreadable(env, monkeypatch, Status.UNKNOWN)
+    failing = unreadable(env, monkeypatch, status)
     failing.add(pinned_id)
 
     await env.restart()
