@@ -622,12 +622,10 @@ def render_assignments(
         _Column("ATTEMPT", [str(a.attempt) for _, a in order], droppable=True),
         _Column("NUMA", [_ids(topology.numa_nodes_of(a.cpus)) or "-" for _, a in order]),
     ]
-    if any(
-        a.mems is not None and a.mems != CPUSet(topology.numa_nodes_of(a.cpus)) for _, a in order
-    ):
+    if any(a.mems is not None and a.mems != topology.memory_nodes_of(a.cpus) for _, a in order):
         # Only when kubelet's memory manager put some container's memory elsewhere.
         mems = [
-            _ids(a.mems if a.mems is not None else topology.numa_nodes_of(a.cpus)) or "-"
+            _ids(a.mems if a.mems is not None else topology.memory_nodes_of(a.cpus)) or "-"
             for _, a in order
         ]
         columns.append(_Column("MEMS", mems))

@@ -204,6 +204,14 @@ class Topology:
     def numa_nodes_of(self, cpus: CPUSet) -> frozenset[int]:
         return frozenset(n for n, m in self.numa_masks.items() if m & cpus.mask)
 
+    def memory_nodes_of(self, cpus: CPUSet) -> CPUSet:
+        """The memory nodes that go with ``cpus``: their NUMA nodes that have memory, or,
+        when none has (CPUs of memory-less nodes only), every node with memory. The kernel
+        refuses a cpuset.mems naming a node without memory, and places such CPUs' memory
+        on the nearest nodes that have it."""
+        nodes = CPUSet(self.numa_nodes_of(cpus)) & self.memory_nodes
+        return nodes or self.memory_nodes
+
     def sockets_of(self, cpus: CPUSet) -> frozenset[int]:
         return frozenset(s for s, m in self.socket_masks.items() if m & cpus.mask)
 

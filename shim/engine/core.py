@@ -1528,10 +1528,11 @@ class Engine:
         return self.state.shared, "", None
 
     def _mems_of(self, assignment: Assignment) -> str:
-        """An exclusive container's memory nodes: kubelet's choice, else its CPUs' nodes."""
+        """An exclusive container's memory nodes: kubelet's choice, else its CPUs' nodes
+        that have memory."""
         if assignment.mems is not None:
             return str(assignment.mems)
-        return rq.mems_of(self.policy.topology.numa_nodes_of(assignment.cpus))
+        return str(self.policy.topology.memory_nodes_of(assignment.cpus))
 
     def _lost(self, tracked: Tracked) -> bool:
         """Whether it carries an exclusive container's settings without its CPUs."""

@@ -851,7 +851,7 @@ def _kubelet_mems(engine: Engine, container: LiveContainer) -> CPUSet | None:
     cpushim derives, so they are kubelet's (or a restore's every node, which narrows nothing).
     None when they are those of its CPUs or unknown."""
     mems = _recorded_mems(container)
-    if mems == CPUSet(engine.policy.topology.numa_nodes_of(_current_cpus(container))):
+    if mems == engine.policy.topology.memory_nodes_of(_current_cpus(container)):
         return None
     return mems
 
@@ -1219,5 +1219,4 @@ def _carries_exclusive_settings(
         return False
     if cpus == engine.state.shared:
         return False
-    nodes_of_cpus = CPUSet(topology.numa_nodes_of(cpus))
-    return mems != topology.memory_nodes and mems == nodes_of_cpus
+    return mems != topology.memory_nodes and mems == topology.memory_nodes_of(cpus)

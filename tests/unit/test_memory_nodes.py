@@ -450,3 +450,89 @@ async def test_at_a_restart_the_memory_only_node_tells_exclusive_settings_apart(
     assert not tracked.exclusive
     assert tracked.shared_mems is None  # its projection says every node
     assert env.fake.containers[container_id].resources.cpuset_mems == "0-2"
+
+
+# --- a node with CPUs and no memory --------------------------------------------------------
+
+# The fake machine with node 1's memory gone (a memory-less node, as some firmware and
+# partitioned machines show): the kernel refuses a cpuset.mems that names node 1.
+NODE_1_WITHOUT_MEMORY = Topology(
+    cpus=TOPOLOGY.cpus, isolated=TOPOLOGY.isolated, memory_nodes=CPUSet.parse("0")
+)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "nodes"),
+    [("4", "0"), ("2-3", "0"), ("3-4", "0")],
+    ids=["node with memory", "memory-less node", "both"],
+)
+def test_the_memory_nodes_of_cpus_are_their_nodes_that_have_memory(cpus: str, nodes: str) -> None:
+    assert NODE_1_WITHOUT_MEMORY.memory_nodes_of(CPUSet.parse(cpus)) == CPUSet.parse(nodes)
+    # On the machine whose every node has memory, they are the CPUs' own nodes.
+    assert TOPOLOGY.memory_nodes_of(CPUSet.parse(cpus)) == CPUSet(
+        TOPOLOGY.numa_nodes_of(CPUSet.parse(cpus))
+    )
+
+
+def test_cpus_of_memory_less_nodes_only_go_with_every_node_with_memory() -> None:
+    machine = Topology(cpus=TOPOLOGY.cpus, memory_nodes=CPUSet.parse("0,2"))
+    assert machine.memory_nodes_of(NODE_1) == CPUSet.parse("0,2")
+
+
+@pytest.fixture
+async def memory_less_env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with FakeRuntime() as fake:
+        policy = StaticPolicy.create(NODE_1_WITHOUT_MEMORY, reserved=CPUSet([0]))
+        environment = await make_env(fake, tmp_path / "state", policy)
+        yield environment
+        environment.channel.close()
+
+
+@pytest.mark.parametrize(("millicpus", "mems"), [(4000, "0"), (7000, "0")], ids=["node 1", "both"])
+async def test_an_exclusive_container_on_a_memory_less_node_gets_memory_the_kernel_takes(
+    memory_less_env: Env, millicpus: int, mems: str
+) -> None:
+    """Four CPUs fill node 1, whose CPUs have no memory of their own; seven span both nodes.
+    Either way its cpuset.mems names only nodes with memory, and a restart finds it holding
+    its CPUs with nothing to put right."""
+    env = memory_less_env
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    request = env.kubelet.create_request(pod, "main", millicpus)
+    reply = await env.kubelet.call("CreateContainer", request.SerializeToString())
+    assert reply.status is Status.OK, reply.status_message
+    container_id = pb.CreateContainerResponse.FromString(reply.messages[0]).container_id
+    resources = env.fake.containers[container_id].resources
+    cpus = CPUSet.parse(resources.cpuset_cpus)
+    if millicpus == 4000:
+        assert cpus == NODE_1
+    assert len(cpus) == millicpus // 1000
+    assert resources.cpuset_mems == mems
+    await env.engine.checkpoint_written()
+    updates = len(env.fake.calls_of("UpdateContainerResources"))
+    await env.restart()
+    tracked = env.engine.containers[container_id]
+    assert tracked.exclusive
+    assert not tracked.settings_stale
+    assert len(env.fake.calls_of("UpdateContainerResources")) == updates
+    assert env.fake.containers[container_id].resources.cpuset_mems == mems
+    assert_consistent(env)
+
+
+@pytest.mark.parametrize("keep_quota", [False, True], ids=["quota removed", "quota kept"])
+async def test_a_container_on_a_memory_less_node_is_recovered_from_the_runtime_as_it_was(
+    memory_less_env: Env, keep_quota: bool
+) -> None:
+    env = memory_less_env
+    annotations = {"cpushim.io/cfs-quota": "keep"} if keep_quota else {}
+    pod = await env.kubelet.run_pod("db", "guaranteed", annotations)
+    container_id = await env.kubelet.start_new(pod, "main", 4000)
+    await env.engine.checkpoint_written()
+    updates = len(env.fake.calls_of("UpdateContainerResources"))
+    await env.restart(recover=True)
+    tracked = env.engine.containers[container_id]
+    assert tracked.exclusive
+    assert env.saved() == {pod.uid: {"main": str(NODE_1)}}
+    assert tracked.kubelet_mems is None
+    assert len(env.fake.calls_of("UpdateContainerResources")) == updates
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0"
+    assert_consistent(env)
