@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         reserved,
         "reservedCPUCount",
         metavar="N",
-        help="reserve N CPUs, lowest-numbered physical cores first (default 1)",
+        help="reserve N CPUs, lowest-numbered physical cores first (default 1); under a"
+        " distribute-cpus-across-* option, taken as that option's allocator takes them",
     )
     _option(
         policy,
