@@ -1555,6 +1555,26 @@ async def test_a_drain_writes_a_checkpoint_its_retry_had_not_made_yet(
     assert not env.engine._save_retry.running
 
 
+async def test_a_checkpoint_retry_writes_nothing_once_a_later_write_caught_up(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env.engine.options = dataclasses.replace(env.engine.options, retry_delay=3600.0)
+    kubelet = env.kubelet
+    first = await kubelet.run_pod("db", "guaranteed")
+    failing = failing_saves(env, monkeypatch, after=1)
+    await kubelet.start_new(first, "main", 1000)
+    checkpoint = env.engine.checkpoint
+    assert checkpoint.saved != env.engine.state
+    failing.clear()
+    # The next decision's write carries the record that failed, and reaches the disk.
+    await kubelet.start_new(await kubelet.run_pod("web", "guaranteed"), "main", 1000)
+    assert checkpoint.saved == env.engine.state
+    assert checkpoint.durable
+    writes = checkpoint.writes
+    assert await env.engine._save_again()  # the retry's attempt: done, with nothing to write
+    assert checkpoint.writes == writes
+
+
 async def test_a_failed_fsync_of_the_state_directory_is_made_good_by_a_retry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
