@@ -1353,6 +1353,7 @@ class Engine:
                 self.save_later()
             raise
         self.state = state
+        self.save_succeeded()
 
     async def _record(self, state: CPUState) -> None:
         """Make ``state`` the engine's, then persist it. For what the runtime has already done
@@ -1376,13 +1377,24 @@ class Engine:
                 extra={"fields": {"path": str(self.checkpoint.path), "error": str(exc)}},
             )
             self.save_later()
+        else:
+            self.save_succeeded()
 
     def save_later(self) -> None:
         """After a checkpoint write that failed and was only logged: write the engine's
         state again after ``retry_delay``, doubling the wait up to a minute, until a write
-        (this one or any other) has put it on the disk, or cpushim drains (which tries once
-        more)."""
+        (this one, or any other: ``save_succeeded``) has put it on the disk, or cpushim
+        drains (which tries once more)."""
         self._save_retry.soon()
+
+    def save_succeeded(self) -> None:
+        """After a checkpoint write that succeeded, under the lock: the file now holds the
+        engine's state, fsynced, so the retry of an earlier failed write has nothing left to
+        do, and ends now rather than after its wait (up to a minute). Cutting it is safe:
+        its attempt runs under the lock, so it is waiting, or waiting for the lock, with
+        nothing done yet."""
+        if self.checkpoint.saved == self.state and self.checkpoint.durable:
+            self._save_retry.end()
 
     async def _save_again(self) -> bool:
         async with self.lock:

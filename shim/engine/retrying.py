@@ -57,6 +57,14 @@ class Retry:
         if self._task is None and not self._stop.is_set():
             self._task = self._spawn(self._run())
 
+    def end(self) -> None:
+        """End the running retry now, its work done otherwise, without waiting for it: it
+        is cut where it is, its attempt too (only for attempts that are safe to cut), and a
+        ``soon()`` from here on starts a new one."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+
     async def cancel(self) -> None:
         """Cut the running retry, its attempt too, and wait for it to end: only for
         attempts that are safe to cut."""
@@ -74,4 +82,6 @@ class Retry:
         try:
             await retry_until_done(self._attempt, first_delay, self._stop)
         finally:
-            self._task = None
+            # Not a new one started after end().
+            if self._task is asyncio.current_task():
+                self._task = None

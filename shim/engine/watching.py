@@ -764,6 +764,8 @@ class Watcher:
                     extra={"fields": {"path": str(checkpoint.path), "error": str(exc)}},
                 )
                 self.engine.save_later()
+            else:
+                self.engine.save_succeeded()
 
     # --- everything -------------------------------------------------------------------------
 

@@ -1575,6 +1575,24 @@ async def test_a_checkpoint_retry_writes_nothing_once_a_later_write_caught_up(
     assert checkpoint.writes == writes
 
 
+async def test_a_write_that_caught_up_ends_the_checkpoint_retry_without_its_wait(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env.engine.options = dataclasses.replace(env.engine.options, retry_delay=3600.0)
+    kubelet = env.kubelet
+    first = await kubelet.run_pod("db", "guaranteed")
+    failing = failing_saves(env, monkeypatch, after=1)
+    await kubelet.start_new(first, "main", 1000)
+    retry = env.engine._save_retry._task
+    assert retry is not None
+    failing.clear()
+    await kubelet.start_new(await kubelet.run_pod("web", "guaranteed"), "main", 1000)
+    assert not env.engine._save_retry.running
+    await until(retry.done, "the retry gone, its hour not waited")
+    assert retry.cancelled()
+    assert env.engine.checkpoint.saved == env.engine.state
+
+
 async def test_a_failed_fsync_of_the_state_directory_is_made_good_by_a_retry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

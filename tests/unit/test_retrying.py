@@ -133,3 +133,25 @@ async def test_a_retry_cancelled_before_it_ran_is_cleared() -> None:
     assert retry.running
     await until(lambda: not retry.running, "a new one ran")
     assert attempt.calls == 1
+
+
+async def test_end_cuts_the_running_retry_at_once_and_a_soon_after_starts_another() -> None:
+    attempt, spawn = Attempts(), Spawner()
+    delay = Delay(3600)
+    retry = Retry(attempt, delay, asyncio.Event(), spawn)
+    retry.soon()
+    await until(lambda: delay.reads == 1, "waiting its hour")
+    retry.end()
+    assert not retry.running
+    # A failure right after: its retry starts, even before the cut one has ended ...
+    retry.soon()
+    assert retry.running
+    assert len(spawn.tasks) == 2
+    await until(lambda: spawn.tasks[0].done(), "the cut retry ended")
+    assert spawn.tasks[0].cancelled()
+    # ... and the cut one's end does not clear it.
+    assert retry.running
+    assert attempt.calls == 0
+    await retry.cancel()
+    retry.end()  # with none running, nothing to do
+    assert not retry.running

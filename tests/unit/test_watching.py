@@ -812,6 +812,36 @@ async def test_a_state_file_whose_rewrite_failed_is_rewritten_later(
     assert checkpoint.on_disk() == checkpoint.last_written
 
 
+async def test_a_state_file_rewrite_that_succeeds_ends_the_retry_of_one_that_failed(
+    w: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = w.env.engine
+    engine.options = replace(engine.options, retry_delay=3600.0)
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    await w.env.kubelet.start_new(pod, "main", 1000)
+    await w.settled()
+    checkpoint = engine.checkpoint
+    real_save = checkpoint.save
+    refused: list[CPUState] = []
+
+    async def refuse_once(state: CPUState) -> None:
+        if not refused:
+            refused.append(state)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        await real_save(state)
+
+    monkeypatch.setattr(checkpoint, "save", refuse_once)
+    (w.env.state_dir / "state.json").unlink()
+    await until(lambda: w.counters["checkpoint_errors"] == 1, "the rewrite refused")
+    assert engine._save_retry.running
+    # Someone writes the file again: the watcher's rewrite of it succeeds.
+    (w.env.state_dir / "state.json").write_bytes(b"{not json")
+    await until(lambda: w.counters["state_rewrites"] == 2, "the state file rewritten")
+    await w.settled()
+    assert checkpoint.on_disk() == checkpoint.last_written
+    assert not engine._save_retry.running
+
+
 async def test_a_fifo_renamed_over_the_state_file_is_replaced_without_blocking(
     w: Watched,
 ) -> None:
