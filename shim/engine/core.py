@@ -149,6 +149,11 @@ class Engine:
         self._save_retry = Retry(
             self._save_again, lambda: self.options.retry_delay, self._draining, self._spawn
         )
+        # Set by the first of those failures (save_later): a drain's last step then makes
+        # sure the file holds the engine's state (one that failed during the drain started
+        # no retry). Not before: until the resync is done, the engine's state is not the one
+        # to write.
+        self._save_failed = False
         # Set by the watcher when it starts (shim/engine/watching.py); None without one.
         self.watcher: Watcher | None = None
         # Set by the config reloader (shim/engine/reloading.py): gives the containers that
@@ -321,20 +326,35 @@ class Engine:
     async def drain(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for calls in flight to finish their work, and for the
         runtime to be told of every cpuset written straight into a cgroup, and the checkpoint
-        of every change (including work those calls start meanwhile)."""
+        of every change (including work those calls start meanwhile). When a checkpoint
+        write has failed after the fact, the last step writes the engine's state unless the
+        file holds it already."""
         self._draining.set()
         self._persist_now.set()
         self.mover.flush()
         if self._save_retry.running:
             # The retry ends with the drain: one last write, or the next start reads a
-            # checkpoint behind what the runtime did.
+            # checkpoint behind what the runtime did. Now, not after the rest of the work,
+            # which may outlast the grace.
             self._spawn(self._save_again())
         deadline = asyncio.get_running_loop().time() + grace
+        if not await self._tasks_done(deadline):
+            return
+        if self._save_failed:
+            # A write that failed during the drain started no retry, and the one above may
+            # have failed too: once nothing else writes, one last try.
+            self._spawn(self._save_again())
+            await self._tasks_done(deadline)
+
+    async def _tasks_done(self, deadline: float) -> bool:
+        """Wait until no background work is left (including work started meanwhile), or
+        until the loop's clock reaches ``deadline``; whether none is left."""
         while self._tasks:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
-                return
+                return False
             await asyncio.wait(set(self._tasks), timeout=left)
+        return True
 
     def _spawn(self, work: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         task = asyncio.get_running_loop().create_task(work)
@@ -1385,6 +1405,7 @@ class Engine:
         state again after ``retry_delay``, doubling the wait up to a minute, until a write
         (this one, or any other: ``save_succeeded``) has put it on the disk, or cpushim
         drains (which tries once more)."""
+        self._save_failed = True
         self._save_retry.soon()
 
     def save_succeeded(self) -> None:

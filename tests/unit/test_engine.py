@@ -1555,6 +1555,44 @@ async def test_a_drain_writes_a_checkpoint_its_retry_had_not_made_yet(
     assert not env.engine._save_retry.running
 
 
+async def test_a_checkpoint_write_that_fails_during_a_drain_is_made_again_at_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No retry starts once a drain has: its last step writes the state."""
+    options = EngineOptions(record_delay=3600.0, retry_delay=3600.0)
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path / "state", options=options)
+        try:
+            pod = await env.kubelet.run_pod("db", "guaranteed")
+            checkpoint = env.engine.checkpoint
+            real_save = checkpoint.save
+            saves = 0
+
+            async def fail_the_second(state: CPUState) -> None:
+                nonlocal saves
+                saves += 1
+                if saves == 2:
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                await real_save(state)
+
+            monkeypatch.setattr(checkpoint, "save", fail_the_second)
+            # The decision is written; the container id waits for the record delay ...
+            reply = await env.kubelet.create(pod, "main", 1000)
+            assert reply.status is Status.OK
+            assert saves == 1
+            assert checkpoint.saved != env.engine.state
+            assert not env.engine._save_retry.running
+            # ... which the drain cuts short: that write fails, and no retry starts.
+            await env.engine.drain(5.0)
+            assert env.engine.counters["checkpoint_errors"] == 1
+            assert saves == 3
+            assert checkpoint.saved == env.engine.state
+            assert checkpoint.on_disk() == checkpoint.last_written
+            assert not env.engine._save_retry.running
+        finally:
+            env.channel.close()
+
+
 async def test_a_checkpoint_retry_writes_nothing_once_a_later_write_caught_up(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
