@@ -1,7 +1,10 @@
 """Trying failed background work again, with a growing wait, until it is done or cpushim
-drains or stops: moves the runtime refused (shim/engine/core.py), projection writes that
-failed (shim/engine/projecting.py), the watcher's sweeps, watches and state directory
-(shim/engine/watching.py), a refused config file (shim/engine/reloading.py)."""
+drains or stops: moves the runtime refused and checkpoint writes that failed after the fact
+(shim/engine/core.py), projection writes that failed (shim/engine/projecting.py), the
+watcher's sweeps, watches and state directory (shim/engine/watching.py), a refused config
+file and the config directory's watch (shim/engine/reloading.py), a refused re-plan for the
+CPUs online (shim/engine/hotplug.py). The move records' own waits (shim/engine/moves.py)
+grow up to the same ``MAX_RETRY_DELAY``."""
 
 from __future__ import annotations
 
