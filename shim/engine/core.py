@@ -1430,8 +1430,11 @@ class Engine:
                 await self.checkpoint.save(self.state)
             except OSError as exc:
                 self.counters["checkpoint_errors"] += 1
+                # A drain's last try is the last: the next start reads the runtime's word
+                # over the older file (its resync).
+                later = "" if self._draining.is_set() else "; trying again later"
                 log.error(
-                    "still cannot write the checkpoint; trying again later",
+                    f"still cannot write the checkpoint{later}",
                     extra={"fields": {"path": str(self.checkpoint.path), "error": str(exc)}},
                 )
                 return False
