@@ -1198,7 +1198,8 @@ def _carries_exclusive_settings(
     """Whether the runtime shows what cpushim gives an exclusive container: kubelet's quota
     replaced by -1 (kubelet with its CPU manager off never writes -1), or, for a container
     that could be exclusive, memory nodes narrower than every node with memory and exactly
-    those of its CPUs (the annotation that keeps the quota leaves only those). One that holds
+    those of its CPUs that have memory (the annotation that keeps the quota leaves only
+    those; CPUs of memory-less nodes alone have every node, no mark). One that holds
     no CPUs after the resync lost them while cpushim was down; its shared settings are written
     back.
     Settings equal to what a restore writes are not a mark, so a restored container is not

@@ -536,3 +536,39 @@ async def test_a_container_on_a_memory_less_node_is_recovered_from_the_runtime_a
     assert len(env.fake.calls_of("UpdateContainerResources")) == updates
     assert env.fake.containers[container_id].resources.cpuset_mems == "0"
     assert_consistent(env)
+
+
+# Node 1 with CPUs and no memory, node 2 with memory and no CPU: every node with memory is 0,2.
+MEMORY_LESS_AND_MEMORY_ONLY = Topology(
+    cpus=TOPOLOGY.cpus, isolated=TOPOLOGY.isolated, memory_nodes=CPUSet.parse("0,2")
+)
+
+
+@pytest.fixture
+async def mixed_env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with FakeRuntime() as fake:
+        policy = StaticPolicy.create(MEMORY_LESS_AND_MEMORY_ONLY, reserved=CPUSet([0]))
+        environment = await make_env(fake, tmp_path / "state", policy)
+        yield environment
+        environment.channel.close()
+
+
+async def test_at_a_restart_memory_nodes_beside_a_memory_less_node_mark_exclusive_settings(
+    mixed_env: Env,
+) -> None:
+    """Six CPUs span node 0 and the memory-less node 1: their memory nodes are node 0 alone,
+    narrower than every node with memory. With the quota kept they are the only mark, so a
+    restart that finds the container sharing (here: a switch to none) knows it by them and
+    gives it every node with memory back, not node 0 alone for good."""
+    env = mixed_env
+    pod = await env.kubelet.run_pod("db", "guaranteed", {"cpushim.io/cfs-quota": "keep"})
+    container_id = await env.kubelet.start_new(pod, "main", 6000)
+    resources = env.fake.containers[container_id].resources
+    assert CPUSet.parse(resources.cpuset_cpus) & NODE_1
+    assert resources.cpuset_mems == "0"
+    await env.engine.checkpoint_written()
+    await env.restart(NonePolicy(MEMORY_LESS_AND_MEMORY_ONLY))
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "0,2")
+    assert resources.cpu_quota == 600_000
+    assert env.engine.containers[container_id].shared_mems is None
