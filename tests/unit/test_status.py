@@ -545,6 +545,22 @@ def test_memory_kubelet_put_elsewhere_gets_a_column_of_its_own() -> None:
     assert entry["mems"] == str(other)
 
 
+def test_the_memory_column_gives_cpus_of_a_memory_less_node_the_nodes_with_memory() -> None:
+    """A container whose memory follows its CPUs shows where it is: for CPUs of a node
+    without memory (node 1 here) every node with memory, not the node of its CPUs."""
+    big = expected_topology(BIG)
+    topology = Topology(cpus=big.cpus, isolated=big.isolated, memory_nodes=P("0,2-7"))
+    state = big_state(topology)
+    worker = next(k for k, a in state.assignments.items() if k.name == "worker")
+    assert topology.numa_nodes_of(state.assignments[worker].cpus) == {1}
+    adopted = next(k for k in state.assignments if k.name == "adopted")
+    elsewhere = state.update(adopted, mems=P("3"))  # kubelet's memory manager's choice
+    header, *lines = render_assignments(elsewhere, topology).splitlines()
+    assert re.split(r"\s{2,}", header)[-2:] == ["MEMS", "CPUS"]
+    row = next(line for line in lines if "worker" in line.split())
+    assert row.split()[-2] == "0,2-7"
+
+
 def test_an_empty_state_has_no_table() -> None:
     topology = expected_topology(SMALL)
     state = CPUState.empty(StaticPolicy.create(topology, reserved=P("0")))
