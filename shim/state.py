@@ -66,8 +66,8 @@ class Assignment:
     attempt: int = 0
     # "namespace/name", for messages and the status map.
     pod: str = ""
-    # The NUMA nodes kubelet's memory manager chose for the container's memory; None: those
-    # of its CPUs.
+    # The NUMA nodes kubelet's memory manager chose for the container's memory; None: its
+    # CPUs' nodes that have memory (Topology.memory_nodes_of).
     mems: CPUSet | None = None
 
 

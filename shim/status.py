@@ -45,7 +45,7 @@ for none).
                       "pod" ("namespace/name", may be ""), "container", "container_id" ("" while
                       its CreateContainer is in flight), "sandbox_id", "attempt", "cpus",
                       "numa_nodes", "sockets", "mems" (the memory nodes kubelet's memory
-                      manager chose, a list string; null: those of its CPUs)}; "tag" is
+                      manager chose, a list string; null: its CPUs' nodes with memory)}; "tag" is
                       null when none of its CPUs is online
     cpus[i]           gains "owner" (container, reserved, isolated, shared or free), "tag",
                       "pod_uid" and "container" (null unless owner is container) and

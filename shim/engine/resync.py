@@ -847,9 +847,9 @@ def _recorded_mems(container: LiveContainer) -> CPUSet | None:
 
 def _kubelet_mems(engine: Engine, container: LiveContainer) -> CPUSet | None:
     """The memory nodes kubelet's memory manager chose for a container cpushim does not know,
-    as far as the runtime's record tells: nodes other than those of its CPUs are none that
-    cpushim derives, so they are kubelet's (or a restore's every node, which narrows nothing).
-    None when they are those of its CPUs or unknown."""
+    as far as the runtime's record tells: nodes other than its CPUs' nodes that have memory
+    are none that cpushim derives, so they are kubelet's (or a restore's every node, which
+    narrows nothing). None when they are those or unknown."""
     mems = _recorded_mems(container)
     if mems == engine.policy.topology.memory_nodes_of(_current_cpus(container)):
         return None

@@ -76,8 +76,9 @@ class Projection:
     """
 
     cpus: str
-    # Memory nodes the container is confined to: its CPUs' or those kubelet's memory manager
-    # chose (for a shared container too); "" when it is not confined, so every node is allowed.
+    # Memory nodes the container is confined to: its CPUs' nodes that have memory, or those
+    # kubelet's memory manager chose (for a shared container too); "" when it is not confined,
+    # so every node is allowed.
     mems: str
     # True exactly when pool is "exclusive": the CPUs are the container's alone.
     exclusive: bool
