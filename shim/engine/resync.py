@@ -99,7 +99,7 @@ class ResyncReport:
     adopted_shared: list[str] = field(default_factory=list)
     replanned: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
-    # Containers whose ContainerStatus failed: left as they are for a sweep.
+    # Containers whose ContainerStatus failed or did not decode: left as they are for a sweep.
     unread: list[str] = field(default_factory=list)
 
 

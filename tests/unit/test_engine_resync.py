@@ -716,6 +716,22 @@ async def test_a_pinned_container_whose_status_cannot_be_read_keeps_its_cpus_for
     assert_consistent(env)
 
 
+async def test_a_sweep_s_read_of_a_status_that_does_not_decode_is_warned_of_with_why(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Told as a failed call is, with the decode error: the container may live all the same,
+    and nothing else would say why a sweep leaves it."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    unreadable(env, monkeypatch, None).add(container_id)
+    with caplog.at_level("WARNING", logger="shim.engine.resync"):
+        read = await resync.status_read(env.engine, container_id, pod.sandbox_id)
+    assert read == resync.StatusRead(None, answered=False)
+    warned = [r.__dict__["fields"] for r in caplog.records if "cannot read" in r.getMessage()]
+    assert [fields["container_id"] for fields in warned] == [container_id]
+    assert "does not decode" in warned[0]["error"]
+
+
 async def test_a_container_whose_status_cannot_be_read_is_recovered_by_a_sweep(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
