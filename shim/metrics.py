@@ -93,8 +93,15 @@ ENGINE_COUNTERS: dict[str, str] = {
         "Re-plans made because the CPUs online changed while cpushim ran (offline, online)"
     ),
     "cpu_hotplug_replans_refused": (
-        "Changes of the CPUs online the policy could not be planned with (a reserved CPU"
-        " went offline); the old plan stayed (each refusal counted once)"
+        "Changes of the CPUs online or of the memory nodes the policy could not be planned"
+        " with (a reserved CPU went offline); the old plan stayed (each refusal counted once)"
+    ),
+    "memory_hotplug_events": (
+        "Kernel uevents telling of memory blocks or NUMA nodes going offline or online"
+    ),
+    "memory_hotplug_replans": (
+        "Re-plans made because the NUMA nodes with memory changed while cpushim ran, the CPUs"
+        " online not (memory hotplug)"
     ),
     "cpu_resizes_not_applied": (
         "kubelet updates (in-place resizes) asking a running container for another count of"

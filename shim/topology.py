@@ -140,8 +140,7 @@ class Topology:
     def from_sysfs(cls, root: Path = Path("/sys")) -> Topology:
         """Read the topology below ``root``, which plays the part of ``/sys``."""
         cpus, isolated = _read_sysfs(root)
-        memory_nodes = _memory_nodes(root / "devices" / "system" / "node")
-        return cls(cpus=tuple(cpus), isolated=isolated, memory_nodes=memory_nodes)
+        return cls(cpus=tuple(cpus), isolated=isolated, memory_nodes=memory_nodes(root))
 
     # -- queries --------------------------------------------------------------------------
 
@@ -389,6 +388,13 @@ def online_cpus(root: Path = Path("/sys")) -> CPUSet:
     that run while cpushim does: a CPU gone offline or back); OSError or ValueError when
     sysfs does not say."""
     return CPUSet.parse(read_file(f"{root}/devices/system/cpu/online").decode().strip())
+
+
+def memory_nodes(root: Path = Path("/sys")) -> CPUSet:
+    """The NUMA nodes with memory now, read as :meth:`Topology.from_sysfs` reads them (also
+    for the checks that run while cpushim does: memory brought online or taken offline).
+    Empty when sysfs does not say: a topology then takes its CPUs' nodes for them."""
+    return _memory_nodes(root / "devices" / "system" / "node")
 
 
 def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:

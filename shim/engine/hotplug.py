@@ -1,5 +1,5 @@
-"""CPUs going offline and online while cpushim runs: the policy is planned again with the CPUs
-online now, as a config reload re-plans.
+"""CPUs going offline and online while cpushim runs, and memory too: the policy is planned
+again with the CPUs online and the NUMA nodes with memory now, as a config reload re-plans.
 
 The topology is otherwise read once, at start. A CPU taken offline (by hand, by SMT switched
 off, by rasdaemon or mcelog after too many corrected errors) would stay in the shared pool
@@ -7,18 +7,24 @@ and in assignments; under cgroup v1 the kernel takes it out of every cpuset and 
 back, and runc refuses every container whose cpuset names it, so kubelet could create no
 shared container until cpushim was restarted.
 
+The memory nodes (``has_memory``, every node a container's ``cpuset.mems`` may name) change
+with memory hotplug alone: a memory block brought online or taken offline, CXL memory added
+as a node of its own, with no CPU going anywhere.
+
 The kernel tells of a CPU going offline or online with a uevent (``NETLINK_KOBJECT_UEVENT``,
-subsystem ``cpu``); the online list is also compared at every full look (no uevent socket,
-or one whose queue overflowed). A change builds the policy again from the options in force
-(the config reload's, when there is one, one at a time with it) and re-plans under it
-(``Engine.change_policy``): containers whose CPUs went offline get others where there is
-room, and so do those the policy would no longer give their CPUs (under full-pcpus-only, a
-lone thread whose sibling came online), the pool follows, the checkpoint is rewritten with
-the new topology. A policy that
-cannot be built (a reserved CPU named in the config went offline) is refused with the
-reason, once per set of online CPUs, and the old plan stays; so is one whose checkpoint
-cannot be written. A refused change is tried again at every full look, or on its own while
-there are none (``resyncPeriod`` 0), as a refused config file is.
+subsystem ``cpu``), and of memory with one of subsystem ``memory`` (a block) or ``node``;
+the online list and the memory nodes (read as the topology reads them) are also compared at
+every full look (no uevent socket, or one whose queue overflowed). A memory node list that
+does not read, or reads empty, is no change: the topology stands in its CPUs' nodes for
+it. A change builds the policy again from the options in force (the config reload's, when
+there is one, one at a time with it) and re-plans under it (``Engine.change_policy``):
+containers whose CPUs went offline get others where there is room, and so do those the
+policy would no longer give their CPUs (under full-pcpus-only, a lone thread whose sibling
+came online), the pool follows, the checkpoint is rewritten with the new topology. A policy
+that cannot be built (a reserved CPU named in the config went offline) is refused with the
+reason, once per set of online CPUs and memory nodes, and the old plan stays; so is one
+whose checkpoint cannot be written. A refused change is tried again at every full look, or
+on its own while there are none (``resyncPeriod`` 0), as a refused config file is.
 
 Under cgroup v1 a CPU back online is in the root cpuset only: before the re-plan hands it
 out, the cgroups above kubelet's containers (the kubepods tree: its QoS classes and pods) get
@@ -41,7 +47,7 @@ import re
 import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 
 from shim import cgroups
 from shim.cgroups import CgroupError, CgroupLayout, CgroupVersion
@@ -49,7 +55,7 @@ from shim.cpuset import CPUSet
 from shim.engine.resync import replan_live
 from shim.engine.retrying import Retry
 from shim.policy import CPUPolicy
-from shim.topology import online_cpus
+from shim.topology import Topology, memory_nodes, online_cpus
 
 if TYPE_CHECKING:
     from shim.engine.watching import Watcher
@@ -60,17 +66,29 @@ log = logging.getLogger(__name__)
 NETLINK_KOBJECT_UEVENT: Final = 15
 # The kernel's own uevents (udev re-broadcasts them, with a header of its own, to group 2).
 _KERNEL_UEVENTS: Final = 1
-_CPU_ACTIONS: Final = frozenset({b"online", b"offline", b"add", b"remove"})
+_HOTPLUG_ACTIONS: Final = frozenset({b"online", b"offline", b"add", b"remove"})
+# A memory block's (``memoryN``: brought online or taken offline, added or removed), or a
+# NUMA node's (``nodeN``: one that gained its first memory, or lost its last, with memory
+# hotplug, CXL memory among it).
+_MEMORY_SUBSYSTEMS: Final = frozenset({b"memory", b"node"})
 _JOB: Final = "cpus online"
 
+Told: TypeAlias = Literal["cpus", "memory"]
 
-def tells_of_cpus(datagram: bytes) -> bool:
-    """Whether a kernel uevent tells of a CPU going online or offline, added or removed."""
+
+def hotplug_told(datagram: bytes) -> Told | None:
+    """What a kernel uevent tells of: a CPU going online or offline, added or removed
+    ("cpus"), the same of a memory block or a NUMA node ("memory"), else None."""
     header, _, rest = datagram.partition(b"\0")
     if b"@" not in header:
-        return False  # not the kernel's (udev's start with "libudev")
+        return None  # not the kernel's (udev's start with "libudev")
     values = dict(field.partition(b"=")[::2] for field in rest.split(b"\0") if b"=" in field)
-    return values.get(b"SUBSYSTEM") == b"cpu" and values.get(b"ACTION") in _CPU_ACTIONS
+    if values.get(b"ACTION") not in _HOTPLUG_ACTIONS:
+        return None
+    subsystem = values.get(b"SUBSYSTEM")
+    if subsystem == b"cpu":
+        return "cpus"
+    return "memory" if subsystem in _MEMORY_SUBSYSTEMS else None
 
 
 def open_uevents() -> socket.socket:
@@ -169,7 +187,8 @@ def give_back_online(
 
 
 class CPUFollower:
-    """Re-plans when the CPUs online differ from those the policy was planned with."""
+    """Re-plans when the CPUs online, or the memory nodes, differ from those the policy was
+    planned with."""
 
     def __init__(
         self,
@@ -188,8 +207,8 @@ class CPUFollower:
         self._lock = lock if lock is not None else asyncio.Lock()
         self._open_socket = open_socket
         self._socket: socket.socket | None = None
-        # The last refusal (the CPUs online, the reason): told once.
-        self._refused: tuple[CPUSet, str] | None = None
+        # The last refusal (the CPUs online, the memory nodes, the reason): told once.
+        self._refused: tuple[CPUSet, CPUSet, str] | None = None
         self._stopped = False
         self._stopping = asyncio.Event()
         # Checks again after a refusal while no full look will (resyncPeriod 0): the reason
@@ -207,9 +226,9 @@ class CPUFollower:
             self._socket = self._open_socket()
         except OSError as exc:
             log.warning(
-                "cannot receive the kernel's CPU hotplug events; CPUs going offline or online"
-                " are followed at each full look (resyncPeriod) only, and with resyncPeriod 0"
-                " at the next start",
+                "cannot receive the kernel's hotplug events; CPUs going offline or online, and"
+                " memory nodes changing, are followed at each full look (resyncPeriod) only,"
+                " and with resyncPeriod 0 at the next start",
                 extra={"fields": {"error": str(exc)}},
             )
         else:
@@ -234,7 +253,8 @@ class CPUFollower:
 
     def _on_uevents(self) -> None:
         assert self._socket is not None
-        told = False
+        told: set[Told] = set()
+        lost = False
         while True:
             try:
                 datagram = self._socket.recv(65536)
@@ -242,28 +262,36 @@ class CPUFollower:
                 break
             except OSError as exc:
                 # ENOBUFS: the queue overflowed and events were lost; look anyway.
-                told = told or exc.errno == errno.ENOBUFS
                 if exc.errno != errno.ENOBUFS:
                     break
+                lost = True
                 continue
-            told = told or tells_of_cpus(datagram)
-        if told:
+            what = hotplug_told(datagram)
+            if what is not None:
+                told.add(what)
+        if "cpus" in told or lost:  # lost ones counted as CPUs' as they always were
             self.engine.counters["cpu_hotplug_events"] += 1
+        if "memory" in told:
+            self.engine.counters["memory_hotplug_events"] += 1
+        if told or lost:
             self.check_soon()
 
     async def check(self) -> None:
-        """Re-plan if the CPUs online are not those the policy was planned with."""
+        """Re-plan if the CPUs online, or the memory nodes, are not those the policy was
+        planned with."""
         async with self._lock:
             if self._stopped:
                 return
             options = self._options()
             try:
                 online = online_cpus(options.sysfs_root)
+                memory = memory_nodes(options.sysfs_root)
             except (OSError, ValueError) as exc:
                 log.warning("cannot read the CPUs online", extra={"fields": {"error": str(exc)}})
                 return
-            planned = self.engine.policy.topology.online
-            if online == planned:
+            planned = self.engine.policy.topology
+            # No list of memory nodes (none that reads): the topology takes the CPUs' nodes.
+            if online == planned.online and (not memory or memory == planned.memory_nodes):
                 self._refused = None
                 # A CPU may have gone offline and come back before this look (or while a
                 # re-plan was refused): under v1 kubelet's tree has lost it all the same.
@@ -272,41 +300,46 @@ class CPUFollower:
             try:
                 policy = await asyncio.to_thread(self._build_policy, options)
             except (OSError, ValueError) as exc:
-                self._refuse(online, str(exc))
+                self._refuse(online, memory, str(exc))
                 return
-            now = policy.topology.online
+            now = policy.topology
             if self._stopped:
                 return
-            if now == planned:
+            if not _changed(planned, now):
                 # Listed online with no topology files (read as not there at start too):
                 # nothing to plan anew.
                 self._refused = None
                 await self._give_back_unplanned()
                 return
-            came_online, went_offline = now - planned, planned - now
+            came_online, went_offline = now.online - planned.online, planned.online - now.online
             await self._give_back(policy, came_online)
             if self._stopped:
                 return  # stopped during the walk: the next start plans with the CPUs then
+            cpus_changed = now.online != planned.online
+            reason = "CPUs online changed" if cpus_changed else "memory nodes changed"
             try:
-                lost, adopted = await replan_live(self.engine, policy, "CPUs online changed")
+                lost, adopted = await replan_live(self.engine, policy, reason)
             except OSError as exc:
-                self._refuse(online, f"cannot write the checkpoint: {exc}")
+                self._refuse(online, memory, f"cannot write the checkpoint: {exc}")
                 return
             self._refused = None
-            self.engine.counters["cpu_hotplug_replans"] += 1
-            log.warning(
-                "the CPUs online changed; re-planned with them",
-                extra={
-                    "fields": {
-                        "went_offline": str(went_offline),
-                        "came_online": str(came_online),
-                        "online": str(now),
-                        "shared": str(self.engine.state.shared),
-                        "lost_exclusive": [str(key) for key in lost],
-                        "adopted_exclusive": [str(key) for key in adopted],
-                    }
-                },
-            )
+            fields = {
+                "went_offline": str(went_offline),
+                "came_online": str(came_online),
+                "online": str(now.online),
+                "memory_nodes_before": str(planned.memory_nodes),
+                "memory_nodes": str(now.memory_nodes),
+                "shared": str(self.engine.state.shared),
+                "lost_exclusive": [str(key) for key in lost],
+                "adopted_exclusive": [str(key) for key in adopted],
+            }
+            if cpus_changed:
+                self.engine.counters["cpu_hotplug_replans"] += 1
+                message = "the CPUs online changed; re-planned with them"
+            else:
+                self.engine.counters["memory_hotplug_replans"] += 1
+                message = "the memory nodes changed; re-planned with them"
+            log.warning(message, extra={"fields": fields})
         # A change while the policy was built made a uevent (or waits for the next full
         # look), which runs this again.
 
@@ -364,15 +397,20 @@ class CPUFollower:
             return True
         return self._refused is None
 
-    def _refuse(self, online: CPUSet, reason: str) -> None:
+    def _refuse(self, online: CPUSet, memory: CPUSet, reason: str) -> None:
         if self.watcher.resync_period <= 0:
             self._retry.soon()
-        if self._refused == (online, reason):
+        if self._refused == (online, memory, reason):
             return
-        self._refused = (online, reason)
+        self._refused = (online, memory, reason)
         self.engine.counters["cpu_hotplug_replans_refused"] += 1
         log.error(
-            "the CPUs online changed and the policy cannot be planned with them; the old plan"
-            " stays (docs/operations.md)",
-            extra={"fields": {"online": str(online), "error": reason}},
+            "the CPUs online or the memory nodes changed and the policy cannot be planned"
+            " with them; the old plan stays (docs/operations.md)",
+            extra={"fields": {"online": str(online), "memory_nodes": str(memory), "error": reason}},
         )
+
+
+def _changed(planned: Topology, now: Topology) -> bool:
+    """Whether ``now`` has other CPUs online, or other memory nodes, than ``planned``."""
+    return now.online != planned.online or now.memory_nodes != planned.memory_nodes

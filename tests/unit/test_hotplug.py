@@ -24,9 +24,9 @@ from shim.engine import EngineOptions, hotplug
 from shim.engine.hotplug import (
     CPUFollower,
     give_back_online,
+    hotplug_told,
     kubepods_tops,
     pod_cgroups,
-    tells_of_cpus,
 )
 from shim.engine.watching import Watcher
 from shim.run import RunOptions, build_policy
@@ -41,7 +41,9 @@ MACHINE = MachineSpec(sockets=2, cores_per_die=2, threads_per_core=2)
 
 
 def uevent(action: str, subsystem: str = "cpu", cpu: int = 4) -> bytes:
-    path = f"/devices/system/cpu/cpu{cpu}"
+    """A kernel uevent of CPU ``cpu``, or of memory block or node ``cpu`` of ``subsystem``."""
+    device = {"cpu": "cpu/cpu", "memory": "memory/memory", "node": "node/node"}[subsystem]
+    path = f"/devices/system/{device}{cpu}"
     fields = [f"{action}@{path}", f"ACTION={action}", f"DEVPATH={path}"]
     fields += [f"SUBSYSTEM={subsystem}", "SEQNUM=4242"]
     return "\0".join(fields).encode() + b"\0"
@@ -50,19 +52,27 @@ def uevent(action: str, subsystem: str = "cpu", cpu: int = 4) -> bytes:
 @pytest.mark.parametrize(
     ("datagram", "told"),
     [
-        (uevent("offline"), True),
-        (uevent("online"), True),
-        (uevent("add"), True),
-        (uevent("remove"), True),
-        (uevent("change"), False),
-        (uevent("offline", subsystem="memory"), False),
-        (b"libudev\0\xfe\xed\xca\xfeACTION=offline\0SUBSYSTEM=cpu\0", False),
-        (b"", False),
-        (b"offline@/devices/system/cpu/cpu4", False),
+        (uevent("offline"), "cpus"),
+        (uevent("online"), "cpus"),
+        (uevent("add"), "cpus"),
+        (uevent("remove"), "cpus"),
+        (uevent("change"), None),
+        (uevent("offline", subsystem="memory"), "memory"),
+        (uevent("online", subsystem="memory", cpu=40), "memory"),
+        (uevent("add", subsystem="memory"), "memory"),
+        (uevent("add", subsystem="node", cpu=2), "memory"),
+        (uevent("remove", subsystem="node", cpu=2), "memory"),
+        (uevent("change", subsystem="memory"), None),
+        (b"libudev\0\xfe\xed\xca\xfeACTION=offline\0SUBSYSTEM=cpu\0", None),
+        (b"libudev\0\xfe\xed\xca\xfeACTION=online\0SUBSYSTEM=memory\0", None),
+        (b"", None),
+        (b"offline@/devices/system/cpu/cpu4", None),
     ],
 )
-def test_only_the_kernels_cpu_online_and_offline_uevents_count(datagram: bytes, told: bool) -> None:
-    assert tells_of_cpus(datagram) is told
+def test_only_the_kernels_cpu_and_memory_hotplug_uevents_count(
+    datagram: bytes, told: str | None
+) -> None:
+    assert hotplug_told(datagram) == told
 
 
 @dataclass
@@ -77,6 +87,16 @@ class Following:
         """What the kernel shows once CPUs went offline (or came back: fewer given)."""
         shutil.rmtree(self.sysfs)
         write_sysfs(replace(MACHINE, offline=frozenset(cpus)), self.sysfs)
+
+    def with_memory_on(self, nodes: str) -> None:
+        """What the kernel shows once memory went offline or online, the CPUs as they are:
+        the nodes with memory are ``nodes``."""
+        (self.sysfs / "devices" / "system" / "node" / "has_memory").write_text(nodes + "\n")
+
+    async def replanned_for_memory(self, count: int = 1) -> None:
+        counters = self.env.engine.counters
+        await until(lambda: counters["memory_hotplug_replans"] >= count, f"re-plan {count}")
+        await until(lambda: self.watcher.jobs.pending == 0, "watch jobs done")
 
     async def replanned(self, count: int = 1) -> None:
         counters = self.env.engine.counters
@@ -276,12 +296,53 @@ async def test_a_cpu_back_online_goes_back_to_the_pool(tmp_path: Path) -> None:
 async def test_other_uevents_and_an_unchanged_machine_re_plan_nothing(tmp_path: Path) -> None:
     async with following(tmp_path) as f:
         assert f.events is not None
+        counters = f.env.engine.counters
         f.events.send(uevent("change"))
-        f.events.send(uevent("offline", subsystem="memory"))
+        f.events.send(uevent("change", subsystem="memory"))
         f.events.send(uevent("online"))  # told, but the CPUs online are those planned
-        await until(lambda: f.env.engine.counters["cpu_hotplug_events"] == 1, "one told")
+        await until(lambda: counters["cpu_hotplug_events"] == 1, "one told")
         await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
-        assert f.env.engine.counters["cpu_hotplug_replans"] == 0
+        # Told, but the memory nodes are those planned.
+        f.events.send(uevent("offline", subsystem="memory"))
+        await until(lambda: counters["memory_hotplug_events"] == 1, "one told")
+        await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+        assert counters["cpu_hotplug_replans"] == counters["memory_hotplug_replans"] == 0
+
+
+async def test_memory_brought_online_re_plans_with_the_new_memory_nodes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Memory hotplug (a CXL device's memory onlined as node 2) changes the memory nodes and
+    no CPU: the policy is planned again with them, as a change of the CPUs online is."""
+    async with following(tmp_path) as f:
+        assert f.events is not None
+        policy = f.env.engine.policy
+        assert policy.topology.memory_nodes == CPUSet.parse("0-1")
+        f.with_memory_on("0-2")
+        f.events.send(uevent("add", subsystem="node", cpu=2))
+        f.events.send(uevent("online", subsystem="memory", cpu=40))
+        await f.replanned_for_memory()
+        counters = f.env.engine.counters
+        assert counters["memory_hotplug_events"] == 1
+        assert counters["cpu_hotplug_events"] == counters["cpu_hotplug_replans"] == 0
+        assert f.env.engine.policy is not policy
+        assert f.env.engine.policy.topology.memory_nodes == CPUSet.parse("0-2")
+        assert f.env.engine.policy.topology.online == policy.topology.online
+        assert "the memory nodes changed; re-planned with them" in caplog.text
+        # Taken offline again: followed back.
+        f.with_memory_on("0-1")
+        f.events.send(uevent("offline", subsystem="memory", cpu=40))
+        await f.replanned_for_memory(2)
+        assert f.env.engine.policy.topology.memory_nodes == CPUSet.parse("0-1")
+
+
+async def test_without_a_uevent_a_full_look_sees_the_memory_nodes_change(tmp_path: Path) -> None:
+    async with following(tmp_path, uevents=False) as f:
+        f.with_memory_on("1")  # node 0's memory taken offline
+        await f.watcher.look_everywhere()
+        await f.replanned_for_memory()
+        assert f.env.engine.policy.topology.memory_nodes == CPUSet.parse("1")
+        assert f.env.engine.counters["memory_hotplug_events"] == 0
 
 
 async def test_a_cpu_listed_online_without_topology_files_is_no_change(tmp_path: Path) -> None:
