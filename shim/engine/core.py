@@ -61,6 +61,7 @@ from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.projection.writer import ProjectionWriter
 from shim.state import Assignment, ContainerKey, CPUState, replan
+from shim.topology import Topology
 
 if TYPE_CHECKING:
     from shim.engine.watching import Watcher
@@ -1299,9 +1300,12 @@ class Engine:
         """Run under ``policy`` from now on (a config reload, CPUs going offline or online):
         assignments it would hand their containers now are kept, the others get new CPUs
         where it can give them, every container is moved to match, and the checkpoint says
-        so. Returns the containers that lost their exclusive CPUs for good (they share now).
-        OSError when the checkpoint cannot be written, and nothing changes then."""
+        so. Containers kept on their CPUs whose memory nodes derive from the machine's are
+        moved too when those changed (:meth:`_follow_memory_nodes`). Returns the containers
+        that lost their exclusive CPUs for good (they share now). OSError when the
+        checkpoint cannot be written, and nothing changes then."""
         async with self.lock:
+            before = self.policy.topology
             # The rule start-up re-plans by: a set stays only if it would be handed out now.
             planned, displaced = replan(
                 self.state, policy, lambda _, assignment: self._request_again(assignment)
@@ -1338,10 +1342,34 @@ class Engine:
                 if tracked.key in refused:
                     tracked.adoption_refused = True
                     self.wait_for_room()
+            if policy.topology.memory_nodes != before.memory_nodes:
+                self._follow_memory_nodes(before)
             if self.projector is not None:
                 self.projector.topology = policy.topology
             await self._apply()
         return lost
+
+    def _follow_memory_nodes(self, before: Topology) -> None:
+        """The machine's memory nodes changed (memory hotplug) from those of ``before``: the
+        live containers whose memory nodes derive from them are marked to be written with
+        their new ones by the re-plan's moves, through the runtime (which writes
+        ``cpuset.mems``). Those are an exclusive container's whose kubelet named none, when
+        its CPUs' nodes with memory changed, and a shared container's with every node. Those
+        kubelet's memory manager chose stay as they are; a container that lost its exclusive
+        CPUs moves anyway, with every node as they are now."""
+        now = self.policy.topology
+        for tracked in self.containers.values():
+            if tracked.phase is Phase.EXITED:
+                continue
+            assignment = self._assignment_of(tracked)
+            if assignment is not None:
+                follows = assignment.mems is None and (
+                    before.memory_nodes_of(assignment.cpus) != now.memory_nodes_of(assignment.cpus)
+                )
+            else:
+                follows = not tracked.exclusive and tracked.shared_mems is None
+            if follows:
+                tracked.settings_stale = True
 
     def _request_again(self, assignment: Assignment) -> ExclusiveRequest:
         """What a container that must move asks for: as many CPUs, isolated as its pod says,
@@ -1561,6 +1589,10 @@ class Engine:
             else:
                 mems = rq.mems_of(self.policy.topology.memory_nodes)
             return self.state.shared, mems, tracked.kubelet_quota or None
+        if tracked.settings_stale and tracked.shared_mems is None:
+            # Every node with memory, which changed since its cgroup was given them
+            # (_follow_memory_nodes): the move writes them as they are now.
+            return self.state.shared, rq.mems_of(self.policy.topology.memory_nodes), None
         return self.state.shared, "", None
 
     def _mems_of(self, assignment: Assignment) -> str:

@@ -9,7 +9,9 @@ shared container until cpushim was restarted.
 
 The memory nodes (``has_memory``, every node a container's ``cpuset.mems`` may name) change
 with memory hotplug alone: a memory block brought online or taken offline, CXL memory added
-as a node of its own, with no CPU going anywhere.
+as a node of its own, with no CPU going anywhere. The re-plan writes the new ones to the
+containers whose memory nodes derive from them (an exclusive one's CPUs' nodes with memory,
+every node for one that shares), kept on their CPUs; those kubelet chose stay.
 
 The kernel tells of a CPU going offline or online with a uevent (``NETLINK_KOBJECT_UEVENT``,
 subsystem ``cpu``), and of memory with one of subsystem ``memory`` (a block) or ``node``;

@@ -16,7 +16,8 @@ refusing. One record cannot wait: under cgroup v2 with the systemd driver, a shr
 systemd's copy of the cpuset still holds is recorded at once (:meth:`Mover.systemd_holds_more`).
 
 Exclusive containers (whose mems and CFS quota move too) and containers that have not started
-(no cgroup yet) always go through the runtime.
+(no cgroup yet) always go through the runtime, and so does a shared container given every
+memory node anew (their list changed with memory hotplug).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from shim.run import RunOptions, build_policy
 from shim.state import ContainerKey, CPUState, integrity_problems
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, write_sysfs
-from tests.unit.engine_env import Env, make_env, until
+from tests.unit.engine_env import Env, make_env, until, updates_to
 
 pytestmark = pytest.mark.anyio
 
@@ -343,6 +343,68 @@ async def test_without_a_uevent_a_full_look_sees_the_memory_nodes_change(tmp_pat
         await f.replanned_for_memory()
         assert f.env.engine.policy.topology.memory_nodes == CPUSet.parse("1")
         assert f.env.engine.counters["memory_hotplug_events"] == 0
+
+
+def mems(env: Env, container_id: str) -> str:
+    """The memory nodes the runtime's record of the container holds ("": none of its own)."""
+    return env.fake.containers[container_id].resources.cpuset_mems
+
+
+async def test_memory_added_as_a_node_goes_to_the_containers_with_every_node(
+    tmp_path: Path,
+) -> None:
+    """CXL memory onlined as node 2: a shared container has every node with memory, node 2
+    now among them, and the re-plan writes them. Those whose nodes kubelet chose keep them,
+    and an exclusive container's CPUs' nodes with memory are what they were: not moved."""
+    async with following(tmp_path) as f:
+        env = f.env
+        assert f.events is not None
+        shared_id, pinned_id = await pinned_and_shared(env)
+        chosen_pod = await env.kubelet.run_pod("cache", "burstable")
+        chosen_shared_id = await env.kubelet.start_new(chosen_pod, "main", 500, mems="1")
+        chosen_pinned_pod = await env.kubelet.run_pod("queue", "guaranteed")
+        chosen_pinned_id = await env.kubelet.start_new(chosen_pinned_pod, "main", 1000, mems="1")
+        assert (mems(env, shared_id), mems(env, pinned_id)) == ("", "0")
+        updated = {
+            i: len(updates_to(env.fake, i)) for i in (pinned_id, chosen_shared_id, chosen_pinned_id)
+        }
+        f.with_memory_on("0-2")
+        f.events.send(uevent("online", subsystem="memory", cpu=40))
+        await f.replanned_for_memory()
+        assert mems(env, shared_id) == "0-2"
+        assert mems(env, pinned_id) == "0"
+        assert mems(env, chosen_shared_id) == mems(env, chosen_pinned_id) == "1"
+        assert {i: len(updates_to(env.fake, i)) for i in updated} == updated
+        assert env.kernel_cpus(pinned_id) == "4"
+        tracked = env.engine.containers[shared_id]
+        assert not tracked.settings_stale
+        # Written once: the next look finds it in place.
+        before = len(updates_to(env.fake, shared_id))
+        await f.watcher.look_everywhere()
+        await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+        assert len(updates_to(env.fake, shared_id)) == before
+
+
+async def test_memory_of_an_exclusive_containers_node_taken_offline_is_followed(
+    tmp_path: Path,
+) -> None:
+    """Node 0's memory taken offline: a container pinned there whose memory follows its CPUs
+    has no node of theirs with memory left, so every node with memory (node 1) is its, and a
+    shared container's every node is node 1 too. Kubelet's choice of node 0 stays."""
+    async with following(tmp_path) as f:
+        env = f.env
+        assert f.events is not None
+        shared_id, pinned_id = await pinned_and_shared(env)
+        chosen_pod = await env.kubelet.run_pod("queue", "guaranteed")
+        chosen_id = await env.kubelet.start_new(chosen_pod, "main", 1000, mems="0")
+        f.with_memory_on("1")
+        f.events.send(uevent("offline", subsystem="memory", cpu=3))
+        await f.replanned_for_memory()
+        assert env.kernel_cpus(pinned_id) == "4"
+        assert mems(env, pinned_id) == "1"
+        assert mems(env, shared_id) == "1"
+        assert mems(env, chosen_id) == "0"
+        assert not env.engine.containers[pinned_id].settings_stale
 
 
 async def test_a_cpu_listed_online_without_topology_files_is_no_change(tmp_path: Path) -> None:
