@@ -36,7 +36,8 @@ cpushim has not located yet (its StartContainer in flight, one another client ma
 be given a CPU the re-plan may pin for another container. Every check does the same for a
 CPU the policy hands out that kubelet's tree lacks with no change to re-plan for: one that
 went offline and came back before a check looked, or while the re-plan was refused. cgroup
-v2 needs none of this (a cgroup with no set of its own follows its parent).
+v2 needs none of this (a cgroup with no set of its own follows its parent). The same goes
+for a node whose memory came online: kubelet's tree gets it in ``cpuset.mems``.
 """
 
 from __future__ import annotations
@@ -141,7 +142,11 @@ def pod_cgroups(layout: CgroupLayout, cgroup_parents: Iterable[str]) -> set[Path
 
 
 def give_back_online(
-    top: Path, came_online: CPUSet, handed_out: CPUSet, pods: set[Path]
+    top: Path,
+    came_online: CPUSet,
+    handed_out: CPUSet,
+    pods: set[Path],
+    file: str = cgroups.CPUSET_CPUS,
 ) -> list[Path]:
     """Cgroup v1: add the CPUs of ``handed_out`` (those the policy gives containers) that
     came back online, and those ``top`` lacks (the kernel took them out as they went
@@ -151,10 +156,12 @@ def give_back_online(
     further: nothing inside a pod's cgroup (a container's, or its sandbox's) is touched. A
     pod's cgroup is one of ``pods`` (those cpushim knows) or named as kubelet names them (a
     pod whose sandbox is on its way). Returns the cgroups widened; a cgroup that refuses
-    (gone meanwhile, or the kernel's refusal) is logged and its subtree left."""
+    (gone meanwhile, or the kernel's refusal) is logged and its subtree left. ``file`` says
+    what: ``cpuset.cpus`` with CPUs, or ``cpuset.mems`` with NUMA nodes whose memory came
+    online (the kernel adds those to the root cpuset alone, as it does CPUs)."""
     widened: list[Path] = []
-    parent_cpus = cgroups.read_cpus(top.parent)
-    top_cpus = cgroups.read_cpus(top)
+    parent_cpus = cgroups.read_list(top.parent, file)
+    top_cpus = cgroups.read_list(top, file)
     if parent_cpus is None or top_cpus is None:
         return widened
     came_online = (came_online | (parent_cpus - top_cpus)) & handed_out
@@ -164,12 +171,12 @@ def give_back_online(
     while pending:
         directory, above = pending.pop()
         try:
-            cpus = cgroups.read_cpus(directory)
+            cpus = cgroups.read_list(directory, file)
             if cpus is None:
                 continue
             wanted = cpus | (came_online & above)
             if wanted != cpus:
-                cgroups.write_list(directory, cgroups.CPUSET_CPUS, wanted)
+                cgroups.write_list(directory, file, wanted)
                 widened.append(directory)
             is_pod = directory != top and (
                 directory in pods or _POD_CGROUP.fullmatch(directory.name) is not None
@@ -180,8 +187,8 @@ def give_back_online(
         except (OSError, ValueError) as exc:
             if not isinstance(exc, OSError) or exc.errno not in (errno.ENOENT, errno.ENODEV):
                 log.warning(
-                    "cannot give a CPU back online to a cgroup",
-                    extra={"fields": {"cgroup": str(directory), "error": str(exc)}},
+                    "cannot give what came back online to a cgroup",
+                    extra={"fields": {"cgroup": str(directory), "file": file, "error": str(exc)}},
                 )
             continue
         pending.extend((Path(child), wanted) for child in children)
@@ -314,7 +321,7 @@ class CPUFollower:
                 await self._give_back_unplanned()
                 return
             came_online, went_offline = now.online - planned.online, planned.online - now.online
-            await self._give_back(policy, came_online)
+            await self._give_back(policy, came_online, now.memory_nodes - planned.memory_nodes)
             if self._stopped:
                 return  # stopped during the walk: the next start plans with the CPUs then
             cpus_changed = now.online != planned.online
@@ -356,35 +363,49 @@ class CPUFollower:
             if tracked.cgroup is not None:
                 self.watcher.check_soon(tracked.id)
 
-    async def _give_back(self, policy: CPUPolicy, came_online: CPUSet) -> bool:
+    async def _give_back(
+        self, policy: CPUPolicy, came_online: CPUSet, memory_came: CPUSet | None = None
+    ) -> bool:
         """Cgroup v1: kubelet's tree gets back the CPUs ``policy`` hands out that it lacks
-        (:func:`give_back_online`), before the re-plan hands them out. Whether any cgroup
-        was widened."""
+        (:func:`give_back_online`), before the re-plan hands them out, and so the memory
+        nodes (``memory_came``: those whose memory came online) a container may be given.
+        Whether any cgroup was widened."""
         layout = self.engine.mover.layout
         if layout is None or layout.version is not CgroupVersion.V1:
             return False
         given = False
-        handed_out = policy.shared_pool({}) | policy.exclusive_candidates
+        walks = (
+            (
+                cgroups.CPUSET_CPUS,
+                came_online,
+                policy.shared_pool({}) | policy.exclusive_candidates,
+            ),
+            (cgroups.CPUSET_MEMS, memory_came or CPUSet(), policy.topology.memory_nodes),
+        )
         parents = [pod.cgroup_parent for pod in self.engine.pods.values()]
         pods = pod_cgroups(layout, parents)
         for top in sorted(kubepods_tops(layout, parents)):
-            # A walk of every pod's cgroups: off the loop.
-            try:
-                widened = await asyncio.to_thread(
-                    give_back_online, top, came_online, handed_out, pods
-                )
-            except (OSError, ValueError) as exc:
-                log.warning(
-                    "cannot give a CPU back online to a cgroup",
-                    extra={"fields": {"cgroup": str(top.parent), "error": str(exc)}},
-                )
-                continue
-            if widened:
-                given = True
-                log.info(
-                    "CPUs back online given back to kubelet's cgroups (cgroup v1)",
-                    extra={"fields": {"top": str(top), "cgroups": len(widened)}},
-                )
+            for file, came, handed_out in walks:
+                # A walk of every pod's cgroups: off the loop. One with nothing to give
+                # back ends after two reads.
+                try:
+                    widened = await asyncio.to_thread(
+                        give_back_online, top, came, handed_out, pods, file
+                    )
+                except (OSError, ValueError) as exc:
+                    log.warning(
+                        "cannot give what came back online to a cgroup",
+                        extra={
+                            "fields": {"cgroup": str(top.parent), "file": file, "error": str(exc)}
+                        },
+                    )
+                    continue
+                if widened:
+                    given = True
+                    log.info(
+                        "what came back online given back to kubelet's cgroups (cgroup v1)",
+                        extra={"fields": {"top": str(top), "file": file, "cgroups": len(widened)}},
+                    )
         return given
 
     async def _check_again(self) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shim import cgroups
 from shim.cgroups import CgroupLayout, CgroupVersion
 from shim.checkpoint import CheckpointFile
 from shim.cpuset import CPUSet
@@ -635,6 +636,53 @@ async def test_a_cpu_back_online_after_a_refused_re_plan_is_given_back_to_kubele
         # (the kernel's change made no event to watch), and written back as planned.
         await until(lambda: cpus_of(cgroup_dir) == "0-7", "the container given CPU 4 back")
         assert counters["cpu_hotplug_replans"] == 0
+
+
+def memory_nodes_of(path: Path) -> str:
+    return (path / "cpuset.mems").read_text().strip()
+
+
+def test_memory_back_online_is_given_back_down_kubelets_tree_but_not_into_pods(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path
+    tree = [root, root / "kubepods", root / "kubepods" / "besteffort"]
+    pod = tree[-1] / "pod1"
+    container = pod / "web"
+    for directory, nodes in [*((d, "0-1") for d in tree[1:]), (root, "0-2"), (pod, "0-1")]:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "cpuset.mems").write_text(nodes + "\n")
+    container.mkdir()
+    (container / "cpuset.mems").write_text("0\n")
+    widened = give_back_online(
+        tree[1], CPUSet.parse("2"), CPUSet.parse("0-2"), {pod}, cgroups.CPUSET_MEMS
+    )
+    assert widened == [tree[1], tree[2], pod]
+    assert [memory_nodes_of(d) for d in (*tree, pod)] == ["0-2"] * 4
+    assert memory_nodes_of(container) == "0"
+
+
+async def test_memory_come_online_is_given_back_to_kubelets_tree_as_it_is_followed(
+    tmp_path: Path,
+) -> None:
+    """Under v1 the kernel adds a node whose memory came online to the root cpuset alone, as
+    it does a CPU: kubelet's tree gets it before the re-plan names it for containers, or
+    runc's writes of it below a pod's cgroup would be refused."""
+    async with following(tmp_path) as f:
+        env, root = f.env, tmp_path / "cpuset"
+        assert f.events is not None
+        pod = await env.kubelet.run_pod("web", "besteffort")
+        shared_id = await env.kubelet.start_new(pod, "main")
+        cgroup_dir = env.fake.cgroup_dir(shared_id)
+        assert cgroup_dir is not None
+        kubelets = [root / level for level in cgroup_dir.relative_to(root).parents if level.parts]
+        for directory, nodes in [(root, "0-2"), *((level, "0-1") for level in kubelets)]:
+            (directory / "cpuset.mems").write_text(nodes + "\n")
+        f.with_memory_on("0-2")
+        f.events.send(uevent("online", subsystem="memory", cpu=40))
+        await f.replanned_for_memory()
+        assert [memory_nodes_of(level) for level in kubelets] == ["0-2"] * len(kubelets)
+        assert mems(env, shared_id) == "0-2"
 
 
 @pytest.mark.parametrize("offline", [(), (4,)])
