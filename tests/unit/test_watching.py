@@ -21,7 +21,13 @@ from grpclib.const import Status as GrpcStatus
 
 import shim.checkpoint as checkpoint_module
 from shim.cgroups import CgroupLayout, CgroupVersion, systemd_byte_reversed
-from shim.checkpoint import LOCK_FILE, StateDirectoryInUseError, fsync_directory, hold_directory
+from shim.checkpoint import (
+    LOCK_FILE,
+    CheckpointFile,
+    StateDirectoryInUseError,
+    fsync_directory,
+    hold_directory,
+)
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import UnaryCall
@@ -783,16 +789,11 @@ async def test_a_deleted_state_file_is_rewritten(w: Watched) -> None:
     assert w.counters["state_rewrites"] == 1
 
 
-async def test_a_state_file_whose_rewrite_failed_is_rewritten_later(
-    w: Watched, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """No event follows a rewrite that failed: only the retry puts memory back on the disk."""
-    w.env.engine.options = replace(w.env.engine.options, retry_delay=0.01)
-    pod = await w.env.kubelet.run_pod("db", "guaranteed")
-    await w.env.kubelet.start_new(pod, "main", 1000)
-    await w.settled()
-    before = w.env.saved()
-    checkpoint = w.env.engine.checkpoint
+def refuse_first_save(
+    checkpoint: CheckpointFile, monkeypatch: pytest.MonkeyPatch
+) -> list[CPUState]:
+    """Make the checkpoint's next save fail (ENOSPC) and the ones after go through; the
+    returned list gets the state it refused."""
     real_save = checkpoint.save
     refused: list[CPUState] = []
 
@@ -803,6 +804,20 @@ async def test_a_state_file_whose_rewrite_failed_is_rewritten_later(
         await real_save(state)
 
     monkeypatch.setattr(checkpoint, "save", refuse_once)
+    return refused
+
+
+async def test_a_state_file_whose_rewrite_failed_is_rewritten_later(
+    w: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No event follows a rewrite that failed: only the retry puts memory back on the disk."""
+    w.env.engine.options = replace(w.env.engine.options, retry_delay=0.01)
+    pod = await w.env.kubelet.run_pod("db", "guaranteed")
+    await w.env.kubelet.start_new(pod, "main", 1000)
+    await w.settled()
+    before = w.env.saved()
+    checkpoint = w.env.engine.checkpoint
+    refused = refuse_first_save(checkpoint, monkeypatch)
     (w.env.state_dir / "state.json").unlink()
 
     await until(lambda: (w.env.state_dir / "state.json").exists(), "state rewritten")
@@ -821,16 +836,7 @@ async def test_a_state_file_rewrite_that_succeeds_ends_the_retry_of_one_that_fai
     await w.env.kubelet.start_new(pod, "main", 1000)
     await w.settled()
     checkpoint = engine.checkpoint
-    real_save = checkpoint.save
-    refused: list[CPUState] = []
-
-    async def refuse_once(state: CPUState) -> None:
-        if not refused:
-            refused.append(state)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        await real_save(state)
-
-    monkeypatch.setattr(checkpoint, "save", refuse_once)
+    refuse_first_save(checkpoint, monkeypatch)
     (w.env.state_dir / "state.json").unlink()
     await until(lambda: w.counters["checkpoint_errors"] == 1, "the rewrite refused")
     assert engine._save_retry.running
