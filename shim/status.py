@@ -21,6 +21,7 @@ for none).
     format            1
     online, isolated, offline
                       CPU lists (offline = present in sysfs but not online)
+    memory_nodes      the NUMA nodes with memory (has_memory), a list in the same format
     summary           {"sockets", "dies", "numa_nodes", "last_level_caches",
                        "uncore_caches", "cores", "cpus"}: counts of what is online;
                        "threads_per_core": [min, max]
@@ -708,6 +709,9 @@ def render_topology(
     if summary["dies"] != summary["sockets"]:
         lines += _field("dies", str(summary["dies"]), width, label_width=19)
     lines += _field("NUMA nodes", str(summary["numa_nodes"]), width, label_width=19)
+    memory_text = _memory_nodes_text(topology)
+    if memory_text:
+        lines += _field("memory nodes", memory_text, width, label_width=19)
     lines += _field("last-level caches", str(summary["last_level_caches"]), width, 19)
     lines += _field("uncore caches", str(summary["uncore_caches"]), width, label_width=19)
     lines += _field("cores", str(summary["cores"]), width, label_width=19)
@@ -752,6 +756,21 @@ def render_topology(
     return "\n".join(lines) + "\n"
 
 
+def _memory_nodes_text(topology: Topology) -> str:
+    """The NUMA nodes with memory, when they are not those of the CPUs (memory-only nodes,
+    CXL memory; memory-less nodes): what an exclusive container's or every node's
+    ``cpuset.mems`` is made of. Empty when they are the CPUs' nodes."""
+    with_cpus = CPUSet(topology.numa_nodes)
+    if topology.memory_nodes == with_cpus:
+        return ""
+    notes = []
+    if memory_only := topology.memory_nodes - with_cpus:
+        notes.append(f"{memory_only} without CPUs")
+    if memory_less := with_cpus - topology.memory_nodes:
+        notes.append(f"{memory_less} without memory")
+    return f"{topology.memory_nodes} ({'; '.join(notes)})"
+
+
 # -- JSON --------------------------------------------------------------------------------------
 
 
@@ -790,6 +809,7 @@ def topology_json(topology: Topology, *, offline: CPUSet | None = None) -> dict[
         "online": str(topology.online),
         "isolated": str(topology.isolated),
         "offline": str(offline or CPUSet()),
+        "memory_nodes": str(topology.memory_nodes),
         "summary": _summary(topology),
         "cpus": [_cpu_entry(topology, cpu) for cpu in topology.online],
     }

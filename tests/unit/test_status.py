@@ -561,6 +561,31 @@ def test_the_memory_column_gives_cpus_of_a_memory_less_node_the_nodes_with_memor
     assert row.split()[-2] == "0,2-7"
 
 
+@pytest.mark.parametrize(
+    ("memory_nodes", "line"),
+    [
+        ("0-8", "0-8 (8 without CPUs)"),
+        ("0,2-7", "0,2-7 (1 without memory)"),
+        ("0,2-8", "0,2-8 (8 without CPUs; 1 without memory)"),
+        ("0-7", None),
+    ],
+    ids=["memory-only node", "memory-less node", "both", "the CPUs' nodes"],
+)
+def test_the_topology_names_the_memory_nodes_when_they_are_not_the_cpus(
+    memory_nodes: str, line: str | None
+) -> None:
+    """Memory-only nodes (CXL memory) and memory-less ones decide what an exclusive
+    container's and every node's cpuset.mems are: the page says so only when they differ
+    from the CPUs' nodes, and the JSON always lists them."""
+    big = expected_topology(BIG)
+    assert CPUSet(big.numa_nodes) == P("0-7")
+    topology = Topology(cpus=big.cpus, isolated=big.isolated, memory_nodes=P(memory_nodes))
+    page = render_topology(topology, width=80).splitlines()
+    found = [text.split(None, 2)[2] for text in page if text.startswith("memory nodes ")]
+    assert found == ([line] if line else [])
+    assert topology_json(topology)["memory_nodes"] == memory_nodes
+
+
 def test_an_empty_state_has_no_table() -> None:
     topology = expected_topology(SMALL)
     state = CPUState.empty(StaticPolicy.create(topology, reserved=P("0")))
@@ -587,7 +612,7 @@ def test_a_checkpoint_for_other_cpus_is_noted_as_re_planned_not_inconsistent() -
 
 # -- JSON --------------------------------------------------------------------------------------
 
-TOPOLOGY_KEYS = ["format", "online", "isolated", "offline", "summary", "cpus"]
+TOPOLOGY_KEYS = ["format", "online", "isolated", "offline", "memory_nodes", "summary", "cpus"]
 STATUS_KEYS = [
     *TOPOLOGY_KEYS,
     "policy",
