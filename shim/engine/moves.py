@@ -73,6 +73,17 @@ def pid_of(verbose_info: str) -> int:
     return pid if isinstance(pid, int) and pid > 0 else 0
 
 
+def container_status(reply: Reply) -> tuple[pb.ContainerStatusResponse | None, str]:
+    """The status in a ContainerStatus answer, or why there is none (a failed call, or an
+    answer that does not decode); NOT_FOUND is the caller's to tell first."""
+    if reply.status is not Status.OK or not reply.messages:
+        return None, f"{reply.status.name}: {reply.status_message}"
+    try:
+        return pb.ContainerStatusResponse.FromString(reply.messages[0]), ""
+    except DecodeError as exc:
+        return None, f"the answer does not decode ({exc})"
+
+
 @dataclass(frozen=True)
 class CgroupPlace:
     """Where the runtime says a container's cgroup is: ``directory`` is None when no layout
@@ -557,11 +568,8 @@ class Mover:
         )
         if reply.status is Status.NOT_FOUND:
             return Found(None, ended=True)
-        if reply.status is not Status.OK or not reply.messages:
-            return Found(None, answered=False)
-        try:
-            status = pb.ContainerStatusResponse.FromString(reply.messages[0])
-        except DecodeError:
+        status, _ = container_status(reply)
+        if status is None:
             return Found(None, answered=False)
         info = status.info.get("info", "")
         place = self.cgroup_of(info)

@@ -28,7 +28,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
 from shim.engine.core import Engine
-from shim.engine.moves import CgroupPlace, cgroups_path_of, pid_of
+from shim.engine.moves import CgroupPlace, cgroups_path_of, container_status, pid_of
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import CgroupParentError, kubelet_cfs_quota, pod_cgroup
 from shim.pods import (
@@ -464,7 +464,7 @@ async def _containers(
         progress.advance()
         if status_reply.status is Status.NOT_FOUND:
             continue
-        response, error = _container_status(status_reply)
+        response, error = container_status(status_reply)
         if response is None:
             # Without its resources and cgroup nothing can be decided for it; stopping
             # start-up for it would keep kubelet's runtime down for the whole node.
@@ -488,16 +488,6 @@ async def _containers(
             continue
         live[item.id] = live_container(item.id, item.pod_sandbox_id, item.metadata, response)
     return live, exited, unread
-
-
-def _container_status(reply: Reply) -> tuple[pb.ContainerStatusResponse | None, str]:
-    """The status in a ContainerStatus answer, or why there is none."""
-    if reply.status is not Status.OK or not reply.messages:
-        return None, f"{reply.status.name}: {reply.status_message}"
-    try:
-        return pb.ContainerStatusResponse.FromString(reply.messages[0]), ""
-    except DecodeError as exc:
-        return None, f"the answer does not decode ({exc})"
 
 
 def superseded_attempts(items: Iterable[pb.Container]) -> set[str]:
@@ -1089,7 +1079,7 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
     )
     if reply.status is Status.NOT_FOUND:
         return StatusRead(None)
-    response, error = _container_status(reply)
+    response, error = container_status(reply)
     if response is None:
         log.warning(
             "cannot read a container's state; it stays as it is",
