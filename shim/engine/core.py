@@ -1442,7 +1442,11 @@ class Engine:
         do, and ends now rather than after its wait (up to a minute). Cutting it is safe:
         its attempt runs under the lock, so it is waiting, or waiting for the lock, with
         nothing done yet."""
-        if self.checkpoint.saved == self.state and self.checkpoint.durable:
+        if (
+            self._save_retry.running
+            and self.checkpoint.saved == self.state
+            and self.checkpoint.durable
+        ):
             self._save_retry.end()
 
     async def _save_again(self) -> bool:
