@@ -357,15 +357,13 @@ class CPUFollower:
         cgroups lost the CPUs too, with no event to tell the watcher (the kernel's change),
         and no move writes them. Each is looked at again, and written back as planned."""
         # Stopped during the walk (off the loop), the checks would outlive the watcher.
-        if not await self._give_back(self.engine.policy, CPUSet()) or self._stopped:
+        if not await self._give_back(self.engine.policy, CPUSet(), CPUSet()) or self._stopped:
             return
         for tracked in list(self.engine.containers.values()):
             if tracked.cgroup is not None:
                 self.watcher.check_soon(tracked.id)
 
-    async def _give_back(
-        self, policy: CPUPolicy, came_online: CPUSet, memory_came: CPUSet | None = None
-    ) -> bool:
+    async def _give_back(self, policy: CPUPolicy, came_online: CPUSet, memory_came: CPUSet) -> bool:
         """Cgroup v1: kubelet's tree gets back the CPUs ``policy`` hands out that it lacks
         (:func:`give_back_online`), before the re-plan hands them out, and so the memory
         nodes (``memory_came``: those whose memory came online) a container may be given.
@@ -380,7 +378,7 @@ class CPUFollower:
                 came_online,
                 policy.shared_pool({}) | policy.exclusive_candidates,
             ),
-            (cgroups.CPUSET_MEMS, memory_came or CPUSet(), policy.topology.memory_nodes),
+            (cgroups.CPUSET_MEMS, memory_came, policy.topology.memory_nodes),
         )
         parents = [pod.cgroup_parent for pod in self.engine.pods.values()]
         pods = pod_cgroups(layout, parents)
