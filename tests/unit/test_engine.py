@@ -1540,13 +1540,21 @@ async def test_a_checkpoint_write_that_failed_after_the_runtime_acted_is_made_ag
             env.channel.close()
 
 
-async def test_a_drain_writes_a_checkpoint_its_retry_had_not_made_yet(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def pinned_with_a_failed_record(env: Env, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A pinned container started whose record (the write after its decision's) failed, so
+    a checkpoint retry runs, its first try an hour away; saves fail until the returned list
+    is cleared (:func:`failing_saves`)."""
     env.engine.options = dataclasses.replace(env.engine.options, retry_delay=3600.0)
     pod = await env.kubelet.run_pod("db", "guaranteed")
     failing = failing_saves(env, monkeypatch, after=1)
     await env.kubelet.start_new(pod, "main", 1000)
+    return failing
+
+
+async def test_a_drain_writes_a_checkpoint_its_retry_had_not_made_yet(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = await pinned_with_a_failed_record(env, monkeypatch)
     assert env.engine.checkpoint.saved != env.engine.state
     assert env.engine._save_retry.running
     failing.clear()
@@ -1596,11 +1604,8 @@ async def test_a_checkpoint_write_that_fails_during_a_drain_is_made_again_at_its
 async def test_a_checkpoint_retry_writes_nothing_once_a_later_write_caught_up(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    env.engine.options = dataclasses.replace(env.engine.options, retry_delay=3600.0)
     kubelet = env.kubelet
-    first = await kubelet.run_pod("db", "guaranteed")
-    failing = failing_saves(env, monkeypatch, after=1)
-    await kubelet.start_new(first, "main", 1000)
+    failing = await pinned_with_a_failed_record(env, monkeypatch)
     checkpoint = env.engine.checkpoint
     assert checkpoint.saved != env.engine.state
     failing.clear()
@@ -1616,11 +1621,8 @@ async def test_a_checkpoint_retry_writes_nothing_once_a_later_write_caught_up(
 async def test_a_write_that_caught_up_ends_the_checkpoint_retry_without_its_wait(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    env.engine.options = dataclasses.replace(env.engine.options, retry_delay=3600.0)
     kubelet = env.kubelet
-    first = await kubelet.run_pod("db", "guaranteed")
-    failing = failing_saves(env, monkeypatch, after=1)
-    await kubelet.start_new(first, "main", 1000)
+    failing = await pinned_with_a_failed_record(env, monkeypatch)
     retry = env.engine._save_retry._task
     assert retry is not None
     failing.clear()

@@ -601,6 +601,17 @@ async def test_a_cpu_back_online_is_not_given_to_a_container_whose_start_is_in_f
         await f.replanned(2)
 
 
+async def shared_in_kubelets_tree(env: Env, root: Path) -> tuple[str, Path, list[Path]]:
+    """A BestEffort container started: its id, its cgroup, and the cgroups of kubelet's tree
+    above it below ``root`` (its pod's, its QoS class's, kubepods), deepest first."""
+    pod = await env.kubelet.run_pod("web", "besteffort")
+    shared_id = await env.kubelet.start_new(pod, "main")
+    cgroup_dir = env.fake.cgroup_dir(shared_id)
+    assert cgroup_dir is not None
+    kubelets = [root / level for level in cgroup_dir.relative_to(root).parents if level.parts]
+    return shared_id, cgroup_dir, kubelets
+
+
 async def test_a_cpu_back_online_after_a_refused_re_plan_is_given_back_to_kubelets_tree(
     tmp_path: Path,
 ) -> None:
@@ -611,11 +622,7 @@ async def test_a_cpu_back_online_after_a_refused_re_plan_is_given_back_to_kubele
     async with following(tmp_path, reserved="0,4") as f:
         env, root = f.env, tmp_path / "cpuset"
         assert f.events is not None
-        pod = await env.kubelet.run_pod("web", "besteffort")
-        shared_id = await env.kubelet.start_new(pod, "main")
-        cgroup_dir = env.fake.cgroup_dir(shared_id)
-        assert cgroup_dir is not None
-        kubelets = [root / level for level in cgroup_dir.relative_to(root).parents if level.parts]
+        _, cgroup_dir, kubelets = await shared_in_kubelets_tree(env, root)
         cgroup(root, "0-7")
         for level in kubelets:
             cgroup(level, "0-7")
@@ -671,11 +678,7 @@ async def test_memory_come_online_is_given_back_to_kubelets_tree_as_it_is_follow
     async with following(tmp_path) as f:
         env, root = f.env, tmp_path / "cpuset"
         assert f.events is not None
-        pod = await env.kubelet.run_pod("web", "besteffort")
-        shared_id = await env.kubelet.start_new(pod, "main")
-        cgroup_dir = env.fake.cgroup_dir(shared_id)
-        assert cgroup_dir is not None
-        kubelets = [root / level for level in cgroup_dir.relative_to(root).parents if level.parts]
+        shared_id, _, kubelets = await shared_in_kubelets_tree(env, root)
         for directory, nodes in [(root, "0-2"), *((level, "0-1") for level in kubelets)]:
             (directory / "cpuset.mems").write_text(nodes + "\n")
         f.with_memory_on("0-2")
