@@ -5,6 +5,7 @@ holds CPUs 2,3,6,7 (tests/unit/engine_env.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -393,14 +394,20 @@ WITH_CXL = Topology(
 )
 
 
-@pytest.fixture
-async def cxl_env(tmp_path: Path) -> AsyncIterator[Env]:
+@contextlib.asynccontextmanager
+async def env_on(machine: Topology, tmp_path: Path) -> AsyncIterator[Env]:
+    """The engine with the static policy, CPU 0 reserved, on ``machine``'s memory nodes."""
     async with FakeRuntime() as fake:
-        environment = await make_env(
-            fake, tmp_path / "state", StaticPolicy.create(WITH_CXL, reserved=CPUSet([0]))
-        )
+        policy = StaticPolicy.create(machine, reserved=CPUSet([0]))
+        environment = await make_env(fake, tmp_path / "state", policy)
         yield environment
         environment.channel.close()
+
+
+@pytest.fixture
+async def cxl_env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with env_on(WITH_CXL, tmp_path) as environment:
+        yield environment
 
 
 async def test_an_exclusive_containers_memory_still_follows_its_cpus(cxl_env: Env) -> None:
@@ -481,11 +488,8 @@ def test_cpus_of_memory_less_nodes_only_go_with_every_node_with_memory() -> None
 
 @pytest.fixture
 async def memory_less_env(tmp_path: Path) -> AsyncIterator[Env]:
-    async with FakeRuntime() as fake:
-        policy = StaticPolicy.create(NODE_1_WITHOUT_MEMORY, reserved=CPUSet([0]))
-        environment = await make_env(fake, tmp_path / "state", policy)
+    async with env_on(NODE_1_WITHOUT_MEMORY, tmp_path) as environment:
         yield environment
-        environment.channel.close()
 
 
 @pytest.mark.parametrize(("millicpus", "mems"), [(4000, "0"), (7000, "0")], ids=["node 1", "both"])
@@ -546,11 +550,8 @@ MEMORY_LESS_AND_MEMORY_ONLY = Topology(
 
 @pytest.fixture
 async def mixed_env(tmp_path: Path) -> AsyncIterator[Env]:
-    async with FakeRuntime() as fake:
-        policy = StaticPolicy.create(MEMORY_LESS_AND_MEMORY_ONLY, reserved=CPUSet([0]))
-        environment = await make_env(fake, tmp_path / "state", policy)
+    async with env_on(MEMORY_LESS_AND_MEMORY_ONLY, tmp_path) as environment:
         yield environment
-        environment.channel.close()
 
 
 async def test_at_a_restart_memory_nodes_beside_a_memory_less_node_mark_exclusive_settings(
