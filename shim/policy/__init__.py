@@ -34,6 +34,11 @@ class CPUPolicy(Protocol):
 
     def allocate(self, assignments: Mapping[Any, CPUSet], request: Any) -> CPUSet: ...
 
+    def resize(self, assignments: Mapping[Any, CPUSet], request: Any, held: CPUSet) -> CPUSet:
+        """The CPUs for a running container holding ``held``, resized in place to ``request``;
+        AllocationError when it cannot have them."""
+        ...
+
     def refusal(self, assignments: Mapping[Any, CPUSet], request: Any, cpus: CPUSet) -> str | None:
         """Why ``cpus`` may not be handed to ``request`` now; None when they may."""
         ...

@@ -33,6 +33,9 @@ class NonePolicy:
     def allocate(self, assignments: Mapping[Any, CPUSet], request: object) -> CPUSet:
         raise AllocationError("the none policy hands out no exclusive CPUs")
 
+    def resize(self, assignments: Mapping[Any, CPUSet], request: object, held: CPUSet) -> CPUSet:
+        raise AllocationError("the none policy hands out no exclusive CPUs")
+
     def refusal(
         self, assignments: Mapping[Any, CPUSet], request: object, cpus: CPUSet
     ) -> str | None:

@@ -12,7 +12,8 @@ set I (the kernel's ``isolcpus``):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from contextlib import suppress
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 from shim.cpuset import CPUSet
@@ -59,6 +60,10 @@ class ExclusiveRequest:
             raise ValueError(f"an exclusive request needs at least one CPU, got {self.count}")
         if self.isolated not in ("avoid", "prefer", "require"):
             raise ValueError(f"isolated must be avoid, prefer or require, not {self.isolated!r}")
+
+
+# Stands for a resized container's own CPUs among the others' (StaticPolicy.resize).
+_HELD: Any = object()
 
 
 def _union(assignments: Mapping[Any, CPUSet]) -> int:
@@ -208,6 +213,62 @@ class StaticPolicy:
         if not self.shareable.mask & ~(held | cpus.mask):
             return f"{cpus} would leave the shared pool without a CPU"
         return None
+
+    def resize(
+        self, assignments: Mapping[Any, CPUSet], request: ExclusiveRequest, held: CPUSet
+    ) -> CPUSet:
+        """The CPUs for a running container that holds ``held`` and is resized in place to
+        ``request`` (``assignments``: the other containers'); AllocationError when it cannot
+        have them.
+
+        The container keeps what it can, since its threads run there: a smaller count keeps
+        the CPUs the policy would choose among its own, a larger one keeps all of them and
+        adds the free threads of its cores, then free CPUs from its NUMA nodes (or from the
+        nodes kubelet's hint names).
+        When the kept set would break a rule a new choice keeps (``refusal``: isolated and
+        plain CPUs mixed, a core split under full-pcpus-only), the whole set is chosen again
+        as for a new container, with its old CPUs free for it."""
+        kept: CPUSet | None = None
+        if not held:
+            return self.allocate(assignments, request)
+        if request.count == len(held):
+            kept = held
+        elif request.count < len(held):
+            with suppress(AllocationError):
+                kept = self._take(held, request)
+        else:
+            kept = self._grow(assignments, request, held)
+        if kept is not None and self.refusal(assignments, request, kept) is None:
+            return kept
+        return self.allocate(assignments, request)
+
+    def _grow(
+        self, assignments: Mapping[Any, CPUSet], request: ExclusiveRequest, held: CPUSet
+    ) -> CPUSet | None:
+        """``held`` and the CPUs added to it for ``request``; None when there are too few.
+        The free threads of its own cores come first, as packing fills a used core first
+        (not when spreading over cores), then CPUs from its NUMA nodes."""
+        kept = held
+        if not self.options.distribute_cpus_across_cores:
+            free = self.free_cpus({**assignments, _HELD: held})
+            isolated = self.topology.isolated
+            alike = free & isolated if held.issubset(isolated) else free - isolated
+            mask = 0
+            for core in self.topology.core_masks.values():
+                if core & held.mask:
+                    mask |= core
+            kept |= CPUSet(sorted(alike & CPUSet.from_mask(mask))[: request.count - len(held)])
+        if len(kept) == request.count:
+            return kept
+        added = replace(
+            request,
+            count=request.count - len(kept),
+            numa_affinity=request.numa_affinity or self.topology.numa_nodes_of(held),
+        )
+        try:
+            return kept | self.allocate({**assignments, _HELD: kept}, added)
+        except AllocationError:
+            return None
 
     def _take(self, pool: CPUSet, request: ExclusiveRequest) -> CPUSet:
         count, options, topology = request.count, self.options, self.topology

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from typing import Any
 
 import pytest
@@ -1105,3 +1106,116 @@ def test_distribute_across_numa_searches_the_remainder_once_per_shape(
     assert got == P("0-14,16-18")
     # One search: the subsets of 5, 4 and 3 nodes that can absorb 3 CPUs.
     assert calls == 1 + 5 + 10
+
+
+# --- in-place resizes -------------------------------------------------------------------------
+# FOUR_NUMA: node 0 is 0-4,20-24, node 1 5-9,25-29 (socket 0); nodes 2 and 3 are socket 1.
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "others", "held", "request_", "expected"),
+    [
+        ("same count: kept", PACKED, "", "5-6,25-26", ExclusiveRequest(4), "5-6,25-26"),
+        ("smaller: a whole core of its own", PACKED, "", "5-6,25-26", ExclusiveRequest(2), "5,25"),
+        ("smaller: one of its threads", PACKED, "", "7,27", ExclusiveRequest(1), "7"),
+        ("larger: its own node first", PACKED, "", "7,27", ExclusiveRequest(4), "5,7,25,27"),
+        (
+            "larger: its node full, then the nearest",
+            PACKED,
+            "5-6,8-9,25-26,28-29",
+            "7,27",
+            ExclusiveRequest(4),
+            "1,7,21,27",
+        ),
+        (
+            "larger: kubelet's hint over its own node",
+            PACKED,
+            "",
+            "7,27",
+            ExclusiveRequest(4, numa_affinity=frozenset({2})),
+            "7,10,27,30",
+        ),
+        ("larger: whole cores", FULL, "", "7,27", ExclusiveRequest(4), "5,7,25,27"),
+    ],
+)
+def test_a_resize_keeps_what_it_can_of_its_set(
+    name: str,
+    options: StaticPolicyOptions,
+    others: str,
+    held: str,
+    request_: ExclusiveRequest,
+    expected: str,
+) -> None:
+    policy = StaticPolicy(FOUR_NUMA, P("0"), options)
+    assignments = {"other": P(others)} if others else {}
+    got = policy.resize(assignments, request_, P(held))
+    assert got == P(expected), name
+    assert policy.refusal(assignments, request_, got) is None
+
+
+def test_a_resize_onto_a_set_the_rules_refuse_chooses_again() -> None:
+    # It holds isolated CPU 3 and prefers isolated ones: its sibling 7 is isolated too.
+    policy = StaticPolicy(SINGLE_HT_ISOLATED, P("0"), PACKED)
+    assert policy.resize({}, ExclusiveRequest(2, isolated="prefer"), P("3")) == P("3,7")
+    # Three: only two CPUs are isolated, and a set is never part isolated, so all three are
+    # chosen again among the plain ones.
+    got = policy.resize({}, ExclusiveRequest(3, isolated="prefer"), P("3"))
+    assert len(got) == 3
+    assert got.isdisjoint(SINGLE_HT_ISOLATED.isolated)
+    # A plain set that prefers isolated CPUs keeps growing plain: its threads run there.
+    assert policy.resize({}, ExclusiveRequest(2, isolated="prefer"), P("1")) == P("1,5")
+    # A lone thread under full-pcpus-only grows into whole cores, its own thread's if free.
+    policy = StaticPolicy(SINGLE_HT, P("0"), FULL)
+    assert policy.resize({}, ExclusiveRequest(2), P("2")) == P("2,6")
+    assert policy.resize({"other": P("6")}, ExclusiveRequest(2), P("2")) in (P("1,5"), P("3,7"))
+
+
+def test_a_resize_without_room_is_refused() -> None:
+    policy = StaticPolicy(SINGLE_HT, P("0"), PACKED)
+    # Seven candidates: six held by another, one by this container; the shared pool needs
+    # one of the two that are left.
+    with pytest.raises(AllocationError):
+        policy.resize({"other": P("1-3,5-6")}, ExclusiveRequest(3), P("4"))
+    assert policy.resize({"other": P("1-3,5-6")}, ExclusiveRequest(2), P("4")) in (
+        P("4,7"),
+        P("4,0"),
+    )
+    with pytest.raises(SMTAlignmentError):
+        StaticPolicy(SINGLE_HT, P("0"), FULL).resize({}, ExclusiveRequest(3), P("1,5"))
+
+
+def test_a_resize_of_a_container_holding_nothing_is_a_new_choice() -> None:
+    policy = StaticPolicy(FOUR_NUMA, P("0"), PACKED)
+    assert policy.resize({}, ExclusiveRequest(2), CPUSet()) == policy.allocate(
+        {}, ExclusiveRequest(2)
+    )
+
+
+@given(data=st.data())
+@PROPERTY_SETTINGS
+def test_resizes_hand_out_sets_the_policy_accepts(data: st.DataObject) -> None:
+    """Resized sets are valid choices: the count asked, free or the container's own, and
+    accepted by ``refusal``. Without options or isolated CPUs in play, a resize never moves a
+    thread it keeps: a smaller set lies inside the old one, a larger one holds it."""
+    options = data.draw(st.sampled_from([PACKED, FULL, SPREAD, NUMA]), label="options")
+    policy = StaticPolicy(FOUR_NUMA, P("0"), options)
+    assignments: dict[int, CPUSet] = {}
+    for serial in range(data.draw(st.integers(1, 6), label="containers")):
+        count = data.draw(st.sampled_from([2, 4, 6]), label="count")
+        with suppress(AllocationError):
+            assignments[serial] = policy.allocate(assignments, ExclusiveRequest(count))
+    assume(assignments)
+    key = data.draw(st.sampled_from(sorted(assignments)), label="resized")
+    held = assignments.pop(key)
+    request = ExclusiveRequest(data.draw(st.sampled_from([2, 4, 6, 8, 10]), label="new count"))
+    free = policy.free_cpus(assignments)
+    try:
+        got = policy.resize(assignments, request, held)
+    except AllocationError:
+        assume(False)
+        raise
+    assert len(got) == request.count
+    assert got.issubset(free)
+    assert policy.refusal(assignments, request, got) is None
+    if options == PACKED:
+        assert got.issubset(held) if request.count <= len(held) else held.issubset(got)
