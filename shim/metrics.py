@@ -103,9 +103,14 @@ ENGINE_COUNTERS: dict[str, str] = {
         "Re-plans made because the NUMA nodes with memory changed while cpushim ran, the CPUs"
         " online not (memory hotplug)"
     ),
+    "cpu_resizes_applied": (
+        "kubelet updates (in-place resizes) that gave a running container another count of"
+        " exclusive CPUs, or made it share"
+    ),
     "cpu_resizes_not_applied": (
         "kubelet updates (in-place resizes) asking a running container for another count of"
-        " exclusive CPUs, left as they were until its next attempt"
+        " exclusive CPUs that cpushim could not apply (no room, a rule of the policy, its"
+        " pod's pod-level resources)"
     ),
     "cpuset_update_errors": "UpdateContainerResources calls (cpuset moves) the runtime refused",
     "cpuset_updates": "Cpuset moves made through UpdateContainerResources",

@@ -748,6 +748,7 @@ class Engine:
                 phase=Phase.CREATED,
                 applied=pool,
                 recorded=pool,
+                attempt=request.config.metadata.attempt,
                 cpus_asked=plan.exclusive,
                 whole_pod=takes_whole_pod(pod, request.config.linux.resources),
                 own_resources=has_own_resources(request.config.linux.resources),
@@ -932,6 +933,7 @@ class Engine:
             phase=Phase.CREATED,
             applied=cpus,
             recorded=cpus,
+            attempt=assignment.attempt,
             cpus_asked=plan.exclusive,
             whole_pod=takes_whole_pod(pod, request.config.linux.resources),
             own_resources=True,  # it asks for whole CPUs
@@ -1198,7 +1200,11 @@ class Engine:
         if tracked is None:
             return await forward()
         async with self.lock:
-            reply = await self._update_tracked(tracked, request, forward)
+            resized, not_applied = await self._resize_in_place(tracked, request.linux)
+            reply = await self._update_tracked(tracked, request, forward, not_applied)
+            if resized:
+                # CPUs it gave back go to the shared containers now that it has left them.
+                await self._apply()
             if reply.status is Status.NOT_FOUND and request.container_id == tracked.id:
                 # Removed on the runtime without cpushim: no call from kubelet will name it
                 # again, and its CPUs would stay held until a sweep found it gone. Only when
@@ -1212,12 +1218,17 @@ class Engine:
         return reply
 
     async def _update_tracked(
-        self, tracked: Tracked, request: pb.UpdateContainerResourcesRequest, forward: Forward
+        self,
+        tracked: Tracked,
+        request: pb.UpdateContainerResourcesRequest,
+        forward: Forward,
+        not_applied: str = "",
     ) -> Reply:
         """Forward an update of a tracked container with cpushim's cpuset written into it
-        (the engine lock is held)."""
+        (the engine lock is held); ``not_applied``: why an in-place resize it carries could
+        not be applied."""
         async with tracked.write_lock:
-            self._note_cpu_resize(tracked, request.linux)
+            self._note_cpu_resize(tracked, request.linux, not_applied)
             cpus, mems, quota = self._desired(tracked)
             if request.linux.cpu_quota > 0:
                 tracked.kubelet_quota = request.linux.cpu_quota
@@ -1243,44 +1254,142 @@ class Engine:
                 tracked.recorded = None
         return reply
 
-    def _note_cpu_resize(self, tracked: Tracked, resources: pb.LinuxContainerResources) -> None:
-        """kubelet resizes a running container in place (InPlacePodVerticalScaling) with
-        UpdateContainerResources. Its cpuset stays cpushim's, so CPUs asked for that would
-        make the container hold another count of exclusive CPUs (or hold some, or none) are
-        not applied before its next attempt: logged and counted, once per count asked."""
+    def _cpu_resize(
+        self, tracked: Tracked, resources: pb.LinuxContainerResources
+    ) -> _CPUResize | None:
+        """The count of exclusive CPUs kubelet's update asks a running container for, when
+        that is a resize: another count than it holds and than it was created asking for
+        (the CPU values of a memory resize of a container that lost its CPUs to a new
+        policy, or that shares since it was created under none). None otherwise."""
         if resources.cpu_shares == 0:
-            return  # names no CPU request (kubelet always does): another client's update
+            return None  # names no CPU request (kubelet always does): another client's update
         pod = self.pods.get(tracked.sandbox_id)
-        if pod is None:
-            return
+        if pod is None or tracked.phase is Phase.EXITED:
+            return None
         try:
             plan = plan_container(pod, tracked.key.name, resources)
         except AnnotationError:
-            return  # the pod's annotations were checked at create; nothing to compare with
+            return None  # the pod's annotations were checked at create; nothing to compare with
         asked = plan.exclusive if self.policy.name != "none" else None
         key = self.state.holding(tracked.id)
-        held = len(self.state.assignments[key].cpus) if key is not None else None
+        assignment = self.state.assignments[key] if key is not None else None
+        held = len(assignment.cpus) if assignment is not None else None
         if asked == held or asked == tracked.cpus_asked:
-            # What it holds, or what it was created asking for (a memory resize of a
-            # container that lost its CPUs to a new policy, or that shares since before one).
             self._resize_noted(tracked, None)
+            return None
+        return _CPUResize(asked or 0, plan, pod.pod_level_resources, assignment)
+
+    async def _resize_in_place(
+        self, tracked: Tracked, resources: pb.LinuxContainerResources
+    ) -> tuple[bool, str]:
+        """kubelet resizes a running container's CPU in place (InPlacePodVerticalScaling)
+        with UpdateContainerResources; under the lock, before the call is forwarded. A new
+        count of exclusive CPUs is applied as a create's would be: decided, persisted, and
+        the shared containers moved off CPUs it gains before the forward gives them to it
+        (the caller grows them onto CPUs it gave back once the forward is done). A whole
+        count becomes a set (:meth:`StaticPolicy.resize` keeps what it can of the old one),
+        a fraction makes it share. Returns whether one was applied, and why one could not
+        be ("" when there was none to apply, or it was)."""
+        resize = self._cpu_resize(tracked, resources)
+        if resize is None or resize.pod_level:
+            return False, ""
+        held = resize.assignment
+        if held is None and (tracked.exclusive or tracked.adoption_refused or not resize.asked):
+            # One that lost its CPUs to a re-plan: adopted when room is made, for the count
+            # this asks (_note_cpu_resize).
+            return False, ""
+        key = tracked.key
+        policy = self.policy
+        if held is not None and not resize.asked:
+            state = self.state.release([key], policy)
+            cpus = CPUSet()
+        else:
+            mems = held.mems if held is not None else tracked.kubelet_mems
+            request = exclusive_request(resize.asked, resize.plan.isolated, mems)
+            others = {k: a.cpus for k, a in self.state.assignments.items() if k != key}
+            try:
+                cpus = policy.resize(others, request, held.cpus if held else CPUSet())
+            except AllocationError as exc:
+                return False, str(exc)
+            assignment = held or Assignment(
+                cpus,
+                tracked.id,
+                tracked.sandbox_id,
+                tracked.attempt,
+                self._pod_label(tracked),
+                mems,
+            )
+            state = self.state.assign(key, replace(assignment, cpus=cpus), policy)
+        try:
+            await self._commit(state)
+        except OSError as exc:
+            self.counters["checkpoint_errors"] += 1
+            return False, f"the checkpoint cannot be written: {exc}"
+        before = held.cpus if held is not None else CPUSet()
+        tracked.cpus_asked = resize.asked or None
+        if resources.cpu_quota > 0:
+            tracked.kubelet_quota = resources.cpu_quota
+        if held is None:
+            tracked.exclusive = True
+            tracked.keep_quota = resize.plan.keep_quota
+        self._resize_noted(tracked, None)
+        self.counters["cpu_resizes_applied"] += 1
+        log.info(
+            "resized in place",
+            extra={
+                "fields": {
+                    "container_id": tracked.id,
+                    "container": str(key),
+                    "exclusive_cpus_held": len(before),
+                    "exclusive_cpus_asked": resize.asked,
+                    "cpus_before": str(before) if before else "shared",
+                    "cpus": str(cpus) if cpus else "shared",
+                    "shared": str(self.state.shared),
+                }
+            },
+        )
+        if cpus - before:
+            # The shared containers leave the CPUs it gains before the forward gives them.
+            await self._apply(leave=tracked)
+        return True, ""
+
+    def _pod_label(self, tracked: Tracked) -> str:
+        pod = self.pods.get(tracked.sandbox_id)
+        return pod.label if pod is not None else ""
+
+    def _note_cpu_resize(
+        self, tracked: Tracked, resources: pb.LinuxContainerResources, reason: str = ""
+    ) -> None:
+        """An in-place resize that could not be applied (``reason``: why), or one the
+        container cannot take now (it lost its CPUs to a re-plan: the adoption that waits
+        for room plans for the count asked): logged and counted, once per count asked."""
+        resize = self._cpu_resize(tracked, resources)
+        if resize is None:
             return
-        noted = asked if asked is not None else 0
+        noted = resize.asked
         if tracked.resize_noted == noted:
             return
         self._resize_noted(tracked, noted)
+        held = resize.assignment
+        if not reason:
+            reason = (
+                "its pod has pod-level resources"
+                if resize.pod_level
+                else "it waits for room for the CPUs it asks"
+            )
         self.counters["cpu_resizes_not_applied"] += 1
         log.warning(
-            "kubelet asks for another count of exclusive CPUs for a running container; its"
-            " cpuset is kept until the container is created again (in-place CPU resize is not"
-            " applied: give the pod resizePolicy RestartContainer for cpu)",
+            "kubelet asks for another count of exclusive CPUs for a running container, and"
+            " cpushim cannot apply it now; its cpuset is kept until the container is created"
+            " again or resized once more",
             extra={
                 "fields": {
                     "container_id": tracked.id,
                     "container": str(tracked.key),
-                    "exclusive_cpus_held": held or 0,
+                    "exclusive_cpus_held": len(held.cpus) if held is not None else 0,
                     "exclusive_cpus_asked": noted,
                     "cpus": str(tracked.applied),
+                    "reason": reason,
                 }
             },
         )
@@ -1636,22 +1745,27 @@ class Engine:
         async with self.lock:
             await self._apply()
 
-    def _out_of_place(self) -> list[tuple[Tracked, CPUSet, str, int | None]]:
+    def _out_of_place(
+        self, leave: Tracked | None = None
+    ) -> list[tuple[Tracked, CPUSet, str, int | None]]:
         """Every live container whose cpuset is not what it should be, with what it should
-        be (CPUs, mems, CFS quota)."""
+        be (CPUs, mems, CFS quota); ``leave`` is not among them."""
         moves: list[tuple[Tracked, CPUSet, str, int | None]] = []
         for tracked in self.containers.values():
-            if tracked.phase is Phase.EXITED:
+            if tracked.phase is Phase.EXITED or tracked is leave:
                 continue
             cpus, mems, quota = self._desired(tracked)
             if cpus != tracked.applied or self._lost(tracked) or tracked.settings_stale:
                 moves.append((tracked, cpus, mems, quota))
         return moves
 
-    async def _apply(self, moved: Callable[[], None] | None = None) -> None:
+    async def _apply(
+        self, moved: Callable[[], None] | None = None, *, leave: Tracked | None = None
+    ) -> None:
         """Write the cpuset of every live container whose cpuset is not what it should be;
-        ``moved`` is called as each move ends (start-up's progress)."""
-        moves = self._out_of_place()
+        ``moved`` is called as each move ends (start-up's progress); ``leave`` is moved by
+        the caller."""
+        moves = self._out_of_place(leave)
         if not moves:
             return
         # Cgroup writes complete without suspending: done first, so other work on the loop
@@ -1754,3 +1868,14 @@ def _response(reply: Reply, message_type: type[_M]) -> _M | None:
         return message_type.FromString(reply.messages[0])
     except DecodeError:
         return None
+
+
+@dataclass(frozen=True)
+class _CPUResize:
+    """A count of exclusive CPUs kubelet's update asks a running container for (0: none)."""
+
+    asked: int
+    plan: ContainerPlan
+    pod_level: bool
+    # What it holds now; None: nothing.
+    assignment: Assignment | None

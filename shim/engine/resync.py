@@ -1173,6 +1173,7 @@ def tracked_from_runtime(
         cgroup_parent=pod.cgroup_parent if pod is not None else "",
         recorded=recorded,
         pid=pid_of(container.info) if cgroup is not None else 0,
+        attempt=container.attempt,
         cpus_asked=plan.exclusive,
         whole_pod=pod is not None and takes_whole_pod(pod, resources),
         own_resources=has_own_resources(resources),

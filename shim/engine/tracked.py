@@ -32,6 +32,8 @@ class Tracked:
     phase: Phase
     # The cpuset last written, to the cgroup or through the runtime; None when unknown.
     applied: CPUSet | None
+    # Kubelet's attempt number of this container (its restarts in the pod).
+    attempt: int = 0
     # The CFS quota kubelet gave it (0: none), restored when it loses its exclusive CPUs.
     kubelet_quota: int = 0
     # The NUMA nodes kubelet's memory manager gave it, when cpushim knows them: restored,

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from shim.engine import EngineOptions, ProjectionSettings
 from shim.engine.core import Engine
+from shim.engine.tracked import Tracked
 from tests.fake_runtime import FakeRuntime
 from tests.unit.engine_env import ALL, SHARED_AFTER_FIRST_SINGLE, make_env
 
@@ -76,11 +77,13 @@ def stamp_decisions(engine: Engine, decided: list[int]) -> None:
     apply = engine._apply
     last = [engine.state.shared]
 
-    async def stamped(moved: Callable[[], None] | None = None) -> None:
+    async def stamped(
+        moved: Callable[[], None] | None = None, *, leave: Tracked | None = None
+    ) -> None:
         if engine.state.shared != last[0]:
             last[0] = engine.state.shared
             decided.append(time.monotonic_ns())
-        await apply(moved)
+        await apply(moved, leave=leave)
 
     engine._apply = stamped  # type: ignore[method-assign]
 

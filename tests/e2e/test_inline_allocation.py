@@ -26,7 +26,12 @@ from tests.e2e.pods import (
     start_pod,
     start_shared_and_pinned,
 )
-from tests.harness.containerd import ServingProcess, ServingProcessError, wait_for
+from tests.harness.containerd import (
+    ServingProcess,
+    ServingProcessError,
+    projection_dir_for,
+    wait_for,
+)
 from tests.harness.crash import interrupted_checkpoint_write
 from tests.harness.images import TEST_IMAGE
 from tests.harness.kubelet import (
@@ -256,13 +261,14 @@ def test_a_container_that_loses_its_cpu_to_a_new_policy_gets_kubelets_quota_back
     # Its memory nodes go back too; this machine has one, so the unit tests check that.
 
 
-def test_kubelets_in_place_resize_passes_but_the_exclusive_cpu_stays(
+def test_kubelets_in_place_resize_without_room_passes_but_the_exclusive_cpu_stays(
     shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
 ) -> None:
     """kubelet (InPlacePodVerticalScaling; its CPU manager off behind cpushim) resizes a
-    running container with UpdateContainerResources, its whole resource set in the call. The
-    memory limit is applied; the cpuset stays cpushim's, still without a CFS quota, and a
-    count of CPUs cpushim does not apply is logged."""
+    running container with UpdateContainerResources, its whole resource set in the call, to
+    2 CPUs, which this machine cannot give (CPU 0 is reserved). The memory limit is applied;
+    the cpuset stays cpushim's, still without a CFS quota, and the count of CPUs cpushim
+    cannot apply is logged with the reason."""
     shim.start()
     kubelet = via()
     pinned_pod, pinned_id = start_pinned(kubelet)
@@ -284,6 +290,55 @@ def test_kubelets_in_place_resize_passes_but_the_exclusive_cpu_stays(
     ]
     assert warning["container_id"] == pinned_id
     assert (warning["exclusive_cpus_held"], warning["exclusive_cpus_asked"]) == (1, 2)
+    assert "cannot allocate 2 CPUs" in warning["reason"]
+
+
+def test_kubelets_in_place_resize_to_a_fraction_and_back_moves_the_container_live(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """kubelet resizes a pinned Guaranteed container in place to half a CPU: it gives CPU 1
+    back and shares, bounded by kubelet's quota, and the shared container is grown onto
+    CPU 1 once the resized one has left it. Resized to one CPU again, it gets CPU 1 back,
+    the shared container moved off first. Its projection follows, and so does the
+    checkpoint; the process keeps running throughout."""
+    shim.start()
+    kubelet = via()
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
+    pid = direct.kernel_cpus(pinned_id).pid
+    projection = projection_dir_for(shim.state_dir) / pinned_pod.uid / "main"
+
+    half = kubelet.linux_resources("guaranteed", ContainerResources(500, 500, 64 * MIB, 64 * MIB))
+    kubelet.update_container_resources(pinned_id, half)
+    resized = direct.kernel_cpus(pinned_id)
+    assert_kernel(resized, "0-1")
+    assert resized.pid == pid
+    assert cgroup_file("cpu", resized.cgroup_path, "cpu.cfs_quota_us") == str(
+        milli_cpu_to_quota(500)
+    )
+    assert direct.recorded_cpuset_cpus(pinned_id) == "0-1"
+    assert_kernel(direct.kernel_cpus(shared_id), "0-1")
+    assert shim.assignments() == {}
+    assert (projection / "cpus").read_text().strip() == "0-1"
+    assert json.loads((projection / "cpuset.json").read_text())["exclusive"] is False
+
+    whole = kubelet.linux_resources(
+        "guaranteed", ContainerResources(1000, 1000, 64 * MIB, 64 * MIB)
+    )
+    kubelet.update_container_resources(pinned_id, whole)
+    pinned = direct.kernel_cpus(pinned_id)
+    assert_kernel(pinned, "1")
+    assert pinned.pid == pid
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
+    assert direct.recorded_cpuset_cpus(pinned_id) == "1"
+    assert_kernel(direct.kernel_cpus(shared_id), "0")
+    assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
+    assert (projection / "cpus").read_text().strip() == "1"
+    assert json.loads((projection / "cpuset.json").read_text())["exclusive"] is True
+    assert shim.process is not None
+    resizes = [
+        json.loads(line) for line in shim.process.log().splitlines() if "resized in place" in line
+    ]
+    assert [(r["cpus_before"], r["cpus"]) for r in resizes] == [("1", "shared"), ("shared", "1")]
 
 
 def test_a_container_left_sharing_for_want_of_room_is_pinned_once_resized_to_fit(

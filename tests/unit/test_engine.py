@@ -31,7 +31,7 @@ from shim.cri.server import Pending
 from shim.cri.upstream import RuntimeChannel
 from shim.engine import Engine, EngineOptions
 from shim.engine import requests as rq
-from shim.engine.resync import StartupError
+from shim.engine.resync import StartupError, adopt_sharing, waiting_for_exclusive
 from shim.engine.tracked import Phase
 from shim.kube import QOSClass
 from shim.policy.none import NonePolicy
@@ -432,36 +432,175 @@ def kubelet_resize(container_id: str, milli_cpu: int) -> bytes:
     ).SerializeToString()
 
 
-async def test_an_in_place_cpu_resize_keeps_the_cpuset_and_is_reported_once_per_count(
+def resize_warnings(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    return [
+        r.__dict__["fields"]
+        for r in caplog.records
+        if "cpushim cannot apply it now" in r.getMessage()
+    ]
+
+
+async def test_an_in_place_resize_to_more_cpus_keeps_the_old_ones_and_moves_the_shared_first(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
     pod = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    env.fake.calls.clear()
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
     resources = env.fake.containers[pinned_id].resources
     assert resources.memory_limit_in_bytes == 2 * GIB  # the rest of the resize passes
-    assert resources.cpuset_cpus == FIRST_SINGLE
+    # CPU 4 kept; its sibling 0 is reserved, so the next comes from its socket.
+    assert resources.cpuset_cpus == "1,4"
+    assert resources.cpuset_mems == "0"
     assert resources.cpu_quota == -1
-    assert env.engine.counters["cpu_resizes_not_applied"] == 1
-    [warning] = [r for r in caplog.records if "exclusive CPUs for a running" in r.getMessage()]
-    fields = warning.__dict__["fields"]
-    assert (fields["exclusive_cpus_held"], fields["exclusive_cpus_asked"]) == (1, 2)
-    assert fields["container_id"] == pinned_id
-    # The same update again (a retry, or another client's): said once.
+    assert env.cpus(shared_id) == "0,2-3,5-7"
+    # The shared container left CPU 1 before kubelet's update gave it to the resized one.
+    assert updates_to(env.fake, shared_id) == ["0,2-3,5-7"]
+    order = [
+        m.container_id
+        for m in env.fake.calls_of("UpdateContainerResources")
+        if isinstance(m, pb.UpdateContainerResourcesRequest)
+    ]
+    assert order == [shared_id, pinned_id]
+    assert env.saved()[pod.uid] == {"main": "1,4"}
+    assert env.engine.counters["cpu_resizes_applied"] == 1
+    assert env.engine.counters["cpu_resizes_not_applied"] == 0
+    assert resize_warnings(caplog) == []
+    # The same update again (a retry, another client's) changes nothing.
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
-    assert env.engine.counters["cpu_resizes_not_applied"] == 1
-    # Back to what it holds, then the same resize once more: a new one.
-    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
-    assert env.engine.counters["cpu_resizes_not_applied"] == 1
-    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
-    assert env.engine.counters["cpu_resizes_not_applied"] == 2
+    assert env.engine.counters["cpu_resizes_applied"] == 1
     # A memory-only update names no CPUs.
     memory_only = pb.UpdateContainerResourcesRequest(
         container_id=pinned_id, linux=pb.LinuxContainerResources(memory_limit_in_bytes=GIB)
     )
     await env.kubelet.ok("UpdateContainerResources", memory_only.SerializeToString())
-    assert env.engine.counters["cpu_resizes_not_applied"] == 2
+    assert env.cpus(pinned_id) == "1,4"
+    assert_consistent(env)
+
+
+async def test_an_in_place_resize_to_fewer_cpus_gives_them_to_the_shared_once_left(
+    env: Env,
+) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 4000)
+    assert env.cpus(pinned_id) == "2-3,6-7"  # socket 1
+    env.fake.calls.clear()
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert env.cpus(pinned_id) == "2,6"  # a whole core of its own
+    assert env.cpus(shared_id) == "0-1,3-5,7"
+    # The resized container left CPUs 3 and 7 before the shared one was grown onto them.
+    order = [
+        m.container_id
+        for m in env.fake.calls_of("UpdateContainerResources")
+        if isinstance(m, pb.UpdateContainerResourcesRequest)
+    ]
+    assert order == [pinned_id, shared_id]
+    assert env.saved()[pod.uid] == {"main": "2,6"}
+    assert env.engine.counters["cpu_resizes_applied"] == 1
+    assert_consistent(env)
+
+
+async def test_an_in_place_resize_to_a_fraction_shares_with_kubelets_quota_for_good(
+    env: Env,
+) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1500))
+    resources = env.fake.containers[pinned_id].resources
+    assert resources.cpuset_cpus == env.cpus(shared_id) == str(ALL)
+    assert resources.cpu_quota == milli_cpu_to_quota(1500)
+    assert env.engine.state.assignments == {}
+    assert env.engine.counters["cpu_resizes_applied"] == 1
+    # It asks for no exclusive CPUs now: no adoption takes it back to two.
+    assert not env.engine.containers[pinned_id].exclusive
+    assert waiting_for_exclusive(env.engine) == []
+    assert await adopt_sharing(env.engine) == []
+    assert_consistent(env)
+
+
+async def test_an_in_place_resize_of_a_fraction_to_whole_cpus_pins_it(env: Env) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    fraction_id = await env.kubelet.start_new(pod, "main", 1500)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(fraction_id, 2000))
+    resources = env.fake.containers[fraction_id].resources
+    assert resources.cpuset_cpus == "1,5"
+    assert resources.cpu_quota == -1
+    assert env.cpus(shared_id) == "0,2-4,6-7"
+    assignment = env.engine.state.assignments[ContainerKey(pod.uid, "main")]
+    assert (assignment.container_id, assignment.sandbox_id) == (fraction_id, pod.sandbox_id)
+    assert env.engine.counters["cpu_resizes_applied"] == 1
+    # Back to a fraction: it shares again with kubelet's quota.
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(fraction_id, 1500))
+    assert env.cpus(fraction_id) == str(env.engine.state.shared) == str(ALL)
+    assert env.fake.containers[fraction_id].resources.cpu_quota == milli_cpu_to_quota(1500)
+    assert_consistent(env)
+
+
+async def test_an_in_place_resize_without_room_is_kept_as_it_was_and_reported_once_per_count(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    # Seven CPUs to hand out (CPU 0 is reserved): 7 more do not fit.
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 8000))
+    resources = env.fake.containers[pinned_id].resources
+    assert resources.memory_limit_in_bytes == 2 * GIB
+    assert resources.cpuset_cpus == FIRST_SINGLE
+    assert resources.cpu_quota == -1
+    assert env.saved()[pod.uid] == {"main": FIRST_SINGLE}
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    assert env.engine.counters["cpu_resizes_applied"] == 0
+    [fields] = resize_warnings(caplog)
+    assert (fields["exclusive_cpus_held"], fields["exclusive_cpus_asked"]) == (1, 8)
+    assert fields["container_id"] == pinned_id
+    assert "cannot allocate" in str(fields["reason"])
+    # The same update again: said once.
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 8000))
+    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    # A count that fits is applied.
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert env.cpus(pinned_id) == "1,4"
+    assert_consistent(env)
+
+
+async def test_an_in_place_resize_whose_checkpoint_cannot_be_written_changes_nothing(
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    before = env.engine.state
+
+    async def refused(state: CPUState) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(env.engine.checkpoint, "save", refused)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert env.engine.state is before
     assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    assert env.fake.containers[pinned_id].resources.memory_limit_in_bytes == 2 * GIB
+    [fields] = resize_warnings(caplog)
+    assert "checkpoint cannot be written" in str(fields["reason"])
+    assert env.engine.counters["checkpoint_errors"] == 1
+    monkeypatch.undo()
+    assert_consistent(env)
+
+
+async def test_a_restart_after_an_in_place_resize_keeps_the_new_set(env: Env) -> None:
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    await env.restart()
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].cpus == CPUSet.parse("1,4")
+    assert env.cpus(pinned_id) == "1,4"
+    assert env.cpus(shared_id) == "0,2-3,5-7"
     assert_consistent(env)
 
 
@@ -475,20 +614,14 @@ async def test_resizes_that_would_change_no_exclusive_cpus_are_not_reported(env:
     opted_out_id = await kubelet.start_new(opted_out, "main", 1000)
     await kubelet.ok("UpdateContainerResources", kubelet_resize(opted_out_id, 2000))
     assert env.engine.counters["cpu_resizes_not_applied"] == 0
+    assert env.engine.counters["cpu_resizes_applied"] == 0
     # The none policy pins nothing, so no count of CPUs is held or asked for.
     await env.restart(NonePolicy(TOPOLOGY))
     pod = await env.kubelet.run_pod("db", "guaranteed")
     shared_id = await env.kubelet.start_new(pod, "main", 1000)
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(shared_id, 2000))
     assert env.engine.counters["cpu_resizes_not_applied"] == 0
-
-
-async def test_a_shared_guaranteed_container_resized_to_whole_cpus_is_reported(env: Env) -> None:
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    fraction_id = await env.kubelet.start_new(pod, "main", 1500)
-    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(fraction_id, 2000))
-    assert env.engine.counters["cpu_resizes_not_applied"] == 1
-    assert env.cpus(fraction_id) == str(env.engine.state.shared) == str(ALL)
+    assert env.engine.counters["cpu_resizes_applied"] == 0
     assert env.engine.state.assignments == {}
 
 
@@ -500,21 +633,7 @@ async def test_the_next_attempt_after_a_resize_gets_the_new_count(env: Env) -> N
     await env.kubelet.stop(first)
     second = await env.kubelet.start_new(pod, "main", 2000, attempt=1)
     assert len(CPUSet.parse(env.cpus(second))) == 2
-    assert env.engine.counters["cpu_resizes_not_applied"] == 1
     assert_consistent(env)
-
-
-async def test_a_resize_from_whole_cpus_to_a_fraction_is_reported(
-    env: Env, caplog: pytest.LogCaptureFixture
-) -> None:
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    pinned_id = await env.kubelet.start_new(pod, "main", 2000)
-    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1500))
-    assert env.engine.counters["cpu_resizes_not_applied"] == 1
-    [warning] = [r for r in caplog.records if "exclusive CPUs for a running" in r.getMessage()]
-    fields = warning.__dict__["fields"]
-    assert (fields["exclusive_cpus_held"], fields["exclusive_cpus_asked"]) == (2, 0)
-    assert len(CPUSet.parse(env.cpus(pinned_id))) == 2
 
 
 async def test_a_memory_resize_of_a_container_that_lost_its_cpus_is_not_a_cpu_resize(
@@ -539,9 +658,11 @@ async def test_a_memory_resize_of_a_container_created_under_none_is_not_a_cpu_re
     assert await env.engine.change_policy(static_policy()) == []
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(shared_id, 1000))
     assert env.engine.counters["cpu_resizes_not_applied"] == 0
-    # A real resize of it is one all the same.
+    # A real resize of it is one all the same, and pins it.
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(shared_id, 2000))
-    assert env.engine.counters["cpu_resizes_not_applied"] == 1
+    assert env.engine.counters["cpu_resizes_applied"] == 1
+    assert len(CPUSet.parse(env.cpus(shared_id))) == 2
+    assert_consistent(env)
 
 
 async def test_a_memory_resize_of_a_container_adopted_without_cpus_is_not_a_cpu_resize(

@@ -404,17 +404,18 @@ async def test_restart_after_an_in_place_resize_does_not_unpin_an_ordinary_pod(
     """An ordinary Guaranteed pod (main 2 CPUs/1Gi, sidecar 1 CPU/512Mi; sandbox totals
     3 CPUs/1.5Gi as RunPodSandbox gave them). kubelet resizes main in place to 4 CPUs/2Gi
     (UpdateContainerResources); the sandbox's record in containerd keeps the totals of its
-    creation. cpushim keeps both pinned while it runs; a restart must too."""
+    creation. cpushim pins main's 4 CPUs and keeps both pinned while it runs; a restart must
+    too."""
     pod = await env.kubelet.run_pod("db", "guaranteed", resources=pod_totals(3000, GIB + GIB // 2))
     main = await start(env, pod, "main", 2000, GIB)
     sidecar = await start(env, pod, "sidecar", 1000, GIB // 2)
-    before = {k: a.cpus for k, a in env.engine.state.assignments.items()}
-    assert len(before) == 2
+    assert len(env.engine.state.assignments) == 2
     await resize_in_place(env, main, 4000, 2 * GIB)
-    assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == before
+    resized = {k: a.cpus for k, a in env.engine.state.assignments.items()}
+    assert len(resized[ContainerKey(pod.uid, "main")]) == 4
     await env.restart()
     assert not env.engine.pods[pod.sandbox_id].pod_level_resources
-    assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == before
+    assert {k: a.cpus for k, a in env.engine.state.assignments.items()} == resized
     assert len(CPUSet.parse(env.cpus(sidecar))) == 1
 
 

@@ -13,6 +13,7 @@ reserved CPUs) in front of the guest's one containerd; each tears its pods down 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -531,6 +532,37 @@ def test_reserved_cpus_stay_reserved_when_every_other_cpu_is_taken(
     error = refused(node, "one-more", 1, pod)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
     assert_invariants(node)
+
+
+def test_an_in_place_resize_grows_and_shrinks_the_set_around_its_cpus(
+    node: Node, topology: Topology
+) -> None:
+    """kubelet resizes a running Guaranteed container in place (InPlacePodVerticalScaling):
+    from 1 CPU to 3, it keeps its CPU and gains two, memory nodes following; back to 2, it
+    keeps two of its three. The process runs on throughout, and the shared container never
+    shares a CPU with it."""
+    node.start()
+    node.run("besteffort", None, "besteffort")
+    running = node.run("resized", 1)
+    first = assert_exclusive(topology, observe(running), 1)
+    for count in (3, 2):
+        before = observe(running).cpus_allowed
+        milli, memory = count * 1000, 32 * MIB
+        node.kubelet.update_container_resources(
+            running.container_id,
+            node.kubelet.linux_resources(
+                "guaranteed", ContainerResources(milli, milli, memory, memory)
+            ),
+        )
+        running = node.running["resized"] = dataclasses.replace(running, cpus=count)
+        now = assert_exclusive(topology, observe(running), count)
+        if count > len(before):
+            assert before.issubset(now), f"grown from {before} to {now}"
+        else:
+            assert now.issubset(before), f"shrunk from {before} to {now}"
+        assert node.kubelet.container_pid(running.container_id) == running.pid
+        assert_invariants(node)
+    assert first.issubset(observe(running).cpus_allowed) or topology.smt
 
 
 # Its own limit: under the systemd driver every shrink of a shared container waits for a runc
