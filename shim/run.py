@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -34,7 +35,7 @@ from shim.policy.options import StaticPolicyOptions
 from shim.policy.reserved import ReservedCPUsError
 from shim.policy.static import StaticPolicy
 from shim.progress import StartupProgress
-from shim.topology import Topology
+from shim.topology import SysfsWarnings, Topology
 
 log = logging.getLogger("shim.run")
 
@@ -96,9 +97,10 @@ class SettingError(ValueError):
 DEFAULT_RESERVED_COUNT = 1
 
 
-def build_policy(options: RunOptions) -> CPUPolicy:
-    """The policy from the command line; ValueError (with the reason) when it cannot be."""
-    topology = Topology.from_sysfs(options.sysfs_root)
+def build_policy(options: RunOptions, warned: SysfsWarnings | None = None) -> CPUPolicy:
+    """The policy from the command line; ValueError (with the reason) when it cannot be.
+    ``warned``: what earlier reads of sysfs warned of, not told again."""
+    topology = Topology.from_sysfs(options.sysfs_root, warned)
     if options.policy == "none":
         if options.policy_options:
             # Named both ways: the same check refuses a flag and a reloaded config file.
@@ -203,7 +205,10 @@ def cgroup_layout() -> CgroupLayout | None:
 
 
 async def run(options: RunOptions) -> int:
-    policy = build_policy(options)
+    # The topology is read again at each re-plan, and the memory nodes at each check of the
+    # CPU follower: what stays wrong in sysfs is told once, not at every read.
+    warned = SysfsWarnings()
+    policy = build_policy(options, warned)
     checkpoint = CheckpointFile(options.state_dir)
     try:
         checkpoint.hold()
@@ -220,13 +225,15 @@ async def run(options: RunOptions) -> int:
                 "removed what interrupted checkpoint writes left behind",
                 extra={"fields": {"files": [str(p) for p in leftovers]}},
             )
-        return await _run(options, policy, checkpoint)
+        return await _run(options, policy, checkpoint, warned)
     finally:
         # The drain may have ended with an engine task's write still in its worker thread.
         await checkpoint.close()
 
 
-async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFile) -> int:
+async def _run(
+    options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFile, warned: SysfsWarnings
+) -> int:
     runtime = RuntimeChannel(options.runtime_endpoint)
     engine = Engine(
         policy,
@@ -355,13 +362,16 @@ async def _run(options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFil
 
         try:
             if options.config_path is not None:
-                reloader = ConfigReloader(watcher, options, build_policy)
+                reloader = ConfigReloader(
+                    watcher, options, functools.partial(build_policy, warned=warned)
+                )
                 reloader.start()
             follower = CPUFollower(
                 watcher,
                 lambda: reloader.options if reloader is not None else options,
                 build_policy,
                 lock=reloader.replanning if reloader is not None else None,
+                warned=warned,
             )
             follower.start()
             # Checked before the resync, the listen path may have been taken since.

@@ -25,7 +25,7 @@ from typing import TypeAlias, TypeVar
 from shim.cpuset import CPUSet
 from shim.fileio import read_file
 
-__all__ = ["CPUInfo", "CoreKey", "Topology", "TopologyError"]
+__all__ = ["CPUInfo", "CoreKey", "SysfsWarnings", "Topology", "TopologyError"]
 
 # A physical core. Core ids restart in every package (and on some parts in every die), so
 # the core id alone does not name a core.
@@ -39,6 +39,19 @@ log = logging.getLogger(__name__)
 
 class TopologyError(ValueError):
     """The topology is inconsistent, or sysfs lacks a file we cannot do without."""
+
+
+@dataclass
+class SysfsWarnings:
+    """What reads of sysfs have warned of, kept by a reader that reads again (the CPU
+    follower, at every check; a re-plan or a config reload), so that what stays as it was
+    is told once and the operator's log does not fill with the same line. A read given none
+    tells all it meets."""
+
+    # The lists of memory nodes passed over, by path: why (the error, or "" for a list that
+    # reads empty). One that reads well is forgotten, so failing again is told again; one
+    # that fails otherwise is told anew.
+    memory_lists: dict[Path, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +150,11 @@ class Topology:
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
-    def from_sysfs(cls, root: Path = Path("/sys")) -> Topology:
-        """Read the topology below ``root``, which plays the part of ``/sys``."""
+    def from_sysfs(cls, root: Path = Path("/sys"), warned: SysfsWarnings | None = None) -> Topology:
+        """Read the topology below ``root``, which plays the part of ``/sys``. ``warned``:
+        what earlier reads warned of, not told again (see :class:`SysfsWarnings`)."""
         cpus, isolated = _read_sysfs(root)
-        return cls(cpus=tuple(cpus), isolated=isolated, memory_nodes=memory_nodes(root))
+        return cls(cpus=tuple(cpus), isolated=isolated, memory_nodes=memory_nodes(root, warned))
 
     # -- queries --------------------------------------------------------------------------
 
@@ -337,7 +351,7 @@ def _numa_nodes(node_dir: Path) -> dict[int, int]:
     return node_of
 
 
-def _memory_nodes(node_dir: Path) -> CPUSet:
+def _memory_nodes(node_dir: Path, warned: SysfsWarnings) -> CPUSet:
     """The NUMA nodes with memory: ``has_memory``, else (a kernel or a tree without it) the
     nodes ``online``, else none (a kernel without NUMA support: the nodes of the CPUs stand
     for them). A list that does not read, or reads empty, is passed over with a warning: the
@@ -349,15 +363,29 @@ def _memory_nodes(node_dir: Path) -> CPUSet:
         try:
             nodes = _read_cpulist(path)
         except TopologyError as exc:
-            log.warning(
-                "ignoring a list of memory nodes that cannot be read",
-                extra={"fields": {"path": str(path), "error": str(exc)}},
-            )
+            _memory_list_passed_over(path, str(exc), warned)
             continue
         if nodes:
+            warned.memory_lists.pop(path, None)
             return nodes
-        log.warning("ignoring an empty list of memory nodes", extra={"fields": {"path": str(path)}})
+        _memory_list_passed_over(path, "", warned)
     return CPUSet()
+
+
+def _memory_list_passed_over(path: Path, error: str, warned: SysfsWarnings) -> None:
+    """Warn that the list of memory nodes at ``path`` is passed over, because of ``error``
+    ("": it reads empty), unless the last read of it was passed over for the same reason:
+    the CPU follower reads the list at every check, each uevent and full look."""
+    if warned.memory_lists.get(path) == error:
+        return
+    warned.memory_lists[path] = error
+    if error:
+        log.warning(
+            "ignoring a list of memory nodes that cannot be read",
+            extra={"fields": {"path": str(path), "error": error}},
+        )
+    else:
+        log.warning("ignoring an empty list of memory nodes", extra={"fields": {"path": str(path)}})
 
 
 def _caches(cache_dir: Path) -> list[tuple[int, CPUSet]] | None:
@@ -390,11 +418,14 @@ def online_cpus(root: Path = Path("/sys")) -> CPUSet:
     return CPUSet.parse(read_file(f"{root}/devices/system/cpu/online").decode().strip())
 
 
-def memory_nodes(root: Path = Path("/sys")) -> CPUSet:
+def memory_nodes(root: Path = Path("/sys"), warned: SysfsWarnings | None = None) -> CPUSet:
     """The NUMA nodes with memory now, read as :meth:`Topology.from_sysfs` reads them (also
     for the checks that run while cpushim does: memory brought online or taken offline).
-    Empty when sysfs does not say: a topology then takes its CPUs' nodes for them."""
-    return _memory_nodes(root / "devices" / "system" / "node")
+    Empty when sysfs does not say: a topology then takes its CPUs' nodes for them.
+    ``warned``: what earlier reads warned of, not told again."""
+    if warned is None:
+        warned = SysfsWarnings()
+    return _memory_nodes(root / "devices" / "system" / "node", warned)
 
 
 def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:

@@ -18,7 +18,8 @@ subsystem ``cpu``), and of memory with one of subsystem ``memory`` (a block) or 
 the online list and the memory nodes (read as the topology reads them) are also compared at
 every full look (no uevent socket, or one whose queue overflowed). A memory node list that
 does not read, or reads empty, is no change: the topology stands in its CPUs' nodes for
-it. A change builds the policy again from the options in force (the config reload's, when
+it; it is warned of once while it stays so (``SysfsWarnings``), not at every check. A
+change builds the policy again from the options in force (the config reload's, when
 there is one, one at a time with it) and re-plans under it (``Engine.change_policy``):
 containers whose CPUs went offline get others where there is room, and so do those the
 policy would no longer give their CPUs (under full-pcpus-only, a lone thread whose sibling
@@ -58,7 +59,7 @@ from shim.cpuset import CPUSet
 from shim.engine.resync import replan_live
 from shim.engine.retrying import Retry
 from shim.policy import CPUPolicy
-from shim.topology import Topology, memory_nodes, online_cpus
+from shim.topology import SysfsWarnings, Topology, memory_nodes, online_cpus
 
 if TYPE_CHECKING:
     from shim.engine.watching import Watcher
@@ -203,9 +204,10 @@ class CPUFollower:
         self,
         watcher: Watcher,
         options: Callable[[], RunOptions],
-        build_policy: Callable[[RunOptions], CPUPolicy],
+        build_policy: Callable[[RunOptions, SysfsWarnings], CPUPolicy],
         lock: asyncio.Lock | None = None,
         open_socket: Callable[[], socket.socket] = open_uevents,
+        warned: SysfsWarnings | None = None,
     ) -> None:
         self.watcher = watcher
         self.engine = watcher.engine
@@ -216,6 +218,10 @@ class CPUFollower:
         self._lock = lock if lock is not None else asyncio.Lock()
         self._open_socket = open_socket
         self._socket: socket.socket | None = None
+        # What the reads of sysfs warned of (a list of memory nodes that reads empty): each
+        # check reads the memory nodes, and each re-plan the topology, and what stays as it
+        # was is told once, not at every uevent and full look.
+        self.warned = warned if warned is not None else SysfsWarnings()
         # The last refusal (the CPUs online, the memory nodes, the reason): told once.
         self._refused: tuple[CPUSet, CPUSet, str] | None = None
         self._stopped = False
@@ -294,7 +300,7 @@ class CPUFollower:
             options = self._options()
             try:
                 online = online_cpus(options.sysfs_root)
-                memory = memory_nodes(options.sysfs_root)
+                memory = memory_nodes(options.sysfs_root, self.warned)
             except (OSError, ValueError) as exc:
                 log.warning("cannot read the CPUs online", extra={"fields": {"error": str(exc)}})
                 return
@@ -307,7 +313,7 @@ class CPUFollower:
                 await self._give_back_unplanned()
                 return
             try:
-                policy = await asyncio.to_thread(self._build_policy, options)
+                policy = await asyncio.to_thread(self._build_policy, options, self.warned)
             except (OSError, ValueError) as exc:
                 self._refuse(online, memory, str(exc))
                 return

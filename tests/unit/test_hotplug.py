@@ -420,6 +420,31 @@ async def test_a_cpu_listed_online_without_topology_files_is_no_change(tmp_path:
         assert f.env.engine.policy is policy
 
 
+async def test_a_list_of_memory_nodes_that_reads_empty_is_warned_of_once_while_it_stays(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every check reads the memory nodes: a list that stays empty is no change, and told
+    once, not at every full look; told again once it read well in between."""
+    async with following(tmp_path) as f:
+        policy = f.env.engine.policy
+
+        async def looks(count: int) -> None:
+            for _ in range(count):
+                await f.watcher.look_everywhere()
+                await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+
+        with caplog.at_level(logging.WARNING, logger="shim.topology"):
+            f.with_memory_on("")
+            await looks(3)
+            f.with_memory_on("0-1")
+            await looks(1)
+            f.with_memory_on("")
+            await looks(2)
+        told = [r for r in caplog.records if "empty list of memory nodes" in r.getMessage()]
+        assert len(told) == 2
+        assert f.env.engine.policy is policy
+
+
 async def test_a_reserved_cpu_gone_offline_is_refused_once_and_the_plan_stays(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -20,6 +20,7 @@ from shim.engine import Engine
 from shim.policy import CPUPolicy
 from shim.run import LAST_WRITES_S, RunOptions, shut_down
 from shim.state import CPUState
+from shim.topology import SysfsWarnings
 from tests.fake_runtime import FakeRuntime
 from tests.harness.sysfs import MachineSpec, write_sysfs
 from tests.unit.engine_env import in_process_options, until
@@ -249,7 +250,7 @@ async def test_the_state_directory_is_held_until_the_last_checkpoint_write_is_do
         return write
 
     async def ends_with_a_write_in_flight(
-        options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFile
+        options: RunOptions, policy: CPUPolicy, checkpoint: CheckpointFile, warned: SysfsWarnings
     ) -> int:
         monkeypatch.setattr(checkpoint, "_write", held_until_told(checkpoint._write))
         last.append(CPUState.empty(policy))

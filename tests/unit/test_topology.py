@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shim.cpuset import CPUSet
-from shim.topology import CPUInfo, Topology, TopologyError
+from shim.topology import CPUInfo, SysfsWarnings, Topology, TopologyError, memory_nodes
 from tests.harness.sysfs import (
     AMD_EPYC_LIKE,
     OFFLINE_NONCONTIGUOUS,
@@ -435,6 +435,40 @@ def test_a_list_of_memory_nodes_that_does_not_read_is_passed_over_with_a_warning
     assert topology.memory_nodes == CPUSet.parse(found)
     paths = [getattr(record, "fields", {})["path"] for record in caplog.records]
     assert paths == [str(node_dir / name) for name in warned]
+
+
+def test_a_list_of_memory_nodes_passed_over_again_is_told_once_until_it_reads_well(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader that reads again (the CPU follower, at every check) keeps what it warned
+    of: the same failure is not told again, a list that read well in between or fails
+    otherwise is."""
+    root = write_sysfs(MachineSpec(sockets=2, cores_per_die=2, memory_only_nodes=1), tmp_path)
+    has_memory = root / "devices/system/node/has_memory"
+    warned = SysfsWarnings()
+    steps = [
+        ("\n", "0-2"),  # empty: told (the nodes online stand in)
+        ("\n", "0-2"),  # the same: not told again
+        ("0,2\n", "0,2"),  # reads well
+        ("\n", "0-2"),  # empty again: told again
+        ("0-x\n", "0-2"),  # another failure: told
+        ("0-x\n", "0-2"),
+    ]
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        for content, found in steps:
+            has_memory.write_text(content)
+            assert Topology.from_sysfs(root, warned).memory_nodes == CPUSet.parse(found)
+            assert memory_nodes(root, warned) == CPUSet.parse(found)
+    told = [(r.getMessage(), getattr(r, "fields", {})["path"]) for r in caplog.records]
+    empty = ("ignoring an empty list of memory nodes", str(has_memory))
+    unread = ("ignoring a list of memory nodes that cannot be read", str(has_memory))
+    assert told == [empty, empty, unread]
+    # A read given no memory of its own tells what it meets, each time.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        memory_nodes(root)
+        memory_nodes(root)
+    assert len(caplog.records) == 2
 
 
 def test_plain_data_has_the_cpus_nodes_as_memory_nodes_unless_told() -> None:
