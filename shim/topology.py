@@ -52,6 +52,10 @@ class SysfsWarnings:
     # reads empty). One that reads well is forgotten, so failing again is told again; one
     # that fails otherwise is told anew.
     memory_lists: dict[Path, str] = field(default_factory=dict)
+    # The CPUs left out for want of a core or package id, with the file missing: told once
+    # for the reader's life (the CPU follower reads the topology again at every check
+    # while such a CPU keeps the CPUs listed online apart from those planned with).
+    cpus_left_out: set[tuple[int, Path]] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +157,9 @@ class Topology:
     def from_sysfs(cls, root: Path = Path("/sys"), warned: SysfsWarnings | None = None) -> Topology:
         """Read the topology below ``root``, which plays the part of ``/sys``. ``warned``:
         what earlier reads warned of, not told again (see :class:`SysfsWarnings`)."""
-        cpus, isolated = _read_sysfs(root)
+        if warned is None:
+            warned = SysfsWarnings()
+        cpus, isolated = _read_sysfs(root, warned)
         return cls(cpus=tuple(cpus), isolated=isolated, memory_nodes=memory_nodes(root, warned))
 
     # -- queries --------------------------------------------------------------------------
@@ -428,7 +434,7 @@ def memory_nodes(root: Path = Path("/sys"), warned: SysfsWarnings | None = None)
     return _memory_nodes(root / "devices" / "system" / "node", warned)
 
 
-def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
+def _read_sysfs(root: Path, warned: SysfsWarnings) -> tuple[list[CPUInfo], CPUSet]:
     cpu_dir = root / "devices" / "system" / "cpu"
     online = _read_cpulist(cpu_dir / "online")
     isolated_file = cpu_dir / "isolated"
@@ -454,10 +460,12 @@ def _read_sysfs(root: Path) -> tuple[list[CPUInfo], CPUSet]:
         socket, core_id = _read_id(package_file), _read_id(core_file)
         if socket is None or core_id is None:
             missing = package_file if socket is None else core_file
-            log.warning(
-                "leaving out a CPU whose topology lacks an id",
-                extra={"fields": {"cpu": cpu, "missing": str(missing)}},
-            )
+            if (cpu, missing) not in warned.cpus_left_out:
+                warned.cpus_left_out.add((cpu, missing))
+                log.warning(
+                    "leaving out a CPU whose topology lacks an id",
+                    extra={"fields": {"cpu": cpu, "missing": str(missing)}},
+                )
             continue
         die_file = topology_dir / "die_id"
         die = _read_int(die_file) if die_file.exists() else 0

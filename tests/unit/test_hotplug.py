@@ -445,6 +445,28 @@ async def test_a_list_of_memory_nodes_that_reads_empty_is_warned_of_once_while_i
         assert f.env.engine.policy is policy
 
 
+async def test_a_cpu_back_online_without_its_core_id_is_warned_of_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Left out as at start, it keeps the CPUs listed online apart from those planned with,
+    so every check reads the topology again: the warning is given once, not at each."""
+    async with following(tmp_path, uevents=False) as f:
+        f.take_offline(7)
+        await f.watcher.look_everywhere()
+        await f.replanned()
+        f.take_offline()
+        core_id = f.sysfs / "devices" / "system" / "cpu" / "cpu7" / "topology" / "core_id"
+        core_id.unlink()
+        with caplog.at_level(logging.WARNING, logger="shim.topology"):
+            for _ in range(3):
+                await f.watcher.look_everywhere()
+                await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+        told = [r.__dict__["fields"] for r in caplog.records if "lacks an id" in r.getMessage()]
+        assert told == [{"cpu": 7, "missing": str(core_id)}]
+        assert f.env.engine.policy.topology.online == CPUSet.parse("0-6")
+        assert f.env.engine.counters["cpu_hotplug_replans"] == 1
+
+
 async def test_a_reserved_cpu_gone_offline_is_refused_once_and_the_plan_stays(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -345,6 +345,33 @@ def test_a_cpu_without_a_core_or_package_id_is_left_out_with_a_warning(
     assert fields == [{"cpu": 2, "missing": str(missing)}]
 
 
+def test_a_cpu_left_out_is_told_once_to_a_reader_that_reads_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once per CPU and missing file for a reader that keeps what it warned of (the CPU
+    follower reads the topology again at every check); a read given none tells each time."""
+    root = write_sysfs(SINGLE_SOCKET_NO_HT, tmp_path)
+    topology_dir = root / "devices/system/cpu"
+    (topology_dir / "cpu2/topology/core_id").unlink()
+    warned = SysfsWarnings()
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        for _ in range(2):
+            assert Topology.from_sysfs(root, warned).online == CPUSet.parse("0-1,3-7")
+        (topology_dir / "cpu5/topology/physical_package_id").unlink()
+        for _ in range(2):
+            assert Topology.from_sysfs(root, warned).online == CPUSet.parse("0-1,3-4,6-7")
+    told = [getattr(record, "fields", None) for record in caplog.records]
+    assert told == [
+        {"cpu": 2, "missing": str(topology_dir / "cpu2/topology/core_id")},
+        {"cpu": 5, "missing": str(topology_dir / "cpu5/topology/physical_package_id")},
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        Topology.from_sysfs(root)
+        Topology.from_sysfs(root)
+    assert len(caplog.records) == 4
+
+
 @pytest.mark.parametrize("level", ["", "three", "L3"])
 def test_a_cache_whose_level_is_not_a_number_is_ignored_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, level: str
