@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from google.protobuf.message import DecodeError
@@ -87,10 +87,16 @@ def container_status(reply: Reply) -> tuple[pb.ContainerStatusResponse | None, s
 @dataclass(frozen=True)
 class CgroupPlace:
     """Where the runtime says a container's cgroup is: ``directory`` is None when no layout
-    is known, the runtime names none, or the name cannot be placed (``error`` says why)."""
+    is known, the runtime names none (``not_named``), or the name cannot be placed
+    (``error`` says why)."""
 
     directory: Path | None
     error: str = ""
+    # The runtime's answer gives no cgroupsPath: no verbose info, or none in its OCI spec.
+    not_named: bool = False
+
+
+NOT_NAMED: Final = CgroupPlace(None, not_named=True)
 
 
 @dataclass(frozen=True)
@@ -573,8 +579,7 @@ class Mover:
             return Found(None, answered=False)
         info = status.info.get("info", "")
         place = self.cgroup_of(info)
-        if place.error:
-            self.unplaceable_cgroup(tracked, place.error)
+        self.unplaced_cgroup(tracked, place)
         directory = place.directory
         if directory is None:
             return Found(None, ended=status.status.state == pb.CONTAINER_EXITED)
@@ -634,24 +639,38 @@ class Mover:
 
     def cgroup_of(self, verbose_info: str) -> CgroupPlace:
         """The cgroup directory named in a ContainerStatus verbose ``info`` document, or why
-        it cannot be placed (told by :meth:`unplaceable_cgroup`, once per container)."""
-        if self.layout is None or not verbose_info:
+        there is none: ``NOT_NAMED``, or why it cannot be placed (told by
+        :meth:`unplaced_cgroup`, once per container)."""
+        if self.layout is None:
             return CgroupPlace(None)
+        if not verbose_info:
+            return NOT_NAMED
         try:
             path = cgroups_path_of(verbose_info)
-            return CgroupPlace(self.layout.container_dir(path) if path else None)
+            return CgroupPlace(self.layout.container_dir(path)) if path else NOT_NAMED
         except (ValueError, CgroupError) as exc:
             return CgroupPlace(None, str(exc))
 
     @staticmethod
-    def unplaceable_cgroup(tracked: Tracked, error: str) -> None:
-        """Warn, once per container, that the runtime's description of its cgroup cannot be
-        placed: every full look asks again, and so does start-up's before it."""
-        if tracked.unplaceable_cgroup_seen:
+    def unplaced_cgroup(tracked: Tracked, place: CgroupPlace) -> None:
+        """Warn, once per container, that the runtime's answer names no cgroup for it, or one
+        that cannot be placed: every full look asks again, and so does start-up's before
+        it. Nothing to tell of a place found, or not looked for."""
+        if tracked.unplaceable_cgroup_seen or not (place.not_named or place.error):
             return
         tracked.unplaceable_cgroup_seen = True
+        fields = {"container_id": tracked.id, "container": str(tracked.key)}
+        if place.not_named:
+            log.warning(
+                "the runtime names no cgroup for a container (its ContainerStatus verbose info"
+                " has no runtimeSpec.linux.cgroupsPath): its moves go through the runtime,"
+                " nothing watches it for drift, and its exit is seen only at a full look or"
+                " kubelet's next call for it",
+                extra={"fields": fields},
+            )
+            return
         log.warning(
             "cannot place a container's cgroup: its moves go through the runtime, and nothing"
             " watches it for drift",
-            extra={"fields": {"container_id": tracked.id, "error": error}},
+            extra={"fields": {**fields, "error": place.error}},
         )

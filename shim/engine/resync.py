@@ -1178,8 +1178,7 @@ def tracked_from_runtime(
         whole_pod=pod is not None and takes_whole_pod(pod, resources),
         own_resources=has_own_resources(resources),
     )
-    if place.error:
-        engine.mover.unplaceable_cgroup(tracked, place.error)
+    engine.mover.unplaced_cgroup(tracked, place)
     return tracked
 
 

@@ -82,7 +82,8 @@ class Tracked:
     no_cpuset_seen: bool = False
     # The runtime named a cgroup for it, running, that was not there, and the warning given.
     missing_cgroup_seen: bool = False
-    # The runtime's description of its cgroup could not be placed, and the warning given.
+    # The runtime's description of its cgroup named none or could not be placed, and the
+    # warning given.
     unplaceable_cgroup_seen: bool = False
     # The cpuset its cgroup (v1) was left with when CPUs went offline, once warned of.
     offline_seen: CPUSet | None = None

@@ -456,6 +456,32 @@ async def test_a_cgroup_out_of_reach_at_start_up_is_warned_of_once_with_the_look
     assert sorted(fields["container_id"] for fields in warned) == sorted(ids)
 
 
+async def test_a_runtime_that_names_no_cgroup_is_warned_of_once_per_container(
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ContainerStatus whose verbose info gives no cgroupsPath: the container moves
+    through the runtime, unwatched, as one whose cgroup cannot be placed, and the operator
+    is told what is missing, once per container, from start-up's look and every full look
+    after it together."""
+    ids = [await start_located(env, name) for name in ("web", "api")]
+    monkeypatch.setattr(env.fake, "cgroup_path", lambda container_id: "")
+
+    def warned() -> list[str]:
+        told = [r for r in caplog.records if "names no cgroup" in r.getMessage()]
+        assert all("cgroupsPath" in r.getMessage() for r in told)
+        return sorted(r.__dict__["fields"]["container_id"] for r in told)
+
+    with caplog.at_level("WARNING", logger="shim.engine.moves"):
+        engine = await env.restart()
+        assert warned() == sorted(ids)
+        for _ in range(2):  # two full looks
+            for container_id in ids:
+                tracked = engine.containers[container_id]
+                assert tracked.cgroup is None
+                assert await engine.mover.find(tracked) == moves.Found(None)
+    assert warned() == sorted(ids)
+
+
 @pytest.mark.parametrize("child_cpus", [None, "0-3"])
 async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
     env: Env, monkeypatch: pytest.MonkeyPatch, child_cpus: str | None
