@@ -574,8 +574,12 @@ class Mover:
         )
         if reply.status is Status.NOT_FOUND:
             return Found(None, ended=True)
-        status, _ = container_status(reply)
+        status, error = container_status(reply)
         if status is None:
+            if reply.status is Status.OK:
+                # Answered, with an answer that does not decode: the next answer is likely
+                # to be the same. A failed call (containerd restarting) is not told of.
+                self.undecodable_status(tracked, error)
             return Found(None, answered=False)
         info = status.info.get("info", "")
         place = self.cgroup_of(info)
@@ -609,6 +613,28 @@ class Mover:
                     "container_id": tracked.id,
                     "container": str(tracked.key),
                     "cgroup": str(directory),
+                }
+            },
+        )
+
+    @staticmethod
+    def undecodable_status(tracked: Tracked, error: str) -> None:
+        """Warn, once per container, that the runtime's ContainerStatus answer for it does
+        not decode (a runtime that speaks another CRI, a defect on either side), with the
+        decode error. It is asked about again, and would be told at each: by the watcher
+        while its cgroup is not located (after 1 s, up to a minute apart), and by every
+        sweep's adoption while it waits for exclusive CPUs (resync.status_read, which warns
+        in the same words of a container cpushim does not track)."""
+        if tracked.undecodable_status_seen:
+            return
+        tracked.undecodable_status_seen = True
+        log.warning(
+            "cannot read a container's state; it stays as it is",
+            extra={
+                "fields": {
+                    "container_id": tracked.id,
+                    "container": str(tracked.key),
+                    "error": error,
                 }
             },
         )

@@ -1081,10 +1081,16 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
         return StatusRead(None)
     response, error = container_status(reply)
     if response is None:
-        log.warning(
-            "cannot read a container's state; it stays as it is",
-            extra={"fields": {"container_id": container_id, "error": error}},
-        )
+        tracked = engine.containers.get(container_id)
+        if tracked is not None and reply.status is Status.OK:
+            # An adoption asks at every sweep, and the watcher while it is not located:
+            # an answer that does not decode is told once for the container, by either.
+            engine.mover.undecodable_status(tracked, error)
+        else:
+            log.warning(
+                "cannot read a container's state; it stays as it is",
+                extra={"fields": {"container_id": container_id, "error": error}},
+            )
         return StatusRead(None, answered=False)
     if response.status.state == pb.CONTAINER_EXITED:
         return StatusRead(None)

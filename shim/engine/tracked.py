@@ -85,6 +85,8 @@ class Tracked:
     # The runtime's description of its cgroup named none or could not be placed, and the
     # warning given.
     unplaceable_cgroup_seen: bool = False
+    # The runtime's ContainerStatus answer for it did not decode, and the warning given.
+    undecodable_status_seen: bool = False
     # The cpuset its cgroup (v1) was left with when CPUs went offline, once warned of.
     offline_seen: CPUSet | None = None
     # Under cgroup v1, what cpushim knows of the cgroups the container made below its own,

@@ -22,7 +22,7 @@ from shim import cgroups
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
-from shim.engine import EngineOptions, moves
+from shim.engine import EngineOptions, moves, resync
 from shim.engine import requests as rq
 from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver, wait_for
@@ -31,6 +31,7 @@ from tests.unit.engine_env import (
     SHARED_AFTER_FIRST_SINGLE,
     Env,
     make_env,
+    unreadable,
     until,
     updates_to,
 )
@@ -480,6 +481,50 @@ async def test_a_runtime_that_names_no_cgroup_is_warned_of_once_per_container(
                 assert tracked.cgroup is None
                 assert await engine.mover.find(tracked) == moves.Found(None)
     assert warned() == sorted(ids)
+
+
+async def test_a_status_that_does_not_decode_is_warned_of_once_per_container(
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime answers, and its answer does not decode: the container is left unlocated
+    and asked about again (the watcher's retries, every full look), which the operator is
+    told once per container, with the decode error."""
+    ids = [await start_located(env, name) for name in ("web", "api")]
+    unreadable(env, monkeypatch, None).update(ids)
+    for container_id in ids:
+        env.engine.containers[container_id].cgroup = None
+    with caplog.at_level("WARNING", logger="shim.engine.moves"):
+        for _ in range(3):  # the first look and two retries
+            for container_id in ids:
+                found = await env.engine.mover.find(env.engine.containers[container_id])
+                assert found == moves.Found(None, answered=False)
+    warned = [r.__dict__["fields"] for r in caplog.records if "cannot read" in r.getMessage()]
+    assert [fields["container_id"] for fields in warned] == ids
+    assert all("does not decode" in fields["error"] for fields in warned)
+
+
+async def test_a_status_that_does_not_decode_is_told_once_by_the_sweep_and_the_watcher(
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tracked container is read by every sweep's adoption while it waits for exclusive
+    CPUs (resync.status_read) and by the watcher while it is not located: whichever meets
+    the answer that does not decode first tells it, in the sweep's words, and neither
+    again."""
+    container_id = await start_located(env, "web")
+    tracked = env.engine.containers[container_id]
+    tracked.cgroup = None
+    unreadable(env, monkeypatch, None).add(container_id)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            read = await resync.status_read(env.engine, container_id, tracked.sandbox_id)
+            assert read == resync.StatusRead(None, answered=False)
+            assert await env.engine.mover.find(tracked) == moves.Found(None, answered=False)
+    warned = [r for r in caplog.records if "cannot read" in r.getMessage()]
+    assert [r.getMessage() for r in warned] == [
+        "cannot read a container's state; it stays as it is"
+    ]
+    assert warned[0].__dict__["fields"]["container_id"] == container_id
+    assert "does not decode" in warned[0].__dict__["fields"]["error"]
 
 
 @pytest.mark.parametrize("child_cpus", [None, "0-3"])
