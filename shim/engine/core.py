@@ -1200,8 +1200,12 @@ class Engine:
         if tracked is None:
             return await forward()
         async with self.lock:
-            resized, not_applied = await self._resize_in_place(tracked, request.linux)
-            reply = await self._update_tracked(tracked, request, forward, not_applied)
+            resized, refusal = await self._resize_in_place(tracked, request.linux)
+            if refusal is not None:
+                # kubelet retries a resize the runtime refuses at every sync of the pod, and
+                # shows the error in its status: the refusal is applied once there is room.
+                return refusal
+            reply = await self._update_tracked(tracked, request, forward)
             if resized:
                 # CPUs it gave back go to the shared containers now that it has left them.
                 await self._apply()
@@ -1218,17 +1222,12 @@ class Engine:
         return reply
 
     async def _update_tracked(
-        self,
-        tracked: Tracked,
-        request: pb.UpdateContainerResourcesRequest,
-        forward: Forward,
-        not_applied: str = "",
+        self, tracked: Tracked, request: pb.UpdateContainerResourcesRequest, forward: Forward
     ) -> Reply:
         """Forward an update of a tracked container with cpushim's cpuset written into it
-        (the engine lock is held); ``not_applied``: why an in-place resize it carries could
-        not be applied."""
+        (the engine lock is held)."""
         async with tracked.write_lock:
-            self._note_cpu_resize(tracked, request.linux, not_applied)
+            self._note_cpu_resize(tracked, request.linux)
             cpus, mems, quota = self._desired(tracked)
             if request.linux.cpu_quota > 0:
                 tracked.kubelet_quota = request.linux.cpu_quota
@@ -1281,23 +1280,24 @@ class Engine:
 
     async def _resize_in_place(
         self, tracked: Tracked, resources: pb.LinuxContainerResources
-    ) -> tuple[bool, str]:
+    ) -> tuple[bool, Reply | None]:
         """kubelet resizes a running container's CPU in place (InPlacePodVerticalScaling)
         with UpdateContainerResources; under the lock, before the call is forwarded. A new
         count of exclusive CPUs is applied as a create's would be: decided, persisted, and
         the shared containers moved off CPUs it gains before the forward gives them to it
         (the caller grows them onto CPUs it gave back once the forward is done). A whole
         count becomes a set (:meth:`StaticPolicy.resize` keeps what it can of the old one),
-        a fraction makes it share. Returns whether one was applied, and why one could not
-        be ("" when there was none to apply, or it was)."""
+        a fraction makes it share. Returns whether one was applied, and the refusal to answer
+        kubelet with when the policy cannot give the count asked (RESOURCE_EXHAUSTED; nothing
+        changes). OSError when the checkpoint cannot be written, and nothing changes then."""
         resize = self._cpu_resize(tracked, resources)
         if resize is None or resize.pod_level:
-            return False, ""
+            return False, None
         held = resize.assignment
         if held is None and (tracked.exclusive or tracked.adoption_refused or not resize.asked):
             # One that lost its CPUs to a re-plan: adopted when room is made, for the count
             # this asks (_note_cpu_resize).
-            return False, ""
+            return False, None
         key = tracked.key
         policy = self.policy
         if held is not None and not resize.asked:
@@ -1310,7 +1310,7 @@ class Engine:
             try:
                 cpus = policy.resize(others, request, held.cpus if held else CPUSet())
             except AllocationError as exc:
-                return False, str(exc)
+                return False, self._resize_refused(tracked, resize, str(exc))
             assignment = held or Assignment(
                 cpus,
                 tracked.id,
@@ -1320,11 +1320,7 @@ class Engine:
                 mems,
             )
             state = self.state.assign(key, replace(assignment, cpus=cpus), policy)
-        try:
-            await self._commit(state)
-        except OSError as exc:
-            self.counters["checkpoint_errors"] += 1
-            return False, f"the checkpoint cannot be written: {exc}"
+        await self._commit(state)
         before = held.cpus if held is not None else CPUSet()
         tracked.cpus_asked = resize.asked or None
         if resources.cpu_quota > 0:
@@ -1351,18 +1347,44 @@ class Engine:
         if cpus - before:
             # The shared containers leave the CPUs it gains before the forward gives them.
             await self._apply(leave=tracked)
-        return True, ""
+        return True, None
+
+    def _resize_refused(self, tracked: Tracked, resize: _CPUResize, reason: str) -> Reply:
+        """The answer to a resize the policy cannot give: logged and counted once per count
+        asked (kubelet asks again at every sync of the pod)."""
+        held = resize.assignment.cpus if resize.assignment is not None else CPUSet()
+        message = (
+            f"cpushim: cannot resize pod {self._pod_label(tracked) or tracked.key.pod_uid}"
+            f" container {tracked.key.name} in place to {resize.asked} exclusive"
+            f" CPU{'s' if resize.asked != 1 else ''}: {reason} (it holds {held or 'none'};"
+            f" free: {self.free_exclusive() or 'none'}, shared pool: {self.state.shared})"
+        )
+        if tracked.resize_noted != resize.asked:
+            self._resize_noted(tracked, resize.asked)
+            self.counters["cpu_resizes_not_applied"] += 1
+            log.warning(
+                "in-place CPU resize refused",
+                extra={
+                    "fields": {
+                        "container_id": tracked.id,
+                        "container": str(tracked.key),
+                        "exclusive_cpus_held": len(held),
+                        "exclusive_cpus_asked": resize.asked,
+                        "error": message,
+                    }
+                },
+            )
+        return Reply.error(Status.RESOURCE_EXHAUSTED, message)
 
     def _pod_label(self, tracked: Tracked) -> str:
         pod = self.pods.get(tracked.sandbox_id)
         return pod.label if pod is not None else ""
 
-    def _note_cpu_resize(
-        self, tracked: Tracked, resources: pb.LinuxContainerResources, reason: str = ""
-    ) -> None:
-        """An in-place resize that could not be applied (``reason``: why), or one the
-        container cannot take now (it lost its CPUs to a re-plan: the adoption that waits
-        for room plans for the count asked): logged and counted, once per count asked."""
+    def _note_cpu_resize(self, tracked: Tracked, resources: pb.LinuxContainerResources) -> None:
+        """An in-place resize the container cannot take now and that goes on all the same:
+        it lost its CPUs to a re-plan (the adoption that waits for room plans for the count
+        asked), or its pod has pod-level resources. Logged and counted, once per count
+        asked."""
         resize = self._cpu_resize(tracked, resources)
         if resize is None:
             return
@@ -1371,12 +1393,11 @@ class Engine:
             return
         self._resize_noted(tracked, noted)
         held = resize.assignment
-        if not reason:
-            reason = (
-                "its pod has pod-level resources"
-                if resize.pod_level
-                else "it waits for room for the CPUs it asks"
-            )
+        reason = (
+            "its pod has pod-level resources"
+            if resize.pod_level
+            else "it waits for room for the CPUs it asks"
+        )
         self.counters["cpu_resizes_not_applied"] += 1
         log.warning(
             "kubelet asks for another count of exclusive CPUs for a running container, and"

@@ -261,36 +261,45 @@ def test_a_container_that_loses_its_cpu_to_a_new_policy_gets_kubelets_quota_back
     # Its memory nodes go back too; this machine has one, so the unit tests check that.
 
 
-def test_kubelets_in_place_resize_without_room_passes_but_the_exclusive_cpu_stays(
+def test_kubelets_in_place_resize_without_room_is_refused_and_changes_nothing(
     shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
 ) -> None:
     """kubelet (InPlacePodVerticalScaling; its CPU manager off behind cpushim) resizes a
-    running container with UpdateContainerResources, its whole resource set in the call, to
-    2 CPUs, which this machine cannot give (CPU 0 is reserved). The memory limit is applied;
-    the cpuset stays cpushim's, still without a CFS quota, and the count of CPUs cpushim
-    cannot apply is logged with the reason."""
+    running container with UpdateContainerResources, memory and CPU in calls of their own.
+    The memory resize goes through, the cpuset staying cpushim's, without a CFS quota. The
+    CPU resize to 2 CPUs, which this machine cannot give (CPU 0 is reserved), is refused with
+    RESOURCE_EXHAUSTED (kubelet retries at every sync of the pod), changing nothing."""
     shim.start()
     kubelet = via()
     pinned_pod, pinned_id = start_pinned(kubelet)
-    resized = kubelet.linux_resources(
-        "guaranteed", ContainerResources(2000, 2000, 64 * MIB, 64 * MIB)
+    memory = kubelet.linux_resources(
+        "guaranteed", ContainerResources(1000, 1000, 64 * MIB, 64 * MIB)
     )
-    kubelet.update_container_resources(pinned_id, resized)
+    kubelet.update_container_resources(pinned_id, memory)
     pinned = direct.kernel_cpus(pinned_id)
     assert_kernel(pinned, "1")
     assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
     assert int(cgroup_file("memory", pinned.cgroup_path, "memory.limit_in_bytes")) == 64 * MIB
+
+    cpu = kubelet.linux_resources("guaranteed", ContainerResources(2000, 2000, 64 * MIB, 64 * MIB))
+    error = rpc_error(lambda: kubelet.update_container_resources(pinned_id, cpu))
+    assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = error.details() or ""
+    assert "in place to 2 exclusive CPUs: cannot allocate 2 CPUs" in details, details
+    pinned = direct.kernel_cpus(pinned_id)
+    assert_kernel(pinned, "1")
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") == "-1"
+    assert cgroup_file("cpu", pinned.cgroup_path, "cpu.shares") == "1024"
     assert direct.recorded_cpuset_cpus(pinned_id) == "1"
     assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
     assert shim.process is not None
     [warning] = [
         json.loads(line)
         for line in shim.process.log().splitlines()
-        if "another count of exclusive CPUs" in line
+        if "in-place CPU resize refused" in line
     ]
     assert warning["container_id"] == pinned_id
     assert (warning["exclusive_cpus_held"], warning["exclusive_cpus_asked"]) == (1, 2)
-    assert "cannot allocate 2 CPUs" in warning["reason"]
 
 
 def test_kubelets_in_place_resize_to_a_fraction_and_back_moves_the_container_live(

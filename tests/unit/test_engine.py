@@ -432,11 +432,11 @@ def kubelet_resize(container_id: str, milli_cpu: int) -> bytes:
     ).SerializeToString()
 
 
-def resize_warnings(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+def resize_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
-        r.__dict__["fields"]
+        r.getMessage()
         for r in caplog.records
-        if "cpushim cannot apply it now" in r.getMessage()
+        if r.levelno >= logging.WARNING and "resize" in r.getMessage()
     ]
 
 
@@ -541,26 +541,37 @@ async def test_an_in_place_resize_of_a_fraction_to_whole_cpus_pins_it(env: Env) 
     assert_consistent(env)
 
 
-async def test_an_in_place_resize_without_room_is_kept_as_it_was_and_reported_once_per_count(
+async def test_an_in_place_resize_without_room_is_refused_changing_nothing(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """kubelet retries a resize the runtime refuses at every sync of the pod and shows the
+    error in the pod's status; the refusal is logged and counted once per count asked."""
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
     pod = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pod, "main", 1000)
-    # Seven CPUs to hand out (CPU 0 is reserved): 7 more do not fit.
-    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 8000))
-    resources = env.fake.containers[pinned_id].resources
-    assert resources.memory_limit_in_bytes == 2 * GIB
-    assert resources.cpuset_cpus == FIRST_SINGLE
-    assert resources.cpu_quota == -1
+    calls = len(env.fake.calls)
+    # Seven CPUs to hand out (CPU 0 is reserved): 8 do not fit.
+    reply = await env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 8000))
+    assert reply.status is Status.RESOURCE_EXHAUSTED
+    assert reply.status_message.startswith(
+        "cpushim: cannot resize pod default/db container main in place to 8 exclusive CPUs:"
+    )
+    assert "cannot allocate 8 CPUs" in reply.status_message
+    assert "it holds 4; free: 1-3,5-7" in reply.status_message
+    # Nothing went to the runtime, and nothing changed.
+    assert len(env.fake.calls) == calls
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
     assert env.saved()[pod.uid] == {"main": FIRST_SINGLE}
     assert env.engine.counters["cpu_resizes_not_applied"] == 1
     assert env.engine.counters["cpu_resizes_applied"] == 0
-    [fields] = resize_warnings(caplog)
+    [warning] = [r for r in caplog.records if r.getMessage() == "in-place CPU resize refused"]
+    fields = warning.__dict__["fields"]
     assert (fields["exclusive_cpus_held"], fields["exclusive_cpus_asked"]) == (1, 8)
     assert fields["container_id"] == pinned_id
-    assert "cannot allocate" in str(fields["reason"])
-    # The same update again: said once.
-    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 8000))
+    # kubelet's retry: refused again, said once.
+    reply = await env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 8000))
+    assert reply.status is Status.RESOURCE_EXHAUSTED
     assert env.engine.counters["cpu_resizes_not_applied"] == 1
     # A count that fits is applied.
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
@@ -568,26 +579,45 @@ async def test_an_in_place_resize_without_room_is_kept_as_it_was_and_reported_on
     assert_consistent(env)
 
 
+async def test_an_in_place_resize_once_room_is_made_is_applied_at_kubelets_retry(
+    env: Env,
+) -> None:
+    big = await env.kubelet.run_pod("big", "guaranteed")
+    big_id = await env.kubelet.start_new(big, "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    reply = await env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert reply.status is Status.RESOURCE_EXHAUSTED
+    await env.kubelet.stop(big_id)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert len(CPUSet.parse(env.cpus(pinned_id))) == 2
+    assert env.engine.counters["cpu_resizes_applied"] == 1
+    assert_consistent(env)
+
+
 async def test_an_in_place_resize_whose_checkpoint_cannot_be_written_changes_nothing(
-    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
     pod = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pod, "main", 1000)
     before = env.engine.state
+    calls = len(env.fake.calls)
 
     async def refused(state: CPUState) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(env.engine.checkpoint, "save", refused)
-    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    # As for any decision that cannot be persisted: INTERNAL under fail-closed.
+    reply = await env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert reply.status is Status.INTERNAL
+    assert "No space left on device" in reply.status_message
     assert env.engine.state is before
+    assert len(env.fake.calls) == calls
     assert env.cpus(pinned_id) == FIRST_SINGLE
     assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
-    assert env.fake.containers[pinned_id].resources.memory_limit_in_bytes == 2 * GIB
-    [fields] = resize_warnings(caplog)
-    assert "checkpoint cannot be written" in str(fields["reason"])
-    assert env.engine.counters["checkpoint_errors"] == 1
+    assert env.engine.counters["internal_errors"] == 1
+    assert env.engine.counters["cpu_resizes_applied"] == 0
     monkeypatch.undo()
     assert_consistent(env)
 
