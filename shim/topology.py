@@ -228,8 +228,13 @@ class Topology:
         when none has (CPUs of memory-less nodes only), every node with memory. The kernel
         refuses a cpuset.mems naming a node without memory, and places such CPUs' memory
         on the nearest nodes that have it."""
-        nodes = CPUSet(self.numa_nodes_of(cpus)) & self.memory_nodes
-        return nodes or self.memory_nodes
+        return self.memory_nodes_within(CPUSet(self.numa_nodes_of(cpus)))
+
+    def memory_nodes_within(self, nodes: CPUSet) -> CPUSet:
+        """What a cpuset.mems confined to ``nodes`` may name: those of them that have memory,
+        or, when none has, every node with memory. kubelet's memory manager may name a node
+        whose memory went offline since (memory hotplug), which the kernel refuses."""
+        return (nodes & self.memory_nodes) or self.memory_nodes
 
     def sockets_of(self, cpus: CPUSet) -> frozenset[int]:
         return frozenset(s for s, m in self.socket_masks.items() if m & cpus.mask)

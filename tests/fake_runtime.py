@@ -223,6 +223,9 @@ class FakeRuntime:
         # containerd before 1.6.9 gives no resources in ContainerStatus (its verbose info's
         # OCI spec has them).
         self.reports_resources = True
+        # The NUMA nodes with memory, when a test says: runc's write of a cpuset.mems that
+        # names another (a start, an update of a running container) is refused by the kernel.
+        self.memory_nodes: CPUSet | None = None
         self._next_pid = 1000
         # Gives started containers real processes (their pids go into ``cgroup.procs``), for
         # tests of what the engine does when a process exits; fake numbers otherwise.
@@ -437,6 +440,17 @@ class FakeRuntime:
         if cgroup is not None and cgroup.is_dir():
             shutil.rmtree(cgroup)
 
+    def _check_memory_nodes(self, mems: str) -> None:
+        """runc's write of ``mems`` into a cpuset.mems, which the kernel refuses (EINVAL)
+        when it names a node without memory."""
+        if self.memory_nodes is None or not mems:
+            return
+        if not CPUSet.parse(mems).issubset(self.memory_nodes):
+            raise GRPCError(
+                Status.UNKNOWN,
+                f"failed to write {mems!r}: write cpuset.mems: invalid argument",
+            )
+
     def _make_cgroup(self, container: FakeContainer) -> None:
         cgroup = self.cgroup_dir(container.id)
         if cgroup is None:
@@ -619,6 +633,7 @@ class FakeRuntime:
         if container.state != pb.CONTAINER_CREATED:
             state = pb.ContainerState.Name(_container_state(container.state))
             raise GRPCError(Status.UNKNOWN, f"container is in {state} state")
+        self._check_memory_nodes(container.resources.cpuset_mems)
         container.state = pb.CONTAINER_RUNNING
         container.started_at = time.time_ns()
         container.pid = self.pid_source() if self.pid_source is not None else self._pid()
@@ -738,6 +753,9 @@ class FakeRuntime:
         container = self._container(request.container_id)
         if container.removing:
             raise GRPCError(Status.UNKNOWN, f"container {container.id!r} is in removing state")
+        if container.state == pb.CONTAINER_RUNNING:
+            # The spec's as updated: containerd keeps the nodes it holds when none are given.
+            self._check_memory_nodes(request.linux.cpuset_mems or container.resources.cpuset_mems)
         cgroup = self.cgroup_dir(container.id)
         running = container.state == pb.CONTAINER_RUNNING and cgroup is not None
         if running and cgroup is not None and cgroup.is_dir() and self.children_bound_updates:

@@ -724,9 +724,18 @@ class Engine:
                 ):
                     await self._mark_pod_level(pod)
         pool = self.state.shared
-        rq.pin(request.config.linux.resources, pool)
-        shared_mems = _nodes_asked(request.config.linux.resources)
-        await self._project_new(request, key, Cpuset(pool, _mems(shared_mems), exclusive=False))
+        resources = request.config.linux.resources
+        rq.pin(resources, pool)
+        shared_mems = _nodes_asked(resources)
+        narrowed = _narrowed(self.policy.topology, shared_mems)
+        if narrowed:
+            assert shared_mems is not None
+            # Kept as kubelet's choice (it applies again once its nodes have memory); the
+            # runtime is sent what the kernel takes, as an update would be.
+            resources.cpuset_mems = str(self.policy.topology.memory_nodes_within(shared_mems))
+            self._tell_narrowed(key, "", shared_mems)
+        kept = self._nodes_kept(shared_mems)
+        await self._project_new(request, key, Cpuset(pool, _mems(kept), exclusive=False))
         policy = self.policy
         reply = await forward(request.SerializeToString())
         response = _response(reply, pb.CreateContainerResponse)
@@ -745,6 +754,7 @@ class Engine:
                 exclusive=False,
                 keep_quota=True,
                 shared_mems=shared_mems,
+                mems_narrowed=narrowed,
                 phase=Phase.CREATED,
                 applied=pool,
                 recorded=pool,
@@ -827,6 +837,9 @@ class Engine:
             cpus = chosen
         assignment = Assignment(cpus, "", pod.sandbox_id, attempt, pod.label, memory_nodes)
         mems = self._mems_of(assignment)
+        if _narrowed(self.policy.topology, memory_nodes):
+            assert memory_nodes is not None
+            self._tell_narrowed(key, "", memory_nodes)
         # The projection does not wait for the decision's fsync: until the container
         # exists nobody reads it, and a failed decision leaves it to the pod's removal.
         projecting = self._spawn(
@@ -930,6 +943,7 @@ class Engine:
             keep_quota=plan.keep_quota,
             kubelet_quota=kubelet_quota,
             kubelet_mems=assignment.mems,
+            mems_narrowed=_narrowed(self.policy.topology, assignment.mems),
             phase=Phase.CREATED,
             applied=cpus,
             recorded=cpus,
@@ -1052,7 +1066,7 @@ class Engine:
             return  # not moved yet; the move projects it
         if not mems:
             # Left as they are: the nodes the cgroup keeps, not every node.
-            mems = _mems(tracked.shared_mems)
+            mems = _mems(self._nodes_kept(tracked.shared_mems))
         pinned = self._assignment_of(tracked) is not None
         self.projector.update(tracked.key, Cpuset(cpus, mems, exclusive=pinned))
 
@@ -1484,20 +1498,22 @@ class Engine:
         live containers whose memory nodes derive from them are marked to be written with
         their new ones by the re-plan's moves, through the runtime (which writes
         ``cpuset.mems``). Those are an exclusive container's whose kubelet named none, when
-        its CPUs' nodes with memory changed, and a shared container's with every node. Those
-        kubelet's memory manager chose stay as they are; a container that lost its exclusive
-        CPUs moves anyway, with every node as they are now."""
+        its CPUs' nodes with memory changed, and a shared container's with every node; and
+        a container's whose nodes kubelet's memory manager chose, when some of those lost
+        their memory or got it back (:meth:`Topology.memory_nodes_within`). A container that
+        lost its exclusive CPUs moves anyway, with its memory nodes as they are now."""
         now = self.policy.topology
         for tracked in self.containers.values():
             if tracked.phase is Phase.EXITED:
                 continue
             assignment = self._assignment_of(tracked)
             if assignment is not None:
-                follows = assignment.mems is None and (
-                    before.memory_nodes_of(assignment.cpus) != now.memory_nodes_of(assignment.cpus)
-                )
+                follows = self._mems_of(assignment, before) != self._mems_of(assignment)
             else:
-                follows = not tracked.exclusive and tracked.shared_mems is None
+                chosen = tracked.shared_mems
+                follows = not tracked.exclusive and (
+                    _sharing_mems(before, chosen) != _sharing_mems(now, chosen)
+                )
             if follows:
                 tracked.settings_stale = True
 
@@ -1710,31 +1726,69 @@ class Engine:
         """The cpuset, the mems (empty: left as they are) and the CFS quota (None: left as
         it is) a container should have now."""
         assignment = self._assignment_of(tracked)
+        topology = self.policy.topology
         if assignment is not None:
             quota = None if tracked.keep_quota else rq.NO_QUOTA
+            self._note_narrowing(tracked, assignment.mems)
             return assignment.cpus, self._mems_of(assignment), quota
         if tracked.exclusive:
             # It lost its exclusive CPUs (a new policy or reserved set): it shares now, so it
             # gets kubelet's settings back: its quota, and the memory nodes kubelet's memory
             # manager chose (when cpushim knows them), else every node with memory, as a
             # shared one has (a node with memory and no CPU among them).
-            if tracked.kubelet_mems is not None:
-                mems = str(tracked.kubelet_mems)
-            else:
-                mems = rq.mems_of(self.policy.topology.memory_nodes)
+            self._note_narrowing(tracked, tracked.kubelet_mems)
+            mems = str(_sharing_mems(topology, tracked.kubelet_mems))
             return self.state.shared, mems, tracked.kubelet_quota or None
-        if tracked.settings_stale and tracked.shared_mems is None:
-            # Every node with memory, which changed since its cgroup was given them
-            # (_follow_memory_nodes): the move writes them as they are now.
-            return self.state.shared, rq.mems_of(self.policy.topology.memory_nodes), None
+        if tracked.settings_stale:
+            # Every node with memory, or those of kubelet's nodes that have memory, which
+            # changed since its cgroup was given them (_follow_memory_nodes): the move writes
+            # them as they are now.
+            self._note_narrowing(tracked, tracked.shared_mems)
+            return self.state.shared, str(_sharing_mems(topology, tracked.shared_mems)), None
         return self.state.shared, "", None
 
-    def _mems_of(self, assignment: Assignment) -> str:
-        """An exclusive container's memory nodes: kubelet's choice, else its CPUs' nodes
-        that have memory."""
+    def _mems_of(self, assignment: Assignment, topology: Topology | None = None) -> str:
+        """An exclusive container's memory nodes, on ``topology`` (the machine's now when
+        None): kubelet's choice as far as its nodes have memory, else its CPUs' nodes that
+        have memory."""
+        topology = topology or self.policy.topology
         if assignment.mems is not None:
-            return str(assignment.mems)
-        return str(self.policy.topology.memory_nodes_of(assignment.cpus))
+            return str(topology.memory_nodes_within(assignment.mems))
+        return str(topology.memory_nodes_of(assignment.cpus))
+
+    def _nodes_kept(self, shared_mems: CPUSet | None) -> CPUSet | None:
+        """The memory nodes the cgroup of a shared container with ``shared_mems`` keeps
+        (None: every node): those of kubelet's that have memory."""
+        if shared_mems is None:
+            return None
+        return self.policy.topology.memory_nodes_within(shared_mems)
+
+    def _note_narrowing(self, tracked: Tracked, chosen: CPUSet | None) -> None:
+        """Warn, once until they all have memory again, that the memory nodes kubelet's
+        memory manager chose for ``tracked`` (``chosen``) name one without memory now."""
+        narrowed = _narrowed(self.policy.topology, chosen)
+        if narrowed and not tracked.mems_narrowed:
+            assert chosen is not None
+            self._tell_narrowed(tracked.key, tracked.id, chosen)
+        tracked.mems_narrowed = narrowed
+
+    def _tell_narrowed(self, key: ContainerKey, container_id: str, chosen: CPUSet) -> None:
+        """The warning of :meth:`_note_narrowing` (``container_id``: "" before the create)."""
+        topology = self.policy.topology
+        log.warning(
+            "kubelet's memory manager chose memory nodes for a container that have no memory"
+            " now (memory hotplug), which the kernel refuses: its memory goes to those of them"
+            " that have memory, else to every node with memory, until they have it again",
+            extra={
+                "fields": {
+                    "container": str(key),
+                    "container_id": container_id,
+                    "kubelet_mems": str(chosen),
+                    "mems": str(topology.memory_nodes_within(chosen)),
+                    "memory_nodes": str(topology.memory_nodes),
+                }
+            },
+        )
 
     def _lost(self, tracked: Tracked) -> bool:
         """Whether it carries an exclusive container's settings without its CPUs."""
@@ -1859,6 +1913,19 @@ def _nodes_asked(resources: pb.LinuxContainerResources) -> CPUSet | None:
 def _mems(nodes: CPUSet | None) -> str:
     """Memory nodes as a projection names them: "" for every node."""
     return "" if nodes is None else str(nodes)
+
+
+def _narrowed(topology: Topology, chosen: CPUSet | None) -> bool:
+    """Whether memory nodes kubelet's memory manager chose name one without memory now (its
+    memory went offline since), which the kernel refuses in a cpuset.mems."""
+    return chosen is not None and not chosen.issubset(topology.memory_nodes)
+
+
+def _sharing_mems(topology: Topology, chosen: CPUSet | None) -> CPUSet:
+    """The memory nodes of a container without exclusive CPUs whose kubelet's memory manager
+    chose ``chosen`` (None: none): those of them that have memory, else every node with
+    memory."""
+    return topology.memory_nodes if chosen is None else topology.memory_nodes_within(chosen)
 
 
 def _at_or_under(container_path: str, target: str) -> bool:

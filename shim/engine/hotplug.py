@@ -11,7 +11,8 @@ The memory nodes (``has_memory``, every node a container's ``cpuset.mems`` may n
 with memory hotplug alone: a memory block brought online or taken offline, CXL memory added
 as a node of its own, with no CPU going anywhere. The re-plan writes the new ones to the
 containers whose memory nodes derive from them (an exclusive one's CPUs' nodes with memory,
-every node for one that shares), kept on their CPUs; those kubelet chose stay.
+every node for one that shares), kept on their CPUs; those kubelet chose stay, but for nodes
+that lost all their memory, which the kernel refuses (``Topology.memory_nodes_within``).
 
 The kernel tells of a CPU going offline or online with a uevent (``NETLINK_KOBJECT_UEVENT``,
 subsystem ``cpu``), and of memory with one of subsystem ``memory`` (a block) or ``node``;

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Final
 
 from shim.cpuset import CPUSet
@@ -50,7 +49,3 @@ def update_request(
     request = pb.UpdateContainerResourcesRequest(container_id=container_id)
     pin(request.linux, cpus, mems, quota=quota)
     return request.SerializeToString()
-
-
-def mems_of(nodes: Iterable[int]) -> str:
-    return str(CPUSet(nodes))

@@ -962,10 +962,12 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             plan = _plan(pod, container)
             if plan.exclusive is None or tracked.key in state.assignments:
                 continue
-            # Kubelet's own choice when cpushim kept it (from the create, or the assignment
-            # the container lost); the runtime's record can only tell nodes apart from the
-            # shared pool's.
+            # Kubelet's own choice when cpushim kept it (from the assignment the container
+            # lost, or the create), whatever its cgroup holds of it now; the runtime's record
+            # can only tell nodes apart from the shared pool's.
             mems = tracked.kubelet_mems
+            if mems is None:
+                mems = tracked.shared_mems
             if mems is None:
                 mems = _kubelet_mems(engine, container)
             # A refusal is told once per container: this runs at every full look, and
@@ -1163,6 +1165,10 @@ def tracked_from_runtime(
         wanted = CPUSet.parse(engine._mems_of(assignment))
         quota_kept = keep_quota or resources.cpu_quota == rq.NO_QUOTA
         settings_stale = _recorded_mems(container) != wanted or not quota_kept
+    elif shared_mems is not None:
+        # kubelet's nodes, one of which lost its memory (memory hotplug) while cpushim was
+        # down: the runtime's record would have the kernel refuse every update through it.
+        settings_stale = not shared_mems.issubset(engine.policy.topology.memory_nodes)
     tracked = Tracked(
         settings_stale=settings_stale,
         id=container.id,

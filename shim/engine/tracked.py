@@ -41,8 +41,13 @@ class Tracked:
     kubelet_mems: CPUSet | None = None
     # The NUMA nodes its cgroup keeps while it shares (cpushim leaves them as they are), for
     # its projection: kubelet's memory manager's from its create or the runtime's record, or
-    # those given back when it lost exclusive CPUs; None for every node.
+    # those given back when it lost exclusive CPUs; None for every node. Those of them that
+    # have memory, when memory hotplug took some away (Topology.memory_nodes_within).
     shared_mems: CPUSet | None = None
+    # kubelet's memory nodes for it (above, or its assignment's) name a node that has no
+    # memory now, and the warning that its memory goes elsewhere was given; cleared once they
+    # all have memory again, so that another loss is told again.
+    mems_narrowed: bool = False
     # The container's cgroup directory, once located (after start).
     cgroup: Path | None = None
     # Its pod's cgroup parent (from the sandbox config), where the runtime puts its cgroup.

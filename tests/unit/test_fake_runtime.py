@@ -15,6 +15,7 @@ from grpclib.const import Cardinality
 from grpclib.const import Status as GrpcStatus
 from grpclib.exceptions import GRPCError
 
+from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.cri.methods import ALL_METHODS, REQUEST_TYPES
@@ -488,6 +489,32 @@ async def test_update_works_in_every_state_but_removing(client: Client, rt: Fake
     assert reply.status is Status.UNKNOWN
     assert "removing" in reply.status_message
     assert rt.containers[container_id].resources.cpuset_cpus == "2"
+
+
+async def test_memory_nodes_without_memory_are_refused_as_the_kernel_does(
+    client: Client, rt: FakeRuntime
+) -> None:
+    """A runc write of a cpuset.mems naming a node without memory fails (EINVAL): at a start,
+    and at an update of a running container, whose spec keeps its nodes when none are given.
+    A container not started has no cgroup: only its spec changes."""
+    rt.memory_nodes = CPUSet.parse("0")
+    sandbox_id = await client.run_pod("web")
+    container_id = await client.create(sandbox_id, "main")
+    assert (await client.update(container_id, cpuset_mems="1")).status is Status.OK
+    message = await client.fails(
+        "StartContainer", pb.StartContainerRequest(container_id=container_id), Status.UNKNOWN
+    )
+    assert "cpuset.mems: invalid argument" in message
+    assert (await client.update(container_id, cpuset_mems="0")).status is Status.OK
+    await client.start(container_id)
+    assert (await client.update(container_id, cpuset_mems="0-1")).status is Status.UNKNOWN
+    resources = rt.containers[container_id].resources
+    assert resources.cpuset_mems == "0"  # containerd puts the spec back
+    assert (await client.update(container_id, cpuset_cpus="2")).status is Status.OK
+    # Node 1's memory went offline since the spec named it.
+    resources.cpuset_mems = "0-1"
+    assert (await client.update(container_id, cpuset_cpus="3")).status is Status.UNKNOWN
+    assert (await client.update(container_id, cpuset_cpus="3", cpuset_mems="0")).status is Status.OK
 
 
 def test_merge_hugepages_and_unified() -> None:

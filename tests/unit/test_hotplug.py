@@ -91,8 +91,9 @@ class Following:
 
     def with_memory_on(self, nodes: str) -> None:
         """What the kernel shows once memory went offline or online, the CPUs as they are:
-        the nodes with memory are ``nodes``."""
+        the nodes with memory are ``nodes``, and runc's writes of others are refused."""
         (self.sysfs / "devices" / "system" / "node" / "has_memory").write_text(nodes + "\n")
+        self.env.fake.memory_nodes = CPUSet.parse(nodes)
 
     async def replanned_for_memory(self, count: int = 1) -> None:
         counters = self.env.engine.counters
@@ -391,21 +392,57 @@ async def test_memory_of_an_exclusive_containers_node_taken_offline_is_followed(
 ) -> None:
     """Node 0's memory taken offline: a container pinned there whose memory follows its CPUs
     has no node of theirs with memory left, so every node with memory (node 1) is its, and a
-    shared container's every node is node 1 too. Kubelet's choice of node 0 stays."""
+    shared container's every node is node 1 too."""
     async with following(tmp_path) as f:
         env = f.env
         assert f.events is not None
         shared_id, pinned_id = await pinned_and_shared(env)
-        chosen_pod = await env.kubelet.run_pod("queue", "guaranteed")
-        chosen_id = await env.kubelet.start_new(chosen_pod, "main", 1000, mems="0")
         f.with_memory_on("1")
         f.events.send(uevent("offline", subsystem="memory", cpu=3))
         await f.replanned_for_memory()
         assert env.kernel_cpus(pinned_id) == "4"
         assert mems(env, pinned_id) == "1"
         assert mems(env, shared_id) == "1"
-        assert mems(env, chosen_id) == "0"
         assert not env.engine.containers[pinned_id].settings_stale
+
+
+async def test_kubelets_memory_nodes_without_memory_give_way_until_it_comes_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kubelet's memory manager put two containers' memory on node 0, one pinned, one
+    sharing. Node 0's memory taken offline, the kernel refuses a cpuset.mems naming it: they
+    get every node with memory (node 1), told once each, and kubelet's choice stays recorded.
+    Node 0's memory back, they get it back."""
+    async with following(tmp_path) as f:
+        env = f.env
+        assert f.events is not None
+        pinned_pod = await env.kubelet.run_pod("queue", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pinned_pod, "main", 1000, mems="0")
+        shared_pod = await env.kubelet.run_pod("cache", "burstable")
+        shared_id = await env.kubelet.start_new(shared_pod, "main", 500, mems="0")
+        key = ContainerKey(pinned_pod.uid, "main")
+        f.with_memory_on("1")
+        f.events.send(uevent("offline", subsystem="memory", cpu=3))
+        await f.replanned_for_memory()
+        assert mems(env, pinned_id) == mems(env, shared_id) == "1"
+        assert env.engine.state.assignments[key].mems == CPUSet.parse("0")
+        assert env.engine.containers[shared_id].shared_mems == CPUSet.parse("0")
+        assert not env.engine.containers[shared_id].settings_stale
+        told = "kubelet's memory manager chose memory nodes for a container that have no memory"
+        assert caplog.text.count(told) == 2
+        # Moved again (CPU 4 taken offline) while narrowed: the move carries node 1 alone.
+        f.take_offline(4)
+        f.with_memory_on("1")
+        f.events.send(uevent("offline"))
+        await f.replanned()
+        assert env.kernel_cpus(pinned_id) != "4"
+        assert mems(env, pinned_id) == "1"
+        assert caplog.text.count(told) == 2
+        f.with_memory_on("0-1")
+        f.events.send(uevent("online", subsystem="memory", cpu=3))
+        await f.replanned_for_memory(2)
+        assert mems(env, pinned_id) == mems(env, shared_id) == "0"
+        assert not env.engine.containers[shared_id].settings_stale
 
 
 async def test_a_cpu_listed_online_without_topology_files_is_no_change(tmp_path: Path) -> None:

@@ -187,14 +187,6 @@ async def test_kubelets_nodes_survive_a_restart_and_steer_a_replan(env: Env) -> 
     assert env.engine._desired(tracked)[1] == "1"
 
 
-async def test_a_memory_only_node_is_passed_on_and_does_not_steer_the_cpus(env: Env) -> None:
-    """Node 2 has memory and no CPU (the fake machine's CPUs are on nodes 0 and 1)."""
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    container_id = await create(env, pod, "2")
-    resources = env.fake.containers[container_id].resources
-    assert (resources.cpuset_cpus, resources.cpuset_mems) == (FIRST_SINGLE, "2")
-
-
 async def test_a_reload_replan_is_steered_by_kubelets_nodes(env: Env) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     container_id = await create(env, pod, "1")
@@ -410,6 +402,15 @@ async def cxl_env(tmp_path: Path) -> AsyncIterator[Env]:
         yield environment
 
 
+async def test_a_memory_only_node_is_passed_on_and_does_not_steer_the_cpus(
+    cxl_env: Env,
+) -> None:
+    pod = await cxl_env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(cxl_env, pod, "2")
+    resources = cxl_env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == (FIRST_SINGLE, "2")
+
+
 async def test_an_exclusive_containers_memory_still_follows_its_cpus(cxl_env: Env) -> None:
     pod = await cxl_env.kubelet.run_pod("db", "guaranteed")
     container_id = await create(cxl_env, pod, "")
@@ -479,6 +480,16 @@ def test_the_memory_nodes_of_cpus_are_their_nodes_that_have_memory(cpus: str, no
     assert TOPOLOGY.memory_nodes_of(CPUSet.parse(cpus)) == CPUSet(
         TOPOLOGY.numa_nodes_of(CPUSet.parse(cpus))
     )
+
+
+@pytest.mark.parametrize(
+    ("chosen", "nodes"), [("0", "0"), ("0-1", "0"), ("1", "0")], ids=["all", "some", "none"]
+)
+def test_kubelets_nodes_are_narrowed_to_those_with_memory(chosen: str, nodes: str) -> None:
+    """Node 1 lost its memory: of the nodes kubelet chose, those with memory, else every node
+    with memory."""
+    found = NODE_1_WITHOUT_MEMORY.memory_nodes_within(CPUSet.parse(chosen))
+    assert found == CPUSet.parse(nodes)
 
 
 def test_cpus_of_memory_less_nodes_only_go_with_every_node_with_memory() -> None:
@@ -573,3 +584,85 @@ async def test_at_a_restart_memory_nodes_beside_a_memory_less_node_mark_exclusiv
     assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "0,2")
     assert resources.cpu_quota == 600_000
     assert env.engine.containers[container_id].shared_mems is None
+
+
+# --- kubelet's nodes that lost their memory ------------------------------------------------
+
+NARROWED = "kubelet's memory manager chose memory nodes for a container that have no memory now"
+
+
+@pytest.mark.parametrize(("chosen", "mems"), [("1", "0"), ("0-1", "0")], ids=["none", "one"])
+async def test_a_create_naming_a_node_without_memory_gets_those_with_memory(
+    memory_less_env: Env, caplog: pytest.LogCaptureFixture, chosen: str, mems: str
+) -> None:
+    """kubelet's memory manager names node 1, whose memory went offline since it chose it:
+    the kernel would refuse it in cpuset.mems (the fake runtime's start too), so the create
+    carries those of kubelet's nodes that have memory, else every node with memory, for a
+    pinned and a sharing container alike; kubelet's choice stays recorded, told once each."""
+    env = memory_less_env
+    env.fake.memory_nodes = NODE_1_WITHOUT_MEMORY.memory_nodes
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned_pod, "main", 1000, mems=chosen)
+    shared_pod = await env.kubelet.run_pod("cache", "burstable")
+    shared_id = await env.kubelet.start_new(shared_pod, "main", 500, mems=chosen)
+    assert CPUSet.parse(env.cpus(pinned_id)).issubset(NODE_1) == (chosen == "1")
+    assert env.fake.containers[pinned_id].resources.cpuset_mems == mems
+    assert env.fake.containers[shared_id].resources.cpuset_mems == mems
+    key = ContainerKey(pinned_pod.uid, "main")
+    assert env.engine.state.assignments[key].mems == CPUSet.parse(chosen)
+    assert env.engine.containers[shared_id].shared_mems == CPUSet.parse(chosen)
+    # A move of the pinned one (its CPU reserved now) carries them again, told no more.
+    held = env.cpus(pinned_id)
+    policy = StaticPolicy.create(NODE_1_WITHOUT_MEMORY, reserved=CPUSet.parse(f"0,{held}"))
+    assert await env.engine.change_policy(policy) == []
+    assert env.cpus(pinned_id) != held
+    assert env.fake.containers[pinned_id].resources.cpuset_mems == mems
+    assert await env.engine._apply_again()
+    assert caplog.text.count(NARROWED) == 2
+
+
+async def test_at_a_restart_kubelets_nodes_without_memory_are_narrowed(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node 1's memory went offline while cpushim was down: the runtime's records of a pinned
+    and a sharing container still name it, and the next update through the runtime that
+    keeps them would be refused, again and again. Start-up writes the nodes with memory."""
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned_pod, "main", 1000, mems="1")
+    shared_pod = await env.kubelet.run_pod("cache", "burstable")
+    shared_id = await env.kubelet.start_new(shared_pod, "main", 500, mems="0-1")
+    env.fake.memory_nodes = NODE_1_WITHOUT_MEMORY.memory_nodes
+    await env.restart(StaticPolicy.create(NODE_1_WITHOUT_MEMORY, reserved=CPUSet([0])))
+    assert env.fake.containers[pinned_id].resources.cpuset_mems == "0"
+    assert env.fake.containers[shared_id].resources.cpuset_mems == "0"
+    key = ContainerKey(pinned_pod.uid, "main")
+    assert env.engine.state.assignments[key].mems == CPUSet.parse("1")
+    assert env.engine.containers[shared_id].shared_mems == CPUSet.parse("0-1")
+    assert not env.engine.containers[shared_id].settings_stale
+    assert caplog.text.count(NARROWED) == 2
+    # Any move through the runtime now goes through.
+    for container_id in (pinned_id, shared_id):
+        tracked = env.engine.containers[container_id]
+        cpus = CPUSet.parse(env.cpus(container_id))
+        assert (await env.engine.mover.update_through_runtime(tracked, cpus, "", None)).ok
+
+
+async def test_a_sharing_container_adopted_while_narrowed_keeps_kubelets_nodes(
+    memory_less_env: Env,
+) -> None:
+    """Created under none with kubelet's node 1, which has no memory now: it shares on node
+    0's memory. Adopted at a reload to static, its assignment records node 1, which steers
+    its CPUs, and its memory stays on node 0 until node 1 has memory again."""
+    env = memory_less_env
+    await env.engine.change_policy(NonePolicy(NODE_1_WITHOUT_MEMORY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000, mems="1")
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0"
+    await env.engine.change_policy(StaticPolicy.create(NODE_1_WITHOUT_MEMORY, reserved=CPUSet([0])))
+    key = ContainerKey(pod.uid, "main")
+    assert await adopt_sharing(env.engine) == [key]
+    assert env.engine.state.assignments[key].mems == CPUSet.parse("1")
+    assert CPUSet.parse(env.cpus(container_id)).issubset(NODE_1)
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0"
+    await env.engine.change_policy(static_policy())  # node 1's memory back
+    assert env.fake.containers[container_id].resources.cpuset_mems == "1"
