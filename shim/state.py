@@ -1,9 +1,10 @@
 """Who holds which CPUs, as the engine records it, and the checkpoint codec. Pure: no I/O.
 
 Only exclusive assignments are recorded: every other container runs on the shared pool, and
-which containers those are is learnt again from the runtime on start. The shared pool is kept
-in the checkpoint anyway, so a reader (``cpushim status``, an operator) needs no policy
-arithmetic, and so a checkpoint whose parts disagree is caught.
+which containers those are is learnt again from the runtime on start (kubelet's memory nodes
+for those whose runtime record cpushim changed are kept, :class:`KubeletMems`). The shared
+pool is kept in the checkpoint anyway, so a reader (``cpushim status``, an operator) needs no
+policy arithmetic, and so a checkpoint whose parts disagree is caught.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "CPUState",
     "CheckpointError",
     "ContainerKey",
+    "KubeletMems",
     "UnknownPolicyError",
     "decode_checkpoint",
     "encode_checkpoint",
@@ -71,6 +73,18 @@ class Assignment:
     mems: CPUSet | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class KubeletMems:
+    """The memory nodes kubelet's memory manager chose for a container without exclusive
+    CPUs, once cpushim has given it nodes of its own through the runtime (every node with
+    memory as they were then, or those of kubelet's that had memory): the runtime's record of
+    the container holds those from then on, and would pass them off as kubelet's choice."""
+
+    container_id: str
+    # None: kubelet chose none (every node with memory).
+    mems: CPUSet | None
+
+
 def topology_fingerprint(topology: Topology) -> str:
     """Changes when CPUs come or go, move between cores, sockets or NUMA nodes, or change
     isolation; stays the same across reboots of an unchanged machine."""
@@ -97,6 +111,12 @@ class CPUState:
     # exclusive CPUs. In the checkpoint, so a restart that sees fewer of their containers
     # running (one crashed, one completed) keeps them so.
     pod_level: frozenset[str] = frozenset()
+    # kubelet's memory nodes of containers without exclusive CPUs whose runtime record holds
+    # cpushim's, by pod UID and container name: a restart reads them here, not there. Kept
+    # while the pod is there, as released CPUs are.
+    kubelet_mems: Mapping[ContainerKey, KubeletMems] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
 
     @classmethod
     def empty(cls, policy: CPUPolicy) -> CPUState:
@@ -147,13 +167,29 @@ class CPUState:
         return replace(state, released=MappingProxyType(dict(sorted(released.items()))))
 
     def keep_released(self, pod_uids: Collection[str]) -> CPUState:
-        """Without the released CPUs and pod-level marks of pods other than ``pod_uids``
-        (pods that are gone)."""
+        """Without the released CPUs, pod-level marks and kubelet's memory nodes of pods
+        other than ``pod_uids`` (pods that are gone)."""
         kept = {key: cpus for key, cpus in self.released.items() if key.pod_uid in pod_uids}
         marked = frozenset(uid for uid in self.pod_level if uid in pod_uids)
-        if len(kept) == len(self.released) and marked == self.pod_level:
+        mems = {key: m for key, m in self.kubelet_mems.items() if key.pod_uid in pod_uids}
+        unchanged = len(kept) == len(self.released) and len(mems) == len(self.kubelet_mems)
+        if unchanged and marked == self.pod_level:
             return self
-        return replace(self, released=MappingProxyType(kept), pod_level=marked)
+        return replace(
+            self,
+            released=MappingProxyType(kept),
+            pod_level=marked,
+            kubelet_mems=MappingProxyType(mems),
+        )
+
+    def with_kubelet_mems(self, key: ContainerKey, mems: KubeletMems) -> CPUState:
+        """With ``mems`` recorded for the container ``key`` names (its earlier attempt's
+        replaced)."""
+        if self.kubelet_mems.get(key) == mems:
+            return self
+        recorded = dict(self.kubelet_mems)
+        recorded[key] = mems
+        return replace(self, kubelet_mems=MappingProxyType(dict(sorted(recorded.items()))))
 
     def with_pod_level(self, pod_uid: str) -> CPUState:
         """The pod marked as having pod-level resources."""
@@ -335,6 +371,15 @@ def _body(state: CPUState) -> dict[str, Any]:
     if state.pod_level:
         # Only when there are any, as above.
         body["podLevelResources"] = sorted(state.pod_level)
+    if state.kubelet_mems:
+        # Only when there are any, as above. "" for none of kubelet's: every node.
+        recorded: dict[str, dict[str, dict[str, str]]] = {}
+        for key, given in sorted(state.kubelet_mems.items()):
+            recorded.setdefault(key.pod_uid, {})[key.name] = {
+                "container_id": given.container_id,
+                "mems": "" if given.mems is None else str(given.mems),
+            }
+        body["kubeletMems"] = recorded
     return body
 
 
@@ -438,6 +483,17 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
     pod_level = body.get("podLevelResources", [])
     if not isinstance(pod_level, list):
         raise TypeError("podLevelResources must be a list")
+    kubelet_mems: dict[ContainerKey, KubeletMems] = {}
+    for key, entry in _by_container(
+        body.get("kubeletMems", {}), "kubeletMems", "kubelet's memory nodes"
+    ):
+        if not isinstance(entry, dict):
+            raise TypeError(f"{key} kubeletMems must be an object")
+        mems = _cpu_list(entry["mems"], f"{key} kubeletMems")
+        kubelet_mems[key] = KubeletMems(
+            container_id=_text(entry["container_id"], f"{key} kubeletMems container_id"),
+            mems=mems or None,
+        )
     return CPUState(
         policy=_text(body["policy"], "policy"),
         options=frozenset(_text(o, "an option") for o in options),
@@ -447,4 +503,5 @@ def _state_of(body: Mapping[str, Any]) -> CPUState:
         assignments=MappingProxyType(dict(sorted(assignments.items()))),
         released=MappingProxyType(dict(sorted(released.items()))),
         pod_level=frozenset(_text(uid, "a pod UID") for uid in pod_level),
+        kubelet_mems=MappingProxyType(dict(sorted(kubelet_mems.items()))),
     )

@@ -60,7 +60,7 @@ from shim.pods import (
 from shim.policy import CPUPolicy
 from shim.policy.static import AllocationError, ExclusiveRequest
 from shim.projection.writer import ProjectionWriter
-from shim.state import Assignment, ContainerKey, CPUState, replan
+from shim.state import Assignment, ContainerKey, CPUState, KubeletMems, replan
 from shim.topology import Topology
 
 if TYPE_CHECKING:
@@ -763,6 +763,14 @@ class Engine:
                 whole_pod=takes_whole_pod(pod, request.config.linux.resources),
                 own_resources=has_own_resources(request.config.linux.resources),
             )
+            if narrowed:
+                # The runtime's record holds the narrowed nodes: kubelet's are kept here (off
+                # the reply's path, as an exclusive create's id is).
+                self._record_soon(
+                    self.state.with_kubelet_mems(
+                        key, KubeletMems(response.container_id, shared_mems)
+                    )
+                )
             # The pool changed while the runtime created it: correct it before it can start.
             await self._apply()
         if plan.exclusive is not None and self.policy is not policy and self.adopter is not None:
@@ -1243,6 +1251,8 @@ class Engine:
         async with tracked.write_lock:
             self._note_cpu_resize(tracked, request.linux)
             cpus, mems, quota = self._desired(tracked)
+            if mems:
+                await self._keep_kubelets_mems([tracked])
             if request.linux.cpu_quota > 0:
                 tracked.kubelet_quota = request.linux.cpu_quota
             # kubelet's own quota stands unless the container's exclusive CPUs drop it; an
@@ -1790,6 +1800,19 @@ class Engine:
             },
         )
 
+    async def _keep_kubelets_mems(self, given: Iterable[Tracked]) -> None:
+        """Before memory nodes of cpushim's (every node with memory, or those of kubelet's
+        that have memory) go into the runtime's record of containers without exclusive CPUs,
+        the checkpoint keeps kubelet's choice for them: after a restart that record would
+        pass cpushim's nodes off as kubelet's (a list of every node from before a memory
+        change, say), and keep them for good. Under the lock."""
+        state = self.state
+        for tracked in given:
+            if self._assignment_of(tracked) is None:
+                chosen = tracked.kubelet_mems if tracked.exclusive else tracked.shared_mems
+                state = state.with_kubelet_mems(tracked.key, KubeletMems(tracked.id, chosen))
+        await self._record(state)
+
     def _lost(self, tracked: Tracked) -> bool:
         """Whether it carries an exclusive container's settings without its CPUs."""
         return tracked.exclusive and self._assignment_of(tracked) is None
@@ -1857,6 +1880,7 @@ class Engine:
                 waiting.append((tracked, cpus, mems, quota, written is DirectWrite.REFUSED))
         if not waiting:
             return
+        await self._keep_kubelets_mems(t for t, _, mems, _, _ in waiting if mems)
         limit = asyncio.Semaphore(self.options.update_concurrency)
         gone: list[str] = []
 

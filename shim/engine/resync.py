@@ -1127,17 +1127,28 @@ def tracked_from_runtime(
         # Its sandbox is no longer listed, so its annotations are not at hand: the quota
         # cpushim gave it says whether they keep it (one that drops it has -1).
         keep_quota = resources.cpu_quota != rq.NO_QUOTA
+    # cpushim gave it memory nodes of its own through the runtime (or was about to): its
+    # record holds those, and the checkpoint kubelet's.
+    given = engine.state.kubelet_mems.get(key)
+    if given is not None and given.container_id != container.id:
+        given = None
     kubelet_mems = known.mems if known is not None else None
     if known is None and exclusive:
-        # Pinned while cpushim knew nothing of it (--recover-from-runtime) and sharing now:
-        # the runtime's record is all that tells what kubelet's memory manager chose.
-        kubelet_mems = _kubelet_mems(engine, container)
+        # Unpinned as cpushim stopped, its settings not given back yet: kubelet's nodes are
+        # in the checkpoint. Or pinned while cpushim knew nothing of it
+        # (--recover-from-runtime) and sharing now: the runtime's record is all that tells
+        # what kubelet's memory manager chose.
+        kubelet_mems = given.mems if given is not None else _kubelet_mems(engine, container)
+    topology = engine.policy.topology
     shared_mems = None
-    if not exclusive:
+    mems_given = not exclusive and given is not None
+    if given is not None and not exclusive:
+        shared_mems = given.mems
+    elif not exclusive:
         # Its cgroup keeps the nodes it was created with (kubelet's memory manager's), or
         # was given back when it lost exclusive CPUs (kubelet's, or every node with memory).
         shared_mems = _recorded_mems(container)
-        if shared_mems == engine.policy.topology.memory_nodes:
+        if shared_mems == topology.memory_nodes:
             shared_mems = None
     recorded = _current_cpus(container) or None
     running = container.state == pb.CONTAINER_RUNNING
@@ -1165,10 +1176,17 @@ def tracked_from_runtime(
         wanted = CPUSet.parse(engine._mems_of(assignment))
         quota_kept = keep_quota or resources.cpu_quota == rq.NO_QUOTA
         settings_stale = _recorded_mems(container) != wanted or not quota_kept
+    elif mems_given:
+        # Every node with memory, or kubelet's that have memory, as they were when cpushim
+        # gave them: the memory may have changed while it was down.
+        wanted = topology.memory_nodes
+        if shared_mems is not None:
+            wanted = topology.memory_nodes_within(shared_mems)
+        settings_stale = _recorded_mems(container) != wanted
     elif shared_mems is not None:
         # kubelet's nodes, one of which lost its memory (memory hotplug) while cpushim was
         # down: the runtime's record would have the kernel refuse every update through it.
-        settings_stale = not shared_mems.issubset(engine.policy.topology.memory_nodes)
+        settings_stale = not shared_mems.issubset(topology.memory_nodes)
     tracked = Tracked(
         settings_stale=settings_stale,
         id=container.id,

@@ -40,9 +40,10 @@ class Tracked:
     # instead of every node, when it loses its exclusive CPUs.
     kubelet_mems: CPUSet | None = None
     # The NUMA nodes its cgroup keeps while it shares (cpushim leaves them as they are), for
-    # its projection: kubelet's memory manager's from its create or the runtime's record, or
-    # those given back when it lost exclusive CPUs; None for every node. Those of them that
-    # have memory, when memory hotplug took some away (Topology.memory_nodes_within).
+    # its projection: kubelet's memory manager's from its create, the runtime's record or the
+    # checkpoint (when that record holds cpushim's), or those given back when it lost
+    # exclusive CPUs; None for every node. Those of them that have memory, when memory
+    # hotplug took some away (Topology.memory_nodes_within).
     shared_mems: CPUSet | None = None
     # kubelet's memory nodes for it (above, or its assignment's) name a node that has no
     # memory now, and the warning that its memory goes elsewhere was given; cleared once they

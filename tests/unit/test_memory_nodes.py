@@ -5,12 +5,14 @@ holds CPUs 2,3,6,7 (tests/unit/engine_env.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import orjson
 import pytest
+from grpclib.const import Status as GrpcStatus
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
@@ -24,6 +26,7 @@ from shim.state import (
     Assignment,
     ContainerKey,
     CPUState,
+    KubeletMems,
     decode_checkpoint,
     encode_checkpoint,
     integrity_problems,
@@ -41,6 +44,8 @@ from tests.unit.engine_env import (
     env,
     make_env,
     static_policy,
+    until,
+    updates_to,
 )
 
 pytestmark = pytest.mark.anyio
@@ -666,3 +671,133 @@ async def test_a_sharing_container_adopted_while_narrowed_keeps_kubelets_nodes(
     assert env.fake.containers[container_id].resources.cpuset_mems == "0"
     await env.engine.change_policy(static_policy())  # node 1's memory back
     assert env.fake.containers[container_id].resources.cpuset_mems == "1"
+
+
+# --- kubelet's nodes of sharing containers across a restart ------------------------------
+
+
+def test_the_checkpoint_keeps_kubelets_nodes_of_containers_given_cpushims() -> None:
+    """Only when there are any, "" for none of kubelet's; they go with their pod."""
+    web, cache = ContainerKey("uid-web", "main"), ContainerKey("uid-cache", "main")
+    state = (
+        state_with(None)
+        .with_kubelet_mems(web, KubeletMems("c2", None))
+        .with_kubelet_mems(cache, KubeletMems("c3", CPUSet.parse("1")))
+    )
+    data = encode_checkpoint(state)
+    assert orjson.loads(data)["body"]["kubeletMems"] == {
+        "uid-cache": {"main": {"container_id": "c3", "mems": "1"}},
+        "uid-web": {"main": {"container_id": "c2", "mems": ""}},
+    }
+    assert decode_checkpoint(data) == state
+    # What earlier versions wrote, and read back after a rollback (they ignore the key).
+    earlier = encode_checkpoint(state_with(None))
+    assert "kubeletMems" not in orjson.loads(earlier)["body"]
+    assert decode_checkpoint(earlier).kubelet_mems == {}
+    assert dict(state.keep_released({"uid", "uid-cache"}).kubelet_mems) == {
+        cache: KubeletMems("c3", CPUSet.parse("1"))
+    }
+
+
+def recorded_mems(env: Env, container_id: str) -> str:
+    return env.fake.containers[container_id].resources.cpuset_mems
+
+
+async def test_kubelets_nodes_are_on_disk_before_the_runtime_gets_cpushims(env: Env) -> None:
+    """A restart between the two would find the runtime's record holding cpushim's nodes and
+    nothing saying they are not kubelet's."""
+    container_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "m")
+    gate = env.fake.gate("UpdateContainerResources")
+    replan = asyncio.create_task(
+        env.engine.change_policy(StaticPolicy.create(NODE_1_WITHOUT_MEMORY, reserved=CPUSet([0])))
+    )
+    try:
+        await until(lambda: bool(updates_to(env.fake, container_id)), "the update sent")
+        saved = env.engine.checkpoint.load()
+        assert saved is not None
+        assert [m.container_id for m in saved.kubelet_mems.values()] == [container_id]
+    finally:
+        gate.set()
+        await replan
+    assert recorded_mems(env, container_id) == "0"
+
+
+async def test_every_node_cpushim_gave_a_sharing_container_is_no_choice_of_kubelets(
+    env: Env,
+) -> None:
+    """kubelet made it with no nodes; node 1's memory taken offline, cpushim named every node
+    with memory (node 0) in its record. Node 1's memory back while cpushim was down, the
+    restart gives it every node again: node 0 was never kubelet's choice."""
+    container_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "m")
+    assert recorded_mems(env, container_id) == ""
+    await env.engine.change_policy(StaticPolicy.create(NODE_1_WITHOUT_MEMORY, reserved=CPUSet([0])))
+    assert recorded_mems(env, container_id) == "0"
+    await env.engine.checkpoint_written()
+    await env.restart(static_policy())
+    assert recorded_mems(env, container_id) == "0-1"
+    tracked = env.engine.containers[container_id]
+    assert tracked.shared_mems is None
+    assert not tracked.settings_stale
+
+
+async def test_every_node_given_back_with_lost_cpus_is_no_choice_of_kubelets(env: Env) -> None:
+    """Pinned with no nodes of kubelet's, then unpinned by a switch to none: every node with
+    memory (0-1) went into its record. Node 2's memory came online while cpushim was down
+    (CXL): the restart gives it every node, 0-2."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    assert await env.engine.change_policy(NonePolicy(TOPOLOGY)) == [ContainerKey(pod.uid, "main")]
+    assert recorded_mems(env, container_id) == "0-1"
+    await env.engine.checkpoint_written()
+    await env.restart(NonePolicy(WITH_CXL))
+    assert recorded_mems(env, container_id) == "0-2"
+    assert env.engine.containers[container_id].shared_mems is None
+
+
+async def test_kubelets_nodes_of_a_sharing_container_outlive_a_restart_while_narrowed(
+    env: Env,
+) -> None:
+    """kubelet put its memory on node 1, whose memory went offline: its record holds node 0.
+    A restart meanwhile knows node 1 for kubelet's choice, which comes back with the memory."""
+    pod = await env.kubelet.run_pod("cache", "burstable")
+    container_id = await env.kubelet.start_new(pod, "main", 500, mems="1")
+    await env.engine.change_policy(StaticPolicy.create(NODE_1_WITHOUT_MEMORY, reserved=CPUSet([0])))
+    assert recorded_mems(env, container_id) == "0"
+    await env.engine.checkpoint_written()
+    await env.restart()
+    tracked = env.engine.containers[container_id]
+    assert tracked.shared_mems == CPUSet.parse("1")
+    assert not tracked.settings_stale
+    await env.engine.change_policy(static_policy())
+    assert recorded_mems(env, container_id) == "1"
+
+
+async def test_kubelets_nodes_of_a_create_narrowed_outlive_a_restart(
+    memory_less_env: Env,
+) -> None:
+    env = memory_less_env
+    pod = await env.kubelet.run_pod("cache", "burstable")
+    container_id = await env.kubelet.start_new(pod, "main", 500, mems="1")
+    assert recorded_mems(env, container_id) == "0"
+    await env.restart()
+    assert env.engine.containers[container_id].shared_mems == CPUSet.parse("1")
+
+
+async def test_kubelets_nodes_of_a_container_unpinned_as_cpushim_stopped_are_given_back(
+    env: Env,
+) -> None:
+    """Unpinned by a restart under none, whose giving back of kubelet's settings the runtime
+    refused: its record still holds cpushim's marks, and node 1, which is also its CPU's
+    node with memory, so it cannot tell kubelet's choice. The next restart finds it in the
+    checkpoint, and gives node 1 back, not every node."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000, mems="1")
+    assert CPUSet.parse(env.cpus(container_id)).issubset(NODE_1)
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    unpinned = await env.restart(NonePolicy(TOPOLOGY))
+    unpinned._move_retry.end()
+    assert env.fake.containers[container_id].resources.cpu_quota == -1
+    await env.restart()
+    resources = env.fake.containers[container_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")
+    assert resources.cpu_quota == 100_000
