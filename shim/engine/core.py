@@ -1324,11 +1324,18 @@ class Engine:
             return False, None
         key = tracked.key
         policy = self.policy
+        # kubelet's memory manager's choice: kept with its CPUs, or (as an adoption takes it)
+        # the nodes it gave the container while it shared.
+        if held is not None:
+            mems = held.mems
+        elif tracked.kubelet_mems is not None:
+            mems = tracked.kubelet_mems
+        else:
+            mems = tracked.shared_mems
         if held is not None and not resize.asked:
             state = self.state.release([key], policy)
             cpus = CPUSet()
         else:
-            mems = held.mems if held is not None else tracked.kubelet_mems
             request = exclusive_request(resize.asked, resize.plan.isolated, mems)
             others = {k: a.cpus for k, a in self.state.assignments.items() if k != key}
             try:
@@ -1352,6 +1359,8 @@ class Engine:
         if held is None:
             tracked.exclusive = True
             tracked.keep_quota = resize.plan.keep_quota
+            # Restored, with kubelet's quota, should it share again.
+            tracked.kubelet_mems = mems
         self._resize_noted(tracked, None)
         self.counters["cpu_resizes_applied"] += 1
         log.info(

@@ -541,6 +541,25 @@ async def test_an_in_place_resize_of_a_fraction_to_whole_cpus_pins_it(env: Env) 
     assert_consistent(env)
 
 
+async def test_an_in_place_resize_of_a_fraction_keeps_kubelets_memory_nodes(env: Env) -> None:
+    """kubelet's Static memory manager confines a Guaranteed container with a fraction too
+    (node 1 here): pinned by a resize, its CPUs come from there and its memory stays there,
+    as an adoption would have it; back to a fraction, it shares with kubelet's node."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    fraction_id = await env.kubelet.start_new(pod, "main", 1500, mems="1")
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(fraction_id, 2000))
+    resources = env.fake.containers[fraction_id].resources
+    assert CPUSet.parse(resources.cpuset_cpus).issubset(CPUSet.parse("2-3,6-7"))  # socket 1
+    assert resources.cpuset_mems == "1"
+    assignment = env.engine.state.assignments[ContainerKey(pod.uid, "main")]
+    assert assignment.mems == CPUSet.parse("1")
+
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(fraction_id, 1500))
+    resources = env.fake.containers[fraction_id].resources
+    assert (resources.cpuset_cpus, resources.cpuset_mems) == (str(ALL), "1")
+    assert_consistent(env)
+
+
 async def test_an_in_place_resize_without_room_is_refused_changing_nothing(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
