@@ -1229,8 +1229,11 @@ class Engine:
                 return refusal
             reply = await self._update_tracked(tracked, request, forward)
             if resized:
-                # CPUs it gave back go to the shared containers now that it has left them.
+                # CPUs it gave back go to the shared containers now that it has left them,
+                # and, as after any release, to a container waiting for room.
                 await self._apply()
+                if self.room_wanted and self.room_made is not None:
+                    self.room_made()
             if reply.status is Status.NOT_FOUND and request.container_id == tracked.id:
                 # Removed on the runtime without cpushim: no call from kubelet will name it
                 # again, and its CPUs would stay held until a sweep found it gone. Only when

@@ -1232,3 +1232,25 @@ async def test_a_resize_down_that_makes_room_adopts_a_waiting_container_without_
     assert len(env.fake.calls_of("ListContainers")) == swept  # no sweep did it
     assert env.engine.counters["full_resyncs"] == 0
     assert_consistent(env)
+
+
+@pytest.mark.parametrize("milli_cpu", [4000, 5500], ids=["fewer", "fraction"])
+async def test_a_resize_down_of_another_container_adopts_a_waiting_one_without_a_full_look(
+    sharing: tuple[Env, Watcher], milli_cpu: int
+) -> None:
+    """CPUs a pinned container gives back by an in-place resize are a release like a stop's:
+    the container that waits for room is adopted then, not at a full look (with
+    resyncPeriod 0 none comes)."""
+    env, watcher = sharing
+    holder = await env.kubelet.start_new(await env.kubelet.run_pod("a", "guaranteed"), "main", 6000)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    outsider = await left_waiting(env, watcher, pod, 2000)  # one CPU is left
+    swept = len(env.fake.calls_of("ListContainers"))
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(holder, milli_cpu))
+    key = ContainerKey(pod.uid, "main")
+    await until(lambda: key in env.engine.state.assignments, "adopted once there is room")
+    await until(lambda: watcher.jobs.pending == 0, "moved")
+    assert len(CPUSet.parse(env.cpus(outsider))) == 2
+    assert len(env.fake.calls_of("ListContainers")) == swept  # no sweep did it
+    assert env.engine.counters["full_resyncs"] == 0
+    assert_consistent(env)
