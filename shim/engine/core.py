@@ -1284,9 +1284,11 @@ class Engine:
         self, tracked: Tracked, resources: pb.LinuxContainerResources
     ) -> _CPUResize | None:
         """The count of exclusive CPUs kubelet's update asks a running container for, when
-        that is a resize: another count than it holds and than it was created asking for
-        (the CPU values of a memory resize of a container that lost its CPUs to a new
-        policy, or that shares since it was created under none). None otherwise."""
+        that is a resize: another count than it holds, and, for one that holds none, than
+        it was created asking for (the CPU values of a memory resize of a container that
+        lost its CPUs to a new policy, or that shares since it was created under none). One
+        that holds some may hold another count than it was created with (a resize the
+        runtime refused after cpushim applied it, found so by a restart). None otherwise."""
         if resources.cpu_shares == 0:
             return None  # names no CPU request (kubelet always does): another client's update
         pod = self.pods.get(tracked.sandbox_id)
@@ -1300,7 +1302,7 @@ class Engine:
         key = self.state.holding(tracked.id)
         assignment = self.state.assignments[key] if key is not None else None
         held = len(assignment.cpus) if assignment is not None else None
-        if asked == held or asked == tracked.cpus_asked:
+        if asked == held or (held is None and asked == tracked.cpus_asked):
             self._resize_noted(tracked, None)
             return None
         return _CPUResize(asked or 0, plan, pod.pod_level_resources, assignment)

@@ -1007,6 +1007,10 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             tracked.adoption_refused = False
             tracked.exclusive = True
             tracked.keep_quota = plan.keep_quota
+            # The count the runtime's record asks for now: one a resize asked while it waited
+            # (noted, not applied). A later resize back to its first count is one.
+            tracked.cpus_asked = plan.exclusive
+            tracked.resize_noted = None
             tracked.kubelet_quota = kubelet_cfs_quota(
                 resources.cpu_shares, resources.cpu_quota, resources.cpu_period
             )

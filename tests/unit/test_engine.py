@@ -653,6 +653,28 @@ async def test_a_restart_after_an_in_place_resize_keeps_the_new_set(env: Env) ->
     assert_consistent(env)
 
 
+async def test_a_resize_back_after_a_restart_that_kept_a_resize_the_runtime_refused(
+    env: Env,
+) -> None:
+    """The runtime refused kubelet's resize to 2 after cpushim had persisted it and moved the
+    container there; after a restart the runtime's record still asks for 1, the checkpoint
+    holds 2. kubelet's resize back to 1 (the one it was created asking for) must apply: the
+    container holds 2."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    reply = await env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert reply.status is Status.UNAVAILABLE
+    assert len(CPUSet.parse(env.cpus(pinned_id))) == 2  # moved all the same
+    await env.restart()
+    key = ContainerKey(pod.uid, "main")
+    assert len(env.engine.state.assignments[key].cpus) == 2
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
+    assert len(env.engine.state.assignments[key].cpus) == 1
+    assert env.cpus(pinned_id) == str(env.engine.state.assignments[key].cpus)
+    assert_consistent(env)
+
+
 async def test_resizes_that_would_change_no_exclusive_cpus_are_not_reported(env: Env) -> None:
     kubelet = env.kubelet
     burstable_id = await kubelet.start_new(await kubelet.run_pod("web", "burstable"), "main", 500)
@@ -723,6 +745,27 @@ async def test_a_memory_resize_of_a_container_adopted_without_cpus_is_not_a_cpu_
     assert env.engine.state.assignments == {}
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
     assert env.engine.counters["cpu_resizes_not_applied"] == 0
+
+
+async def test_a_resize_back_to_the_created_count_after_an_adoption_at_another_is_applied(
+    env: Env,
+) -> None:
+    """A container that lost its CPUs is resized while it waits (not applied: noted), then
+    adopted for the count that resize asked. Resized back to the count it was created with,
+    it must get that count: it holds another one now."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+    assert await env.engine.change_policy(static_policy(reserved="0-6")) != []
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 3000))
+    await env.engine.change_policy(static_policy())
+    key = ContainerKey(pod.uid, "main")
+    assert await adopt_sharing(env.engine) == [key]
+    assert len(env.engine.state.assignments[key].cpus) == 3
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+    assert len(env.engine.state.assignments[key].cpus) == 2
+    assert len(CPUSet.parse(env.cpus(pinned_id))) == 2
+    assert env.engine.counters["cpu_resizes_applied"] == 1
+    assert_consistent(env)
 
 
 async def test_an_update_without_cpu_shares_is_not_from_kubelet_and_not_a_resize(env: Env) -> None:
