@@ -110,8 +110,7 @@ ENGINE_COUNTERS: dict[str, str] = {
     "cpu_resizes_not_applied": (
         "kubelet updates (in-place resizes) asking a running container for another count of"
         " exclusive CPUs that cpushim cannot give now (refused: no room, a rule of the"
-        " policy; or passed on: it waits for room to be adopted, its pod has pod-level"
-        " resources), once per count asked"
+        " policy; or passed on: it waits for room to be adopted), once per count asked"
     ),
     "cpuset_update_errors": "UpdateContainerResources calls (cpuset moves) the runtime refused",
     "cpuset_updates": "Cpuset moves made through UpdateContainerResources",

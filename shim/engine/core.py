@@ -1305,7 +1305,7 @@ class Engine:
         if asked == held or (held is None and asked == tracked.cpus_asked):
             self._resize_noted(tracked, None)
             return None
-        return _CPUResize(asked or 0, plan, pod.pod_level_resources, assignment)
+        return _CPUResize(asked or 0, plan, assignment)
 
     async def _resize_in_place(
         self, tracked: Tracked, resources: pb.LinuxContainerResources
@@ -1320,7 +1320,7 @@ class Engine:
         kubelet with when the policy cannot give the count asked (RESOURCE_EXHAUSTED; nothing
         changes). OSError when the checkpoint cannot be written, and nothing changes then."""
         resize = self._cpu_resize(tracked, resources)
-        if resize is None or resize.pod_level:
+        if resize is None:
             return False, None
         held = resize.assignment
         if held is None and (tracked.exclusive or tracked.adoption_refused or not resize.asked):
@@ -1420,9 +1420,9 @@ class Engine:
 
     def _note_cpu_resize(self, tracked: Tracked, resources: pb.LinuxContainerResources) -> None:
         """An in-place resize the container cannot take now and that goes on all the same:
-        it lost its CPUs to a re-plan (the adoption that waits for room plans for the count
-        asked), or its pod has pod-level resources. Logged and counted, once per count
-        asked."""
+        it waits for exclusive CPUs (it lost them to a re-plan, or an adoption found no room;
+        the adoption that waits for room plans for the count asked). Logged and counted,
+        once per count asked. (A pod with pod-level resources asks for none: no resize.)"""
         resize = self._cpu_resize(tracked, resources)
         if resize is None:
             return
@@ -1431,11 +1431,6 @@ class Engine:
             return
         self._resize_noted(tracked, noted)
         held = resize.assignment
-        reason = (
-            "its pod has pod-level resources"
-            if resize.pod_level
-            else "it waits for room for the CPUs it asks"
-        )
         self.counters["cpu_resizes_not_applied"] += 1
         log.warning(
             "kubelet asks for another count of exclusive CPUs for a running container, and"
@@ -1448,7 +1443,7 @@ class Engine:
                     "exclusive_cpus_held": len(held.cpus) if held is not None else 0,
                     "exclusive_cpus_asked": noted,
                     "cpus": str(tracked.applied),
-                    "reason": reason,
+                    "reason": "it waits for room for the CPUs it asks",
                 }
             },
         )
@@ -2002,6 +1997,5 @@ class _CPUResize:
 
     asked: int
     plan: ContainerPlan
-    pod_level: bool
     # What it holds now; None: nothing.
     assignment: Assignment | None
