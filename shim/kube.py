@@ -112,6 +112,19 @@ def milli_cpu_limit(cpu_quota: int, cpu_period: int) -> int | None:
     return -(-cpu_quota * 1000 // cpu_period)
 
 
+def request_is_limit(cpu_shares: int, cpu_quota: int, cpu_period: int) -> bool:
+    """Whether a Guaranteed container's shares and quota name one CPU amount, as kubelet
+    writes them (its request is its limit), to the milliCPU the mappings round to. True
+    without a quota to compare with (none set, or kubelet's cpuCFSQuota off) and at either
+    mapping's floor or cap, where the figures stand for a range."""
+    limit = milli_cpu_limit(cpu_quota, cpu_period)
+    if limit is None or cpu_quota <= MIN_QUOTA:
+        return True
+    if cpu_shares <= MIN_SHARES or cpu_shares >= MAX_SHARES:
+        return True
+    return abs(milli_cpu_request(cpu_shares) - limit) <= 1
+
+
 def kubelet_cfs_quota(cpu_shares: int, cpu_quota: int, cpu_period: int) -> int:
     """The CFS quota kubelet gave a container (0: none), from its resources as the runtime
     holds them. A quota of -1 is cpushim's (it drops an exclusive container's quota; kubelet

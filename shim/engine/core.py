@@ -42,7 +42,7 @@ from shim.engine.moves import DirectWrite, Mover
 from shim.engine.projecting import Cpuset, Projector
 from shim.engine.retrying import Retry
 from shim.engine.tracked import Phase, Tracked
-from shim.kube import kubelet_cfs_quota
+from shim.kube import QOSClass, kubelet_cfs_quota, request_is_limit
 from shim.pods import (
     AnnotationError,
     ContainerPlan,
@@ -1293,6 +1293,14 @@ class Engine:
             return None  # names no CPU request (kubelet always does): another client's update
         pod = self.pods.get(tracked.sandbox_id)
         if pod is None or tracked.phase is Phase.EXITED:
+            return None
+        if pod.qos is QOSClass.GUARANTEED and not request_is_limit(
+            resources.cpu_shares, resources.cpu_quota, resources.cpu_period
+        ):
+            # No CPU resize of kubelet's: a Guaranteed container's request is its limit. An
+            # update whose shares and quota disagree (a memory resize carrying a CPU limit
+            # read back from the runtime, which cpushim's quota of -1 leaves unknown) is
+            # not taken for a fraction: its set stays.
             return None
         try:
             plan = plan_container(pod, tracked.key.name, resources)

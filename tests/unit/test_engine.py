@@ -768,6 +768,30 @@ async def test_a_resize_back_to_the_created_count_after_an_adoption_at_another_i
     assert_consistent(env)
 
 
+async def test_an_update_whose_shares_and_quota_disagree_is_no_resize(env: Env) -> None:
+    """A Guaranteed container's request is its limit: a call naming 2 CPUs in its shares and
+    1 in its quota (a memory resize carrying a CPU limit read back from the runtime) is no
+    resize to 1, nor to a fraction; it goes on with the set kept."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+    cpus = env.cpus(pinned_id)
+    mixed = pb.UpdateContainerResourcesRequest(
+        container_id=pinned_id,
+        linux=pb.LinuxContainerResources(
+            cpu_period=100_000,
+            cpu_quota=milli_cpu_to_quota(1000),
+            cpu_shares=milli_cpu_to_shares(2000),
+            memory_limit_in_bytes=2 * GIB,
+        ),
+    )
+    await env.kubelet.ok("UpdateContainerResources", mixed.SerializeToString())
+    assert env.cpus(pinned_id) == cpus
+    assert env.fake.containers[pinned_id].resources.memory_limit_in_bytes == 2 * GIB
+    assert env.engine.counters["cpu_resizes_applied"] == 0
+    assert env.engine.counters["cpu_resizes_not_applied"] == 0
+    assert_consistent(env)
+
+
 async def test_an_update_without_cpu_shares_is_not_from_kubelet_and_not_a_resize(env: Env) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pod, "main", 1000)

@@ -16,6 +16,7 @@ from shim.kube import (
     milli_cpu_limit,
     milli_cpu_request,
     pod_cgroup,
+    request_is_limit,
 )
 from tests.harness.sysfs import PROPERTY_SETTINGS
 
@@ -222,3 +223,21 @@ def test_exclusive_cpu_count(
 def test_exclusive_only_for_whole_cpus(milli: int, period: int) -> None:
     count = exclusive_cpu_count(G, kubelet_shares(milli), kubelet_quota(milli, period), period)
     assert count == (milli // 1000 if milli % 1000 == 0 else None)
+
+
+@pytest.mark.parametrize(
+    ("shares", "quota", "period", "agree"),
+    [
+        (2048, 200_000, 100_000, True),  # 2 CPUs
+        (1536, 150_000, 100_000, True),  # 1500m
+        (1025, 100_100, 100_000, True),  # 1001m: each mapping rounds its own way
+        (2048, 100_000, 100_000, False),  # request 2, limit 1
+        (1024, 150_000, 100_000, False),  # request 1, limit 1.5
+        (2048, 0, 100_000, True),  # no quota to compare with
+        (2048, -1, 100_000, True),  # cpushim's own
+        (2, 1000, 100_000, True),  # both floors
+        (4096, 4000, 1000, True),  # 4 CPUs on a 1 ms period
+    ],
+)
+def test_request_is_limit(shares: int, quota: int, period: int, agree: bool) -> None:
+    assert request_is_limit(shares, quota, period) is agree
