@@ -432,6 +432,14 @@ def kubelet_resize(container_id: str, milli_cpu: int) -> bytes:
     ).SerializeToString()
 
 
+async def beside_a_shared_one(env: Env, milli_cpu: int) -> tuple[str, Pod, str]:
+    """A running BestEffort container, then a Guaranteed pod "db" whose one container asks
+    for ``milli_cpu``: (the shared container's id, the pod, its container's id)."""
+    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    return shared_id, pod, await env.kubelet.start_new(pod, "main", milli_cpu)
+
+
 def resize_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
@@ -443,9 +451,7 @@ def resize_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 async def test_an_in_place_resize_to_more_cpus_keeps_the_old_ones_and_moves_the_shared_first(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
-    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    shared_id, pod, pinned_id = await beside_a_shared_one(env, 1000)
     assert env.cpus(pinned_id) == FIRST_SINGLE
     env.fake.calls.clear()
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
@@ -483,9 +489,7 @@ async def test_an_in_place_resize_to_more_cpus_keeps_the_old_ones_and_moves_the_
 async def test_an_in_place_resize_to_fewer_cpus_gives_them_to_the_shared_once_left(
     env: Env,
 ) -> None:
-    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    pinned_id = await env.kubelet.start_new(pod, "main", 4000)
+    shared_id, pod, pinned_id = await beside_a_shared_one(env, 4000)
     assert env.cpus(pinned_id) == "2-3,6-7"  # socket 1
     env.fake.calls.clear()
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
@@ -506,9 +510,7 @@ async def test_an_in_place_resize_to_fewer_cpus_gives_them_to_the_shared_once_le
 async def test_an_in_place_resize_to_a_fraction_shares_with_kubelets_quota_for_good(
     env: Env,
 ) -> None:
-    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+    shared_id, _, pinned_id = await beside_a_shared_one(env, 2000)
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1500))
     resources = env.fake.containers[pinned_id].resources
     assert resources.cpuset_cpus == env.cpus(shared_id) == str(ALL)
@@ -523,9 +525,7 @@ async def test_an_in_place_resize_to_a_fraction_shares_with_kubelets_quota_for_g
 
 
 async def test_an_in_place_resize_of_a_fraction_to_whole_cpus_pins_it(env: Env) -> None:
-    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    fraction_id = await env.kubelet.start_new(pod, "main", 1500)
+    shared_id, pod, fraction_id = await beside_a_shared_one(env, 1500)
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(fraction_id, 2000))
     resources = env.fake.containers[fraction_id].resources
     assert resources.cpuset_cpus == "1,5"
@@ -565,9 +565,7 @@ async def test_an_in_place_resize_without_room_is_refused_changing_nothing(
 ) -> None:
     """kubelet retries a resize the runtime refuses at every sync of the pod and shows the
     error in the pod's status; the refusal is logged and counted once per count asked."""
-    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    shared_id, pod, pinned_id = await beside_a_shared_one(env, 1000)
     calls = len(env.fake.calls)
     # Seven CPUs to hand out (CPU 0 is reserved): 8 do not fit.
     reply = await env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 8000))
@@ -617,9 +615,7 @@ async def test_an_in_place_resize_once_room_is_made_is_applied_at_kubelets_retry
 async def test_an_in_place_resize_whose_checkpoint_cannot_be_written_changes_nothing(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    shared_id, _, pinned_id = await beside_a_shared_one(env, 1000)
     before = env.engine.state
     calls = len(env.fake.calls)
 
@@ -642,9 +638,7 @@ async def test_an_in_place_resize_whose_checkpoint_cannot_be_written_changes_not
 
 
 async def test_a_restart_after_an_in_place_resize_keeps_the_new_set(env: Env) -> None:
-    shared_id = await env.kubelet.start_new(await env.kubelet.run_pod("web", "besteffort"), "main")
-    pod = await env.kubelet.run_pod("db", "guaranteed")
-    pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+    shared_id, pod, pinned_id = await beside_a_shared_one(env, 1000)
     await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
     await env.restart()
     assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].cpus == CPUSet.parse("1,4")
