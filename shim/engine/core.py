@@ -1351,10 +1351,20 @@ class Engine:
         else:
             request = exclusive_request(resize.asked, resize.plan.isolated, mems)
             others = {k: a.cpus for k, a in self.state.assignments.items() if k != key}
-            try:
-                cpus = policy.resize(others, request, held.cpus if held else CPUSet())
-            except AllocationError as exc:
-                return False, self._resize_refused(tracked, resize, str(exc))
+            released = self.state.released.get(key)
+            if (
+                held is None
+                and released is not None
+                and not policy.refusal(others, request, released)
+            ):
+                # The CPUs it gave back when it last shrank to a fraction, as a create's next
+                # attempt gets them back: its caches may still hold its data.
+                cpus = released
+            else:
+                try:
+                    cpus = policy.resize(others, request, held.cpus if held else CPUSet())
+                except AllocationError as exc:
+                    return False, self._resize_refused(tracked, resize, str(exc))
             assignment = held or Assignment(
                 cpus,
                 tracked.id,

@@ -560,6 +560,23 @@ async def test_an_in_place_resize_of_a_fraction_keeps_kubelets_memory_nodes(env:
     assert_consistent(env)
 
 
+async def test_a_container_resized_back_to_whole_cpus_gets_its_old_ones_if_free(
+    env: Env,
+) -> None:
+    first = await env.kubelet.run_pod("first", "guaranteed")
+    first_id = await env.kubelet.start_new(first, "main", 1000)
+    assert env.cpus(first_id) == FIRST_SINGLE
+    _, pod, pinned_id = await beside_a_shared_one(env, 1000)
+    before = env.cpus(pinned_id)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1500))
+    # The CPU a new choice takes first is free again; the container's own is too.
+    await env.kubelet.stop(first_id)
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
+    assert env.cpus(pinned_id) == before != FIRST_SINGLE
+    assert env.engine.state.released.get(ContainerKey(pod.uid, "main")) is None
+    assert_consistent(env)
+
+
 async def test_an_in_place_resize_without_room_is_refused_changing_nothing(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
