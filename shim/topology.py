@@ -56,6 +56,10 @@ class SysfsWarnings:
     # for the reader's life (the CPU follower reads the topology again at every check
     # while such a CPU keeps the CPUs listed online apart from those planned with).
     cpus_left_out: set[tuple[int, Path]] = field(default_factory=set)
+    # The cache entries passed over for a level that is not a number, by the level file:
+    # told once for the reader's life, as the CPUs left out are (each re-read of the
+    # topology meets them again).
+    caches_passed_over: set[Path] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,11 +403,12 @@ def _memory_list_passed_over(path: Path, error: str, warned: SysfsWarnings) -> N
         log.warning("ignoring an empty list of memory nodes", extra={"fields": {"path": str(path)}})
 
 
-def _caches(cache_dir: Path) -> list[tuple[int, CPUSet]] | None:
+def _caches(cache_dir: Path, warned: SysfsWarnings) -> list[tuple[int, CPUSet]] | None:
     """``(level, CPUs sharing it)`` for each cache this CPU sees, in the order of their
     ``index`` directories' names (the order cadvisor reads them in), or None when sysfs does
     not say. An entry without a level or a CPU list says nothing and is passed over, and so
-    is one whose level is not a number (with a warning: the other entries still count)."""
+    is one whose level is not a number (with a warning, once per ``warned``: the other
+    entries still count)."""
     if not cache_dir.is_dir():
         return None
     caches: list[tuple[int, CPUSet]] = []
@@ -413,10 +418,12 @@ def _caches(cache_dir: Path) -> list[tuple[int, CPUSet]] | None:
             continue
         level = _read_text(level_file).strip()
         if not level.isdecimal():
-            log.warning(
-                "ignoring a cache whose level is not a number",
-                extra={"fields": {"path": str(level_file), "level": level}},
-            )
+            if level_file not in warned.caches_passed_over:
+                warned.caches_passed_over.add(level_file)
+                log.warning(
+                    "ignoring a cache whose level is not a number",
+                    extra={"fields": {"path": str(level_file), "level": level}},
+                )
             continue
         caches.append((int(level), _read_cpulist(shared_file)))
     return caches
@@ -478,7 +485,7 @@ def _read_sysfs(root: Path, warned: SysfsWarnings) -> tuple[list[CPUInfo], CPUSe
         cluster_file = topology_dir / "cluster_id"
         if cluster_file.is_file():
             cluster_of[cpu] = _read_int(cluster_file)
-        caches_of[cpu] = _caches(cpu_dir / f"cpu{cpu}" / "cache")
+        caches_of[cpu] = _caches(cpu_dir / f"cpu{cpu}" / "cache", warned)
     found = _cores_named_apart(found, cluster_of)
 
     infos = [

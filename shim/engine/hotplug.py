@@ -220,9 +220,10 @@ class CPUFollower:
         self._open_socket = open_socket
         self._socket: socket.socket | None = None
         # What the reads of sysfs warned of (a list of memory nodes that reads empty, a CPU
-        # left out for want of a core id): each check reads the memory nodes, and the
-        # topology while the CPUs online differ from those planned with, and what stays as
-        # it was is told once, not at every uevent and full look.
+        # left out for want of a core id, a cache whose level is not a number): each check
+        # reads the memory nodes, and the topology while the CPUs online differ from those
+        # planned with, and what stays as it was is told once, not at every uevent and full
+        # look.
         self.warned = warned if warned is not None else SysfsWarnings()
         # The last refusal (the CPUs online, the memory nodes, the reason): told once.
         self._refused: tuple[CPUSet, CPUSet, str] | None = None

@@ -392,6 +392,36 @@ def test_a_cache_whose_level_is_not_a_number_is_ignored_with_a_warning(
     assert fields == [{"path": str(bad), "level": level}]
 
 
+def test_a_cache_passed_over_is_told_once_to_a_reader_that_reads_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once per level file for a reader that keeps what it warned of (the CPU follower reads
+    the topology again at every check while the CPUs online differ from those planned
+    with); a read given none tells each time."""
+    spec = MachineSpec(cores_per_die=4, l3_per_die=2)
+    root = write_sysfs(spec, tmp_path)
+    cpu_dir = root / "devices/system/cpu"
+    first, second = cpu_dir / "cpu1/cache/index3/level", cpu_dir / "cpu3/cache/index3/level"
+    first.write_text("three\n")
+    warned = SysfsWarnings()
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        for _ in range(2):
+            assert Topology.from_sysfs(root, warned).online == spec.online()
+        second.write_text("L3\n")
+        for _ in range(2):
+            assert Topology.from_sysfs(root, warned).online == spec.online()
+    told = [getattr(record, "fields", None) for record in caplog.records]
+    assert told == [
+        {"path": str(first), "level": "three"},
+        {"path": str(second), "level": "L3"},
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shim.topology"):
+        Topology.from_sysfs(root)
+        Topology.from_sysfs(root)
+    assert len(caplog.records) == 4
+
+
 # -- the memory nodes -------------------------------------------------------------------------
 
 
