@@ -227,6 +227,10 @@ class CPUFollower:
         self.warned = warned if warned is not None else SysfsWarnings()
         # The last refusal (the CPUs online, the memory nodes, the reason): told once.
         self._refused: tuple[CPUSet, CPUSet, str] | None = None
+        # Why the CPUs online last could not be read, while they cannot: told once, not at
+        # every uevent and full look; again once they read well in between, or fail
+        # otherwise.
+        self._unread: str | None = None
         self._stopped = False
         self._stopping = asyncio.Event()
         # Checks again after a refusal while no full look will (resyncPeriod 0): the reason
@@ -305,8 +309,15 @@ class CPUFollower:
                 online = online_cpus(options.sysfs_root)
                 memory = memory_nodes(options.sysfs_root, self.warned)
             except (OSError, ValueError) as exc:
-                log.warning("cannot read the CPUs online", extra={"fields": {"error": str(exc)}})
+                if self._unread != str(exc):
+                    self._unread = str(exc)
+                    log.warning(
+                        "cannot read the CPUs online", extra={"fields": {"error": str(exc)}}
+                    )
                 return
+            if self._unread is not None:
+                self._unread = None
+                log.info("the CPUs online read again", extra={"fields": {"online": str(online)}})
             planned = self.engine.policy.topology
             # No list of memory nodes (none that reads): the topology takes the CPUs' nodes.
             if online == planned.online and (not memory or memory == planned.memory_nodes):

@@ -482,6 +482,41 @@ async def test_a_list_of_memory_nodes_that_reads_empty_is_warned_of_once_while_i
         assert f.env.engine.policy is policy
 
 
+async def test_cpus_online_that_cannot_be_read_are_warned_of_once_while_they_stay_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every check reads the CPUs online: a list that keeps failing the same way is told
+    once, not at every full look; again when it fails otherwise, or after it read well
+    (which is told too)."""
+    async with following(tmp_path, uevents=False) as f:
+        policy = f.env.engine.policy
+        online_file = f.sysfs / "devices" / "system" / "cpu" / "online"
+
+        async def looks(count: int) -> None:
+            for _ in range(count):
+                await f.watcher.look_everywhere()
+                await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+
+        with caplog.at_level(logging.INFO, logger="shim.engine.hotplug"):
+            online_file.write_text("x\n")
+            await looks(3)
+            online_file.unlink()
+            await looks(2)
+            f.take_offline()
+            await looks(2)
+            online_file.write_text("x\n")
+            await looks(2)
+        told = [
+            (r.levelname, r.getMessage())
+            for r in caplog.records
+            if "the CPUs online" in r.getMessage()
+        ]
+        unread = ("WARNING", "cannot read the CPUs online")
+        read_again = ("INFO", "the CPUs online read again")
+        assert told == [unread, unread, read_again, unread]
+        assert f.env.engine.policy is policy
+
+
 async def test_a_cpu_back_online_without_its_core_id_is_warned_of_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
