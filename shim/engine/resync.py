@@ -1084,6 +1084,7 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
         UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
     )
     if reply.status is Status.NOT_FOUND:
+        engine.unread_untracked.discard(container_id)
         return StatusRead(None)
     response, error = container_status(reply)
     if response is None:
@@ -1092,15 +1093,26 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
             # An adoption asks at every sweep, and the watcher while it is not located:
             # an answer that does not decode is told once for the container, by either.
             engine.mover.undecodable_status(tracked, error)
-        else:
+        elif tracked is not None or _newly_unread(engine, container_id):
             log.warning(
                 "cannot read a container's state; it stays as it is",
                 extra={"fields": {"container_id": container_id, "error": error}},
             )
         return StatusRead(None, answered=False)
+    engine.unread_untracked.discard(container_id)
     if response.status.state == pb.CONTAINER_EXITED:
         return StatusRead(None)
     return StatusRead(live_container(container_id, sandbox_id, response.status.metadata, response))
+
+
+def _newly_unread(engine: Engine, container_id: str) -> bool:
+    """Whether a container cpushim does not track whose state the runtime could not give is
+    to be told of, noting it as told: a sweep asks again at every try while the runtime
+    cannot say."""
+    if container_id in engine.unread_untracked:
+        return False
+    engine.unread_untracked.add(container_id)
+    return True
 
 
 def tracked_from_runtime(

@@ -350,6 +350,7 @@ async def _listing(engine: Engine) -> _Listing | None:
         return None
     listed_ids = {item.id for item in listed}
     engine.never_running.intersection_update(listed_ids)
+    engine.unread_untracked.intersection_update(listed_ids)
     # As at start-up.
     engine.never_running.update(superseded_attempts(listed) - set(engine.containers))
     unknown = {

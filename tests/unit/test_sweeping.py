@@ -36,6 +36,7 @@ from tests.unit.engine_env import (
     env,
     make_env,
     static_policy,
+    unreadable,
     until,
 )
 from tests.unit.test_engine import kubelet_resize
@@ -309,6 +310,37 @@ async def test_a_container_whose_state_cannot_be_read_leaves_the_sweep_unfinishe
     report = await sweep(env.engine)
     assert report.tracked == [outsider]
     assert not report.unfinished
+
+
+@pytest.mark.parametrize("status", [Status.UNAVAILABLE, None], ids=["failed", "undecodable"])
+async def test_a_container_whose_state_cannot_be_read_is_warned_of_once_by_the_sweeps(
+    env: Env,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    status: Status | None,
+) -> None:
+    """The sweep tries again (after 1 s, doubling up to a minute) while the runtime cannot
+    say what an unknown container is: each is told once, not at every try, and forgotten
+    once gone from the runtime's list or read."""
+    pod = await env.kubelet.run_pod("tools", "besteffort")
+    gone, kept = made_outside(env, pod, "debug"), made_outside(env, pod, "probe")
+    failing = unreadable(env, monkeypatch, status)
+    failing.update({gone, kept})
+    with caplog.at_level("WARNING", logger="shim.engine.resync"):
+        for _ in range(3):
+            report = await sweep(env.engine)
+            assert report.unfinished
+            assert report.tracked == []
+    told = [
+        r.__dict__["fields"]["container_id"]
+        for r in caplog.records
+        if r.getMessage() == "cannot read a container's state; it stays as it is"
+    ]
+    assert sorted(told) == sorted([gone, kept])
+    await remove_container_outside(env, gone)
+    failing.clear()
+    assert (await sweep(env.engine)).tracked == [kept]
+    assert env.engine.unread_untracked == set()
 
 
 async def test_a_sandbox_whose_state_cannot_be_read_leaves_the_sweep_unfinished(
