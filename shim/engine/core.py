@@ -185,9 +185,9 @@ class Engine:
         # looked at again while the runtime lists them.
         self.never_running: set[str] = set()
         # Containers cpushim does not track whose state the runtime could not give (a
-        # failed ContainerStatus, an answer that does not decode), warned of by a sweep: it
-        # asks again at every try (after 1 s, doubling up to a minute), and each is told
-        # once. Forgotten once read, or gone from a sweep's listing.
+        # failed ContainerStatus, an answer that does not decode), warned of by start-up or
+        # a sweep: a sweep asks again at every try (after 1 s, doubling up to a minute),
+        # and each is told once. Forgotten once read, or gone from a sweep's listing.
         self.unread_untracked: set[str] = set()
         # Sandboxes whose pod start-up or a sweep learnt from the runtime (one another client
         # made never has its RemovePodSandbox pass here): forgotten, by a sweep, once the

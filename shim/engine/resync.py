@@ -479,6 +479,8 @@ async def _containers(
                     }
                 },
             )
+            # The sweeps that read it again (and their retries) do not tell it again.
+            engine.unread_untracked.add(item.id)
             unread.append(item)
             continue
         if response.status.state == pb.CONTAINER_EXITED:
@@ -1108,7 +1110,7 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
 def _newly_unread(engine: Engine, container_id: str) -> bool:
     """Whether a container cpushim does not track whose state the runtime could not give is
     to be told of, noting it as told: a sweep asks again at every try while the runtime
-    cannot say."""
+    cannot say, and start-up has told of those it could not read."""
     if container_id in engine.unread_untracked:
         return False
     engine.unread_untracked.add(container_id)

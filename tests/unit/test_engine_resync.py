@@ -716,6 +716,40 @@ async def test_a_pinned_container_whose_status_cannot_be_read_keeps_its_cpus_for
     assert_consistent(env)
 
 
+@pytest.mark.parametrize("status", [Status.UNKNOWN, None], ids=["failed", "undecodable"])
+async def test_a_container_start_up_could_not_read_is_not_warned_of_again_by_the_sweeps(
+    env: Env,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    status: Status | None,
+) -> None:
+    """Start-up tells of it; the sweeps that follow (tried again while the runtime still
+    cannot say) read it for the same reason and do not tell it again."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000)
+    await env.engine.checkpoint_written()
+    failing = unreadable(env, monkeypatch, status)
+    failing.add(container_id)
+    with caplog.at_level("WARNING", logger="shim.engine.resync"):
+        await env.restart()
+        for _ in range(2):
+            assert (await sweep(env.engine)).unfinished
+    told = [
+        (r.getMessage(), r.__dict__["fields"]["container_id"])
+        for r in caplog.records
+        if r.getMessage().startswith("cannot read a container's")
+    ]
+    assert told == [
+        (
+            "cannot read a container's status; it stays as it is until a sweep reads it",
+            container_id,
+        )
+    ]
+    failing.clear()
+    assert (await sweep(env.engine)).tracked == [container_id]
+    assert env.engine.unread_untracked == set()
+
+
 async def test_a_sweep_s_read_of_a_status_that_does_not_decode_is_warned_of_with_why(
     env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
