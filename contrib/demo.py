@@ -8,8 +8,9 @@ Run as root from the repository root::
 It starts a private containerd (nothing else on the machine is touched), imports a busybox
 image built locally, starts ``python -m shim run`` in front of it (static policy, the lowest
 CPU reserved), and runs, the way kubelet would, a Burstable pod whose container asks for a
-quarter of a CPU, then a Guaranteed pod whose container asks for 1 whole CPU, then stops the
-Guaranteed one. After each step it prints the CPUs the kernel lets each running container run
+quarter of a CPU, then a Guaranteed pod whose container asks for 1 whole CPU, resizes that
+one in place to half a CPU and back to 1 (kubelet's InPlacePodVerticalScaling), then stops
+it. After each step it prints the CPUs the kernel lets each running container run
 on, from its cgroup (``cpuset.cpus``) and from its process (``Cpus_allowed_list``), and what
 the container itself reads in the directory cpushim projects into it (``/run/cpushim/cpus``).
 Then it tears everything down, also when something failed on the way.
@@ -24,7 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -112,6 +113,19 @@ def start_pod(client: KubeletClient, spec: DemoPod) -> Running:
     return Running(spec, container_id)
 
 
+def resize_in_place(client: KubeletClient, item: Running, milli_cpu: int) -> None:
+    """kubelet's in-place resize of the container's CPU (InPlacePodVerticalScaling): its
+    whole resource set, request and limit both ``milli_cpu``, in one UpdateContainerResources."""
+    spec = replace(item.spec, cpu_milli_request=milli_cpu, cpu_milli_limit=milli_cpu)
+    client.update_container_resources(
+        item.container_id,
+        client.linux_resources(
+            spec.qos, ContainerResources(milli_cpu, milli_cpu, spec.memory, spec.memory)
+        ),
+    )
+    item.spec = spec
+
+
 def projected_cpus(client: KubeletClient, container_id: str, kernel: str) -> str:
     """What the container reads in its projection, /run/cpushim/cpus ("-" without one).
     cpushim rewrites it just after the cgroup changes: give it a moment to catch up."""
@@ -181,6 +195,18 @@ def run_scenario(client: KubeletClient, direct: bool) -> None:
     print_table(
         "a Guaranteed pod asks for 1 whole CPU and gets one to itself;\n"
         "   the Burstable pod moved off it before the Guaranteed one was created",
+        rows_of(client, [shared, exclusive]),
+    )
+    resize_in_place(client, exclusive, 500)
+    print_table(
+        "kubectl resizes the Guaranteed pod in place to half a CPU:\n"
+        "   it gives its CPU back and shares, still running",
+        rows_of(client, [shared, exclusive]),
+    )
+    resize_in_place(client, exclusive, 1000)
+    print_table(
+        "and back to 1 whole CPU: it has one to itself again,\n"
+        "   the Burstable pod moved off it first",
         rows_of(client, [shared, exclusive]),
     )
     client.stop_container(exclusive.container_id, timeout=5)
