@@ -1237,8 +1237,7 @@ class Engine:
                 # CPUs it gave back go to the shared containers now that it has left them,
                 # and, as after any release, to a container waiting for room.
                 await self._apply()
-                if self.room_wanted and self.room_made is not None:
-                    self.room_made()
+                self._tell_room_made()
             if reply.status is Status.NOT_FOUND and request.container_id == tracked.id:
                 # Removed on the runtime without cpushim: no call from kubelet will name it
                 # again, and its CPUs would stay held until a sweep found it gone. Only when
@@ -1257,7 +1256,6 @@ class Engine:
         """Forward an update of a tracked container with cpushim's cpuset written into it
         (the engine lock is held)."""
         async with tracked.write_lock:
-            self._note_cpu_resize(tracked, request.linux)
             cpus, mems, quota = self._desired(tracked)
             if mems:
                 await self._keep_kubelets_mems([tracked])
@@ -1338,7 +1336,8 @@ class Engine:
         held = resize.assignment
         if held is None and (tracked.exclusive or tracked.adoption_refused or not resize.asked):
             # One that lost its CPUs to a re-plan: adopted when room is made, for the count
-            # this asks (_note_cpu_resize).
+            # this asks.
+            self._note_waiting_resize(tracked, resize.asked)
             return False, None
         key = tracked.key
         policy = self.policy
@@ -1441,19 +1440,15 @@ class Engine:
         pod = self.pods.get(tracked.sandbox_id)
         return pod.label if pod is not None else ""
 
-    def _note_cpu_resize(self, tracked: Tracked, resources: pb.LinuxContainerResources) -> None:
-        """An in-place resize the container cannot take now and that goes on all the same:
-        it waits for exclusive CPUs (it lost them to a re-plan, or an adoption found no room;
-        the adoption that waits for room plans for the count asked). Logged and counted,
-        once per count asked. (A pod with pod-level resources asks for none: no resize.)"""
-        resize = self._cpu_resize(tracked, resources)
-        if resize is None:
-            return
-        noted = resize.asked
+    def _note_waiting_resize(self, tracked: Tracked, noted: int) -> None:
+        """An in-place resize to ``noted`` CPUs of a container that holds none and waits for
+        exclusive CPUs (it lost them to a re-plan, or an adoption found no room): it goes on
+        all the same, and the adoption that waits for room plans for the count asked.
+        Logged and counted, once per count asked. (A pod with pod-level resources asks for
+        none: no resize.)"""
         if tracked.resize_noted == noted:
             return
         self._resize_noted(tracked, noted)
-        held = resize.assignment
         self.counters["cpu_resizes_not_applied"] += 1
         log.warning(
             "kubelet asks for another count of exclusive CPUs for a running container, and"
@@ -1463,7 +1458,7 @@ class Engine:
                 "fields": {
                     "container_id": tracked.id,
                     "container": str(tracked.key),
-                    "exclusive_cpus_held": len(held.cpus) if held is not None else 0,
+                    "exclusive_cpus_held": 0,
                     "exclusive_cpus_asked": noted,
                     "cpus": str(tracked.applied),
                     "reason": "it waits for room for the CPUs it asks",
@@ -1713,6 +1708,10 @@ class Engine:
             },
         )
         await self._apply()
+        self._tell_room_made()
+
+    def _tell_room_made(self) -> None:
+        """After CPUs went back to the pool: a container waiting for room may fit now."""
         if self.room_wanted and self.room_made is not None:
             self.room_made()
 
