@@ -52,14 +52,19 @@ class SysfsWarnings:
     # reads empty). One that reads well is forgotten, so failing again is told again; one
     # that fails otherwise is told anew.
     memory_lists: dict[Path, str] = field(default_factory=dict)
-    # The CPUs left out for want of a core or package id, with the file missing: told once
-    # for the reader's life (the CPU follower reads the topology again at every check
-    # while such a CPU keeps the CPUs listed online apart from those planned with).
-    cpus_left_out: set[tuple[int, Path]] = field(default_factory=set)
-    # The cache entries passed over for a level that is not a number, by the level file:
-    # told once for the reader's life, as the CPUs left out are (each re-read of the
-    # topology meets them again).
-    caches_passed_over: set[Path] = field(default_factory=set)
+    # What is told once for the reader's life, each re-read of the topology meeting it
+    # again (the CPU follower reads it at every check while a CPU left out keeps the CPUs
+    # listed online apart from those planned with): the CPUs left out for want of a core or
+    # package id, with the file missing; the cache entries passed over for a level that is
+    # not a number, by the level file.
+    told: set[tuple[object, ...]] = field(default_factory=set)
+
+    def first_time(self, *what: object) -> bool:
+        """Whether this reader meets ``what`` for the first time (and is to tell of it)."""
+        if what in self.told:
+            return False
+        self.told.add(what)
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,8 +423,7 @@ def _caches(cache_dir: Path, warned: SysfsWarnings) -> list[tuple[int, CPUSet]] 
             continue
         level = _read_text(level_file).strip()
         if not level.isdecimal():
-            if level_file not in warned.caches_passed_over:
-                warned.caches_passed_over.add(level_file)
+            if warned.first_time("cache level", level_file):
                 log.warning(
                     "ignoring a cache whose level is not a number",
                     extra={"fields": {"path": str(level_file), "level": level}},
@@ -472,8 +476,7 @@ def _read_sysfs(root: Path, warned: SysfsWarnings) -> tuple[list[CPUInfo], CPUSe
         socket, core_id = _read_id(package_file), _read_id(core_file)
         if socket is None or core_id is None:
             missing = package_file if socket is None else core_file
-            if (cpu, missing) not in warned.cpus_left_out:
-                warned.cpus_left_out.add((cpu, missing))
+            if warned.first_time("CPU left out", cpu, missing):
                 log.warning(
                     "leaving out a CPU whose topology lacks an id",
                     extra={"fields": {"cpu": cpu, "missing": str(missing)}},
