@@ -48,16 +48,29 @@ class SysfsWarnings:
     is told once and the operator's log does not fill with the same line. A read given none
     tells all it meets."""
 
-    # The lists of memory nodes passed over, by path: why (the error, or "" for a list that
-    # reads empty). One that reads well is forgotten, so failing again is told again; one
-    # that fails otherwise is told anew.
-    memory_lists: dict[Path, str] = field(default_factory=dict)
+    # The files whose last read failed (a list of memory nodes passed over, the CPUs online
+    # unread), by path: why (the error, or "" for a list that reads empty). One that reads
+    # well is forgotten, so failing again is told again; one that fails otherwise is told
+    # anew.
+    failing: dict[Path, str] = field(default_factory=dict)
     # What is told once for the reader's life, each re-read of the topology meeting it
     # again (the CPU follower reads it at every check while a CPU left out keeps the CPUs
     # listed online apart from those planned with): the CPUs left out for want of a core or
     # package id, with the file missing; the cache entries passed over for a level that is
     # not a number, by the level file.
     told: set[tuple[object, ...]] = field(default_factory=set)
+
+    def failed(self, path: Path, error: str) -> bool:
+        """Note that reading ``path`` failed with ``error``; whether to tell of it (its last
+        read did not fail the same way)."""
+        if self.failing.get(path) == error:
+            return False
+        self.failing[path] = error
+        return True
+
+    def read_well(self, path: Path) -> bool:
+        """Note that ``path`` read well; whether its last read had failed."""
+        return self.failing.pop(path, None) is not None
 
     def first_time(self, *what: object) -> bool:
         """Whether this reader meets ``what`` for the first time (and is to tell of it)."""
@@ -386,7 +399,7 @@ def _memory_nodes(node_dir: Path, warned: SysfsWarnings) -> CPUSet:
             _memory_list_passed_over(path, str(exc), warned)
             continue
         if nodes:
-            warned.memory_lists.pop(path, None)
+            warned.read_well(path)
             return nodes
         _memory_list_passed_over(path, "", warned)
     return CPUSet()
@@ -396,9 +409,8 @@ def _memory_list_passed_over(path: Path, error: str, warned: SysfsWarnings) -> N
     """Warn that the list of memory nodes at ``path`` is passed over, because of ``error``
     ("": it reads empty), unless the last read of it was passed over for the same reason:
     the CPU follower reads the list at every check, each uevent and full look."""
-    if warned.memory_lists.get(path) == error:
+    if not warned.failed(path, error):
         return
-    warned.memory_lists[path] = error
     if error:
         log.warning(
             "ignoring a list of memory nodes that cannot be read",
@@ -433,11 +445,16 @@ def _caches(cache_dir: Path, warned: SysfsWarnings) -> list[tuple[int, CPUSet]] 
     return caches
 
 
+def online_list(root: Path = Path("/sys")) -> Path:
+    """The kernel's list of the CPUs online."""
+    return root / "devices" / "system" / "cpu" / "online"
+
+
 def online_cpus(root: Path = Path("/sys")) -> CPUSet:
     """The CPUs online now, from the kernel's list alone (one small read, for the checks
     that run while cpushim does: a CPU gone offline or back); OSError or ValueError when
     sysfs does not say."""
-    return CPUSet.parse(read_file(f"{root}/devices/system/cpu/online").decode().strip())
+    return CPUSet.parse(read_file(str(online_list(root))).decode().strip())
 
 
 def memory_nodes(root: Path = Path("/sys"), warned: SysfsWarnings | None = None) -> CPUSet:

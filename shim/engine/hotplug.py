@@ -60,7 +60,7 @@ from shim.cpuset import CPUSet
 from shim.engine.resync import replan_live
 from shim.engine.retrying import Retry
 from shim.policy import CPUPolicy
-from shim.topology import SysfsWarnings, Topology, memory_nodes, online_cpus
+from shim.topology import SysfsWarnings, Topology, memory_nodes, online_cpus, online_list
 
 if TYPE_CHECKING:
     from shim.engine.watching import Watcher
@@ -220,17 +220,14 @@ class CPUFollower:
         self._open_socket = open_socket
         self._socket: socket.socket | None = None
         # What the reads of sysfs warned of (a list of memory nodes that reads empty, a CPU
-        # left out for want of a core id, a cache whose level is not a number): each check
+        # left out for want of a core id, a cache whose level is not a number, the CPUs
+        # online that cannot be read): each check
         # reads the memory nodes, and the topology while the CPUs online differ from those
         # planned with, and what stays as it was is told once, not at every uevent and full
         # look.
         self.warned = warned if warned is not None else SysfsWarnings()
         # The last refusal (the CPUs online, the memory nodes, the reason): told once.
         self._refused: tuple[CPUSet, CPUSet, str] | None = None
-        # Why the CPUs online last could not be read, while they cannot: told once, not at
-        # every uevent and full look; again once they read well in between, or fail
-        # otherwise.
-        self._unread: str | None = None
         self._stopped = False
         self._stopping = asyncio.Event()
         # Checks again after a refusal while no full look will (resyncPeriod 0): the reason
@@ -309,14 +306,13 @@ class CPUFollower:
                 online = online_cpus(options.sysfs_root)
                 memory = memory_nodes(options.sysfs_root, self.warned)
             except (OSError, ValueError) as exc:
-                if self._unread != str(exc):
-                    self._unread = str(exc)
+                # Told once while it fails so, not at every uevent and full look.
+                if self.warned.failed(online_list(options.sysfs_root), str(exc)):
                     log.warning(
                         "cannot read the CPUs online", extra={"fields": {"error": str(exc)}}
                     )
                 return
-            if self._unread is not None:
-                self._unread = None
+            if self.warned.read_well(online_list(options.sysfs_root)):
                 log.info("the CPUs online read again", extra={"fields": {"online": str(online)}})
             planned = self.engine.policy.topology
             # No list of memory nodes (none that reads): the topology takes the CPUs' nodes.
