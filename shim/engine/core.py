@@ -1343,12 +1343,7 @@ class Engine:
         policy = self.policy
         # kubelet's memory manager's choice: kept with its CPUs, or (as an adoption takes it)
         # the nodes it gave the container while it shared.
-        if held is not None:
-            mems = held.mems
-        elif tracked.kubelet_mems is not None:
-            mems = tracked.kubelet_mems
-        else:
-            mems = tracked.shared_mems
+        mems = held.mems if held is not None else tracked.memory_nodes_chosen
         if held is not None and not resize.asked:
             state = self.state.release([key], policy)
             cpus = CPUSet()

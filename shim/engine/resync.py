@@ -967,9 +967,7 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             # Kubelet's own choice when cpushim kept it (from the assignment the container
             # lost, or the create), whatever its cgroup holds of it now; the runtime's record
             # can only tell nodes apart from the shared pool's.
-            mems = tracked.kubelet_mems
-            if mems is None:
-                mems = tracked.shared_mems
+            mems = tracked.memory_nodes_chosen
             if mems is None:
                 mems = _kubelet_mems(engine, container)
             # A refusal is told once per container: this runs at every full look, and

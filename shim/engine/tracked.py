@@ -104,3 +104,10 @@ class Tracked:
     # Held by every write of this container's cpuset (direct or through the runtime), so an
     # older cpuset can never land after a newer one.
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    @property
+    def memory_nodes_chosen(self) -> CPUSet | None:
+        """The memory nodes kubelet's memory manager chose for it, as far as cpushim knows
+        them (None: none known): those kept from its create or from the exclusive CPUs it
+        lost, else those its cgroup keeps while it shares."""
+        return self.kubelet_mems if self.kubelet_mems is not None else self.shared_mems
