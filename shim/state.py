@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import orjson
 
@@ -42,6 +42,8 @@ __all__ = [
 ]
 
 CHECKPOINT_VERSION: Final = 1
+
+_V = TypeVar("_V")
 
 
 class CheckpointError(ValueError):
@@ -341,46 +343,57 @@ def replan(
 
 
 def _body(state: CPUState) -> dict[str, Any]:
-    pods: dict[str, dict[str, dict[str, Any]]] = {}
-    for key, a in sorted(state.assignments.items()):
-        entry = pods.setdefault(key.pod_uid, {})[key.name] = {
-            "cpus": str(a.cpus),
-            "container_id": a.container_id,
-            "sandbox_id": a.sandbox_id,
-            "attempt": a.attempt,
-            "pod": a.pod,
-        }
-        if a.mems is not None:
-            # Only when kubelet chose them: a checkpoint without is what earlier versions
-            # wrote and read (they ignore the key, so a rollback keeps working).
-            entry["mems"] = str(a.mems)
     body: dict[str, Any] = {
         "policy": state.policy,
         "options": sorted(state.options),
         "reserved": str(state.reserved),
         "topology": state.topology,
         "shared": str(state.shared),
-        "assignments": pods,
+        "assignments": _per_container(state.assignments, _assignment_entry),
     }
     if state.released:
-        # Only when there are any, as "mems" above: earlier versions ignore the key.
-        released: dict[str, dict[str, str]] = {}
-        for key, cpus in sorted(state.released.items()):
-            released.setdefault(key.pod_uid, {})[key.name] = str(cpus)
-        body["released"] = released
+        # Only when there are any, as "mems" of an assignment: earlier versions ignore the
+        # key.
+        body["released"] = _per_container(state.released, str)
     if state.pod_level:
         # Only when there are any, as above.
         body["podLevelResources"] = sorted(state.pod_level)
     if state.kubelet_mems:
         # Only when there are any, as above. "" for none of kubelet's: every node.
-        recorded: dict[str, dict[str, dict[str, str]]] = {}
-        for key, given in sorted(state.kubelet_mems.items()):
-            recorded.setdefault(key.pod_uid, {})[key.name] = {
+        body["kubeletMems"] = _per_container(
+            state.kubelet_mems,
+            lambda given: {
                 "container_id": given.container_id,
                 "mems": "" if given.mems is None else str(given.mems),
-            }
-        body["kubeletMems"] = recorded
+            },
+        )
     return body
+
+
+def _assignment_entry(a: Assignment) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "cpus": str(a.cpus),
+        "container_id": a.container_id,
+        "sandbox_id": a.sandbox_id,
+        "attempt": a.attempt,
+        "pod": a.pod,
+    }
+    if a.mems is not None:
+        # Only when kubelet chose them: a checkpoint without is what earlier versions wrote
+        # and read (they ignore the key, so a rollback keeps working).
+        entry["mems"] = str(a.mems)
+    return entry
+
+
+def _per_container(
+    entries: Mapping[ContainerKey, _V], encode: Callable[[_V], Any]
+) -> dict[str, dict[str, Any]]:
+    """``entries`` as a checkpoint object keyed by pod UID, then container name, in key
+    order (what :func:`_by_container` reads)."""
+    pods: dict[str, dict[str, Any]] = {}
+    for key, value in sorted(entries.items()):
+        pods.setdefault(key.pod_uid, {})[key.name] = encode(value)
+    return pods
 
 
 def _checksum(body: Mapping[str, Any]) -> str:
