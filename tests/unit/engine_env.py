@@ -312,10 +312,15 @@ def assert_consistent(env: Env) -> None:
 
 
 def updates_to(fake: FakeRuntime, container_id: str) -> list[str]:
+    return [m.linux.cpuset_cpus for m in updates(fake) if m.container_id == container_id]
+
+
+def updates(fake: FakeRuntime) -> list[pb.UpdateContainerResourcesRequest]:
+    """The UpdateContainerResources requests the runtime got, in order."""
     return [
-        m.linux.cpuset_cpus
+        m
         for m in fake.calls_of("UpdateContainerResources")
-        if isinstance(m, pb.UpdateContainerResourcesRequest) and m.container_id == container_id
+        if isinstance(m, pb.UpdateContainerResourcesRequest)
     ]
 
 

@@ -61,6 +61,7 @@ from tests.unit.engine_env import (
     static_policy,
     through_relay,
     until,
+    updates,
     updates_to,
 )
 
@@ -464,11 +465,7 @@ async def test_an_in_place_resize_to_more_cpus_keeps_the_old_ones_and_moves_the_
     assert env.cpus(shared_id) == "0,2-3,5-7"
     # The shared container left CPU 1 before kubelet's update gave it to the resized one.
     assert updates_to(env.fake, shared_id) == ["0,2-3,5-7"]
-    order = [
-        m.container_id
-        for m in env.fake.calls_of("UpdateContainerResources")
-        if isinstance(m, pb.UpdateContainerResourcesRequest)
-    ]
+    order = [m.container_id for m in updates(env.fake)]
     assert order == [shared_id, pinned_id]
     assert env.saved()[pod.uid] == {"main": "1,4"}
     assert env.engine.counters["cpu_resizes_applied"] == 1
@@ -496,11 +493,7 @@ async def test_an_in_place_resize_to_fewer_cpus_gives_them_to_the_shared_once_le
     assert env.cpus(pinned_id) == "2,6"  # a whole core of its own
     assert env.cpus(shared_id) == "0-1,3-5,7"
     # The resized container left CPUs 3 and 7 before the shared one was grown onto them.
-    order = [
-        m.container_id
-        for m in env.fake.calls_of("UpdateContainerResources")
-        if isinstance(m, pb.UpdateContainerResourcesRequest)
-    ]
+    order = [m.container_id for m in updates(env.fake)]
     assert order == [pinned_id, shared_id]
     assert env.saved()[pod.uid] == {"main": "2,6"}
     assert env.engine.counters["cpu_resizes_applied"] == 1

@@ -95,6 +95,12 @@ class Following:
         (self.sysfs / "devices" / "system" / "node" / "has_memory").write_text(nodes + "\n")
         self.env.fake.memory_nodes = CPUSet.parse(nodes)
 
+    async def looks(self, count: int) -> None:
+        """``count`` full looks of the watcher, each with the checks it asked for done."""
+        for _ in range(count):
+            await self.watcher.look_everywhere()
+            await until(lambda: self.watcher.jobs.pending == 0, "watch jobs done")
+
     async def replanned_for_memory(self, count: int = 1) -> None:
         counters = self.env.engine.counters
         await until(lambda: counters["memory_hotplug_replans"] >= count, f"re-plan {count}")
@@ -449,9 +455,7 @@ async def test_a_cpu_listed_online_without_topology_files_is_no_change(tmp_path:
     async with following(tmp_path, unplaced=7) as f:
         assert f.env.engine.policy.topology.online == CPUSet.parse("0-6")
         policy = f.env.engine.policy
-        for _ in range(2):
-            await f.watcher.look_everywhere()
-            await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+        await f.looks(2)
         counters = f.env.engine.counters
         assert counters["cpu_hotplug_replans"] == counters["cpu_hotplug_replans_refused"] == 0
         assert f.env.engine.policy is policy
@@ -465,18 +469,13 @@ async def test_a_list_of_memory_nodes_that_reads_empty_is_warned_of_once_while_i
     async with following(tmp_path) as f:
         policy = f.env.engine.policy
 
-        async def looks(count: int) -> None:
-            for _ in range(count):
-                await f.watcher.look_everywhere()
-                await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
-
         with caplog.at_level(logging.WARNING, logger="shim.topology"):
             f.with_memory_on("")
-            await looks(3)
+            await f.looks(3)
             f.with_memory_on("0-1")
-            await looks(1)
+            await f.looks(1)
             f.with_memory_on("")
-            await looks(2)
+            await f.looks(2)
         told = [r for r in caplog.records if "empty list of memory nodes" in r.getMessage()]
         assert len(told) == 2
         assert f.env.engine.policy is policy
@@ -492,20 +491,15 @@ async def test_cpus_online_that_cannot_be_read_are_warned_of_once_while_they_sta
         policy = f.env.engine.policy
         online_file = f.sysfs / "devices" / "system" / "cpu" / "online"
 
-        async def looks(count: int) -> None:
-            for _ in range(count):
-                await f.watcher.look_everywhere()
-                await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
-
         with caplog.at_level(logging.INFO, logger="shim.engine.hotplug"):
             online_file.write_text("x\n")
-            await looks(3)
+            await f.looks(3)
             online_file.unlink()
-            await looks(2)
+            await f.looks(2)
             f.take_offline()
-            await looks(2)
+            await f.looks(2)
             online_file.write_text("x\n")
-            await looks(2)
+            await f.looks(2)
         told = [
             (r.levelname, r.getMessage())
             for r in caplog.records
@@ -530,9 +524,7 @@ async def test_a_cpu_back_online_without_its_core_id_is_warned_of_once(
         core_id = f.sysfs / "devices" / "system" / "cpu" / "cpu7" / "topology" / "core_id"
         core_id.unlink()
         with caplog.at_level(logging.WARNING, logger="shim.topology"):
-            for _ in range(3):
-                await f.watcher.look_everywhere()
-                await until(lambda: f.watcher.jobs.pending == 0, "watch jobs done")
+            await f.looks(3)
         told = [r.__dict__["fields"] for r in caplog.records if "lacks an id" in r.getMessage()]
         assert told == [{"cpu": 7, "missing": str(core_id)}]
         assert f.env.engine.policy.topology.online == CPUSet.parse("0-6")
