@@ -755,6 +755,7 @@ class Engine:
                 id=response.container_id,
                 key=key,
                 sandbox_id=pod.sandbox_id,
+                pod=pod.label,
                 cgroup_parent=self._cgroup_parent(request, pod),
                 exclusive=False,
                 keep_quota=True,
@@ -898,7 +899,7 @@ class Engine:
         # the CPUs of a container that exists.
         if not recorded and not record(reply):
             fields = {
-                "container": str(key),
+                **self._named(key),
                 "cpus": str(cpus),
                 "error": f"{reply.status.name}: {reply.status_message}",
             }
@@ -951,6 +952,7 @@ class Engine:
             id=container_id,
             key=key,
             sandbox_id=pod.sandbox_id,
+            pod=pod.label,
             cgroup_parent=self._cgroup_parent(request, pod),
             exclusive=True,
             keep_quota=plan.keep_quota,
@@ -969,9 +971,7 @@ class Engine:
             "pinned",
             extra={
                 "fields": {
-                    "pod": pod.label,
-                    "container": key.name,
-                    "container_id": container_id,
+                    **self.containers[container_id].named(),
                     "cpus": str(cpus),
                     "mems": self._mems_of(assignment),
                     "shared": str(self.state.shared),
@@ -1050,7 +1050,7 @@ class Engine:
         if any(_at_or_under(m.container_path, target) for m in mounts):
             log.warning(
                 "the container already mounts something at the projection's path; not projected",
-                extra={"fields": {"container": str(key), "path": target}},
+                extra={"fields": {**self._named(key), "path": target}},
             )
             return
         if any(m.readonly and _at_or_under(target, m.container_path) for m in mounts):
@@ -1059,7 +1059,7 @@ class Engine:
             log.warning(
                 "the container mounts a read-only volume above the projection's path;"
                 " not projected",
-                extra={"fields": {"container": str(key), "path": target}},
+                extra={"fields": {**self._named(key), "path": target}},
             )
             return
         mount = await self.projector.prepare(key, cpuset)
@@ -1170,7 +1170,7 @@ class Engine:
             self.counters["exits_seen"] += 1
             log.info(
                 "container exited",
-                extra={"fields": {"container_id": container_id, "container": str(tracked.key)}},
+                extra={"fields": tracked.named()},
             )
             key = self.state.holding(container_id)
             if key is not None:
@@ -1245,7 +1245,7 @@ class Engine:
                 # container need not mean this one is gone.
                 log.info(
                     "an updated container is gone from the runtime; forgotten",
-                    extra={"fields": {"container_id": tracked.id, "container": str(tracked.key)}},
+                    extra={"fields": tracked.named()},
                 )
                 await self._forget_removed(tracked.id)
         return reply
@@ -1389,8 +1389,7 @@ class Engine:
             "resized in place",
             extra={
                 "fields": {
-                    "container_id": tracked.id,
-                    "container": str(key),
+                    **tracked.named(),
                     "exclusive_cpus_held": len(before),
                     "exclusive_cpus_asked": resize.asked,
                     "cpus_before": str(before) if before else "shared",
@@ -1421,8 +1420,7 @@ class Engine:
                 "in-place CPU resize refused",
                 extra={
                     "fields": {
-                        "container_id": tracked.id,
-                        "container": str(tracked.key),
+                        **tracked.named(),
                         "exclusive_cpus_held": len(held),
                         "exclusive_cpus_asked": resize.asked,
                         "error": message,
@@ -1451,8 +1449,7 @@ class Engine:
             " again or resized once more",
             extra={
                 "fields": {
-                    "container_id": tracked.id,
-                    "container": str(tracked.key),
+                    **tracked.named(),
                     "exclusive_cpus_held": 0,
                     "exclusive_cpus_asked": noted,
                     "cpus": str(tracked.applied),
@@ -1496,7 +1493,7 @@ class Engine:
                     lost.append(key)
                     log.info(
                         "the none policy pins nothing; the container shares",
-                        extra={"fields": {"container": str(key)}},
+                        extra={"fields": self._named(key)},
                     )
                     continue
                 try:
@@ -1508,7 +1505,7 @@ class Engine:
                     log.error(
                         "a running container cannot keep exclusive CPUs under the new policy;"
                         " it shares",
-                        extra={"fields": {"container": str(key), "error": str(exc)}},
+                        extra={"fields": {**self._named(key), "error": str(exc)}},
                     )
                     continue
                 planned = planned.assign(key, replace(old, cpus=cpus), policy)
@@ -1695,15 +1692,35 @@ class Engine:
         keys = [k for k in keys if k in self.state.assignments]
         if not keys:
             return
+        pods = sorted({self._pod_label_of(k) for k in keys} - {""})
         await self._record(self.state.release(keys, self.policy).keep_released(self._pod_uids()))
         log.info(
             "released",
             extra={
-                "fields": {"containers": [str(k) for k in keys], "shared": str(self.state.shared)}
+                "fields": {
+                    "pods": pods,
+                    "containers": [str(k) for k in keys],
+                    "shared": str(self.state.shared),
+                }
             },
         )
         await self._apply()
         self._tell_room_made()
+
+    def _pod_label_of(self, key: ContainerKey) -> str:
+        """The namespace/name of a container's pod, for the logs ("" when unknown)."""
+        held = self.state.assignments.get(key)
+        if held is not None and held.pod:
+            return held.pod
+        for pod in self.pods.values():
+            if pod.uid == key.pod_uid:
+                return pod.label
+        return ""
+
+    def _named(self, key: ContainerKey) -> dict[str, str]:
+        """The fields a log line names a container by when only its key is at hand (see
+        :meth:`Tracked.named`)."""
+        return {"pod": self._pod_label_of(key), "container": str(key)}
 
     def _tell_room_made(self) -> None:
         """After CPUs went back to the pool: a container waiting for room may fit now."""
@@ -1732,7 +1749,7 @@ class Engine:
             except RuntimeError as exc:
                 log.warning(
                     "cannot tell whether a container exited; its CPUs stay held",
-                    extra={"fields": {"container": str(key), "error": str(exc)}},
+                    extra={"fields": {**self._named(key), "error": str(exc)}},
                 )
                 unknown.append(key)
                 continue
@@ -1817,7 +1834,7 @@ class Engine:
             " that have memory, else to every node with memory, until they have it again",
             extra={
                 "fields": {
-                    "container": str(key),
+                    **self._named(key),
                     "container_id": container_id,
                     "kubelet_mems": str(chosen),
                     "mems": str(topology.memory_nodes_within(chosen)),

@@ -398,8 +398,7 @@ class Mover:
             "could not move a container",
             extra={
                 "fields": {
-                    "container_id": tracked.id,
-                    "container": str(tracked.key),
+                    **tracked.named(),
                     "cpus": str(cpus),
                     "error": f"{reply.status.name}: {reply.status_message}",
                 }
@@ -610,8 +609,7 @@ class Mover:
             " a full look or kubelet's next call for it",
             extra={
                 "fields": {
-                    "container_id": tracked.id,
-                    "container": str(tracked.key),
+                    **tracked.named(),
                     "cgroup": str(directory),
                 }
             },
@@ -633,8 +631,7 @@ class Mover:
             "cannot read a container's state; it stays as it is",
             extra={
                 "fields": {
-                    "container_id": tracked.id,
-                    "container": str(tracked.key),
+                    **tracked.named(),
                     "error": error,
                 }
             },
@@ -686,7 +683,7 @@ class Mover:
         if tracked.unplaceable_cgroup_seen or not (place.not_named or place.error):
             return
         tracked.unplaceable_cgroup_seen = True
-        fields = {"container_id": tracked.id, "container": str(tracked.key)}
+        fields = tracked.named()
         if place.not_named:
             log.warning(
                 "the runtime names no cgroup for a container (its ContainerStatus verbose info"

@@ -1208,6 +1208,7 @@ def tracked_from_runtime(
         id=container.id,
         key=key,
         sandbox_id=container.sandbox_id,
+        pod=pod.label if pod is not None else "",
         exclusive=exclusive,
         keep_quota=keep_quota,
         kubelet_quota=kubelet_quota,

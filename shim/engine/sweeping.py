@@ -419,6 +419,6 @@ def _take_held(engine: Engine, state: CPUState, container: LiveContainer) -> CPU
         return state
     log.info(
         "a create whose answer was lost made its container; it keeps its CPUs",
-        extra={"fields": {"container": str(key), "container_id": container.id}},
+        extra={"fields": {**engine._named(key), "container_id": container.id}},
     )
     return state.update(key, container_id=container.id)

@@ -49,6 +49,8 @@ class Tracked:
     # memory now, and the warning that its memory goes elsewhere was given; cleared once they
     # all have memory again, so that another loss is told again.
     mems_narrowed: bool = False
+    # Its pod's namespace/name ("" when unknown), for the logs: operators know pods by it.
+    pod: str = ""
     # The container's cgroup directory, once located (after start).
     cgroup: Path | None = None
     # Its pod's cgroup parent (from the sandbox config), where the runtime puts its cgroup.
@@ -111,3 +113,8 @@ class Tracked:
         them (None: none known): those kept from its create or from the exclusive CPUs it
         lost, else those its cgroup keeps while it shares."""
         return self.kubelet_mems if self.kubelet_mems is not None else self.shared_mems
+
+    def named(self) -> dict[str, str]:
+        """The fields a log line names it by: its pod as kubectl shows it, the key the
+        checkpoint holds it under, and the runtime's id."""
+        return {"pod": self.pod, "container": str(self.key), "container_id": self.id}

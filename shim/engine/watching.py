@@ -472,8 +472,7 @@ class Watcher:
             " its parent's cgroup.subtree_control, so its CPUs are not enforced",
             extra={
                 "fields": {
-                    "container_id": tracked.id,
-                    "container": str(tracked.key),
+                    **tracked.named(),
                     "cgroup": str(tracked.cgroup),
                     "cpus": str(tracked.applied),
                 }
@@ -504,8 +503,7 @@ class Watcher:
                 " re-plans with the CPUs online now (docs/operations.md)",
                 extra={
                     "fields": {
-                        "container_id": tracked.id,
-                        "container": str(tracked.key),
+                        **tracked.named(),
                         "offline": str(offline),
                         "found": str(found),
                         "cpus": str(applied),
@@ -520,8 +518,7 @@ class Watcher:
         assert tracked.cgroup is not None
         self.counters["drift_repairs"] += 1
         fields = {
-            "container_id": tracked.id,
-            "container": str(tracked.key),
+            **tracked.named(),
             "found": str(found),
             "cpus": str(cpus),
         }
@@ -848,7 +845,7 @@ class Watcher:
             tracked.phase = Phase.RUNNING
             log.info(
                 "a container cpushim saw created is running; watching it",
-                extra={"fields": {"container_id": tracked.id, "container": str(tracked.key)}},
+                extra={"fields": tracked.named()},
             )
         return True
 

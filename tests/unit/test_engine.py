@@ -483,6 +483,35 @@ async def test_an_in_place_resize_to_more_cpus_keeps_the_old_ones_and_moves_the_
     assert_consistent(env)
 
 
+async def test_log_lines_name_a_container_by_its_pod_as_kubectl_shows_it(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator greps the log for a pod's namespace/name: every line of its container's
+    life carries it, beside the checkpoint's key and the runtime's id, after a restart too."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    key = str(ContainerKey(pod.uid, "main"))
+
+    def named(message: str) -> list[dict[str, object]]:
+        return [
+            {k: r.__dict__["fields"].get(k) for k in ("pod", "container", "container_id")}
+            for r in caplog.records
+            if r.getMessage() == message
+        ]
+
+    with caplog.at_level(logging.INFO, logger="shim.engine"):
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 2000))
+        await env.restart()
+        await env.kubelet.ok("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
+        await env.kubelet.stop(pinned_id)
+    whole = {"pod": "default/db", "container": key, "container_id": pinned_id}
+    assert named("pinned") == [whole]
+    assert named("resized in place") == [whole, whole]  # the second by an adopted record
+    [released] = [r for r in caplog.records if r.getMessage() == "released"]
+    assert released.__dict__["fields"]["pods"] == ["default/db"]
+    assert released.__dict__["fields"]["containers"] == [key]
+
+
 async def test_an_in_place_resize_to_fewer_cpus_gives_them_to_the_shared_once_left(
     env: Env,
 ) -> None:

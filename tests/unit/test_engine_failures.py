@@ -113,6 +113,7 @@ async def test_a_create_the_runtime_refuses_gives_its_cpus_back_whatever_the_cod
         assert env.engine.state.assignments == {}
         [told] = [r for r in caplog.records if "create failed" in r.getMessage()]
         assert told.__dict__["fields"] == {
+            "pod": "default/db",
             "container": str(ContainerKey(pod.uid, "main")),
             "cpus": str(FIRST_SINGLE),
             "error": f"{status.name}: runtime says no",
