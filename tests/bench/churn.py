@@ -25,6 +25,11 @@ pinning itself costs containerd and the kernel (runc writing a cpuset), apart fr
 repository (``git worktree add /tmp/baseline HEAD~1``), each with its own BestEffort container:
 two versions of cpushim compared in one run, pod by pod, where two runs an hour apart differ by
 more than most changes do. ``--json FILE`` keeps every pod's and call's time for a closer look.
+
+``--shared N`` runs N BestEffort pods per cpushim instead of one: every pinning and release
+moves all of them before its call returns, so the run shows what each shared container adds
+to a pod's calls (the direct path moves none; kubelet's static policy would move them in its
+reconcile loop, up to 10 s later).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shim.cpuset import CPUSet
@@ -132,13 +137,14 @@ def tmpfs_dir() -> str | None:
 
 @dataclass
 class ShimPath:
-    """A cpushim in front of the containerd, with the BestEffort container it keeps moving."""
+    """A cpushim in front of the containerd, with the BestEffort containers it keeps moving
+    (the first of them looked at after each stop)."""
 
     label: str
     process: ServingProcess
     client: KubeletClient | None = None
-    sandbox_id: str = ""
-    shared_id: str = ""
+    sandbox_ids: list[str] = field(default_factory=list)
+    shared_ids: list[str] = field(default_factory=list)
     cpu_before: float = 0.0
 
 
@@ -188,9 +194,18 @@ def main() -> int:
         " (git worktree add /tmp/baseline <commit>), to compare two versions in one run",
     )
     parser.add_argument(
+        "--shared",
+        type=int,
+        default=1,
+        metavar="N",
+        help="BestEffort pods each cpushim keeps moving (default 1)",
+    )
+    parser.add_argument(
         "--json", type=Path, metavar="FILE", help="also write every pod's and call's time here"
     )
     args = parser.parse_args()
+    if args.shared < 1:
+        parser.error("--shared needs at least 1: the first is looked at after every stop")
 
     image = build_image()
     full = CPUSet.parse(Path("/sys/devices/system/cpu/online").read_text())
@@ -233,17 +248,19 @@ def main() -> int:
                     via = shim.client = clients.enter_context(
                         KubeletClient(shim.process.address, log_root=log_root)
                     )
-                    background = via.run_pod_sandbox(
-                        f"shared-{shim.label}", "bench", new_pod_uid(), "besteffort"
-                    )
-                    shim.sandbox_id = background.id
-                    shim.shared_id = via.create_container(background, "main", image.ref, WORKLOAD)
-                    via.start_container(shim.shared_id)
+                    for number in range(args.shared):
+                        background = via.run_pod_sandbox(
+                            f"shared-{shim.label}-{number}", "bench", new_pod_uid(), "besteffort"
+                        )
+                        shim.sandbox_ids.append(background.id)
+                        shared_id = via.create_container(background, "main", image.ref, WORKLOAD)
+                        via.start_container(shared_id)
+                        shim.shared_ids.append(shared_id)
                     paths.append((shim.label, via))
                 if args.static:
                     paths.append(("static", direct))
                 shared = {
-                    s.label: functools.partial(cgroup_cpus, direct, s.shared_id) for s in shims
+                    s.label: functools.partial(cgroup_cpus, direct, s.shared_ids[0]) for s in shims
                 }
                 for shim in shims:
                     assert shim.process.process is not None
@@ -274,7 +291,8 @@ def main() -> int:
                     assert shim.process.process is not None
                     assert shim.client is not None
                     shim_cpu[shim.label] = cpu_seconds(shim.process.process.pid) - shim.cpu_before
-                    shim.client.teardown_pod(shim.sandbox_id)
+                    for sandbox_id in shim.sandbox_ids:
+                        shim.client.teardown_pod(sandbox_id)
         finally:
             for shim in shims:
                 if shim.process.stop() != 0:
@@ -323,7 +341,8 @@ def report(
     print(f"# churn benchmark  {time.strftime('%Y-%m-%d')}  {machine()}")
     print(
         f"# {args.pods} Guaranteed 1-CPU pods per path per round, the paths taking turns pod by"
-        f" pod in a shuffled order (seed {args.seed}), beside one running BestEffort container;"
+        f" pod in a shuffled order (seed {args.seed}), beside {args.shared} running BestEffort"
+        f" container{'s' if args.shared != 1 else ''} per cpushim;"
         f" median of {args.rounds} rounds"
     )
     print(f"{'path':<8} {'ms/pod':>8} {'ratio':>7}")
