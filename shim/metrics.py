@@ -56,7 +56,8 @@ KUBELET_COUNTERS: dict[str, tuple[str, str]] = {
 ENGINE_COUNTERS: dict[str, str] = {
     "adoptions_refused": (
         "Running containers asking for exclusive CPUs that could not be given any at resync,"
-        " at a reload of the policy or at a sweep (each container once while it shares)"
+        " at a re-plan (a reload of the policy, CPUs or memory going offline or online), at a"
+        " release or at a sweep (each container once while it shares)"
     ),
     "bad_annotations": "CreateContainer calls refused for invalid cpushim pod annotations",
     "bad_names": (
@@ -78,7 +79,11 @@ ENGINE_COUNTERS: dict[str, str] = {
         "Started containers whose cgroup and process were found from containerd's layout"
         " (without a ContainerStatus call)"
     ),
-    "checkpoint_errors": "Failures to write the state checkpoint",
+    "checkpoint_errors": (
+        "Writes of the state checkpoint that failed after the fact (a record of what the"
+        " runtime did, a rewrite, an adoption) and their retries; a decision's counts as an"
+        " internal error"
+    ),
     "child_cpuset_writes": (
         "Cpuset writes that made room for a container's move past the cgroups it made below"
         " its own (cgroup v1): into those cgroups, and widening the container's first"
@@ -162,7 +167,7 @@ ENGINE_COUNTERS: dict[str, str] = {
     ),
     "internal_errors": (
         "Unexpected errors in cpushim's own work: an intercepted call's decision, the work"
-        " after a followed call, an adoption after a reload, a part of a full look"
+        " after a followed call, an adoption after a re-plan, a part of a full look"
     ),
     "periodic_resyncs": "Safety-net resyncs started by the resync period timer",
     "process_exits_seen": "Container processes seen exiting (on a pidfd)",
