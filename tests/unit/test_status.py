@@ -1185,3 +1185,22 @@ def test_the_guide_names_every_column_and_owner_of_the_page() -> None:
     assert not missing, f"docs/operations.md does not name the columns {missing}"
     # The map's marks for what is not a container's; containers have letters.
     assert not {mark for mark in _MARKS.values() if f"`{mark}`" not in section}
+
+
+def test_the_guide_names_every_flag_of_status_and_topology() -> None:
+    """An operator looks for what ``cpushim status`` and ``cpushim topology`` accept where
+    the guide shows them: each flag is named there, as written on the command line."""
+    section = guide_section("Look at the CPUs")
+    subparsers = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    flags = {
+        flag
+        for command in ("status", "topology")
+        for action in subparsers.choices[command]._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    }
+    assert {"--json", "--color", "--sysfs-root"} <= flags
+    missing = sorted(flag for flag in flags if not re.search(rf"`{flag}[` ]", section))
+    assert not missing, f"docs/operations.md does not name {missing}"
