@@ -305,6 +305,8 @@ def replan(
     state: CPUState,
     policy: CPUPolicy,
     request_of: Callable[[ContainerKey, Assignment], ExclusiveRequest | None] | None = None,
+    *,
+    unmovable: Collection[ContainerKey] = (),
 ) -> tuple[CPUState, list[ContainerKey]]:
     """Keep each assignment that ``policy`` would hand its container now, beside the ones
     kept before it; return the state under ``policy`` and the keys that lost their assignment
@@ -312,14 +314,27 @@ def replan(
     is kept only when the policy finds nothing against it (:meth:`refusal`: online, not
     reserved, isolation, whole cores, the shared pool), the rule a new choice meets. Without
     a request (no ``request_of``, or None: no container to ask for it) it is kept when all
-    its CPUs are still exclusive candidates and none is taken by a kept one."""
+    its CPUs are still exclusive candidates and none is taken by a kept one.
+
+    ``unmovable``: keys whose containers may run on their CPUs and cannot be moved off them
+    now (the runtime could not give their state). Their sets are kept that way, without a
+    request, ahead of every other (whose refusal then counts them), and are the last to give
+    way to an empty shared pool: a container that can be moved gets new CPUs or shares,
+    where one that cannot would go on running on CPUs handed to others."""
     kept: dict[ContainerKey, Assignment] = {}
     displaced: list[ContainerKey] = []
     held = CPUSet()
     candidates = policy.exclusive_candidates
-    for key, assignment in sorted(state.assignments.items()):
+
+    def in_turn(key: ContainerKey) -> tuple[bool, ContainerKey]:
+        """The unmovable first, then by key; the last gives way first."""
+        return key not in unmovable, key
+
+    for key, assignment in sorted(state.assignments.items(), key=lambda item: in_turn(item[0])):
         cpus = assignment.cpus
-        request = request_of(key, assignment) if request_of is not None else None
+        request = None
+        if request_of is not None and key not in unmovable:
+            request = request_of(key, assignment)
         if request is None:
             keeps = cpus.issubset(candidates) and not cpus & held
         else:
@@ -332,7 +347,7 @@ def replan(
     # The shared pool may not end up empty (a new reserved set, strict-cpu-reservation turned
     # on): the last kept assignments give way until it has a CPU.
     while kept and not policy.shared_pool({k: a.cpus for k, a in kept.items()}):
-        last = max(kept)
+        last = max(kept, key=in_turn)
         del kept[last]
         displaced.append(last)
     planned = replace(state, assignments=MappingProxyType(kept)).under(policy)

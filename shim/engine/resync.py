@@ -624,8 +624,9 @@ def _reconcile(
     report: ResyncReport,
 ) -> CPUState:
     """``unread``: listed containers whose status the runtime could not give. Any CPUs one
-    of them holds stay held under the assignment as it is (it may run on them), and none
-    is adopted: a sweep takes them in once the runtime answers."""
+    of them holds stay held under the assignment as it is (it may run on them), a re-plan
+    included while the new policy may hand them out, and none is adopted: a sweep takes
+    them in once the runtime answers."""
     policy = engine.policy
     state = loaded if loaded is not None else CPUState.empty(policy)
     previous = dict(state.assignments)
@@ -638,8 +639,19 @@ def _reconcile(
         was = f"{state.policy} options={sorted(state.options)} reserved={state.reserved}"
         # A set is kept only if it would be handed out now, as a live re-plan keeps it: not
         # one isolated since, nor lone threads under full-pcpus-only (turned on since, or a
-        # sibling back online).
-        state, displaced = replan(state, policy, _requests_now(pods, live))
+        # sibling back online). An unread container's is kept as it is, first: nothing can
+        # move it off CPUs handed to another until a sweep reads it.
+        unread_holders = {
+            key
+            for key, assignment in state.assignments.items()
+            if _held_unread(key, assignment, pods, unread, _holder(key, assignment, pods, live))
+        }
+        state, displaced = replan(
+            state, policy, _requests_now(pods, live), unmovable=unread_holders
+        )
+        _tell_unread_displaced(
+            {key: previous[key].cpus for key in displaced if key in unread_holders}, policy
+        )
         log.info(
             "policy or CPUs changed since the checkpoint; re-planned",
             extra={
@@ -758,6 +770,29 @@ def _reconcile(
             report.adopted_exclusive.append(str(adopted_key))
         candidates = pending
     return state.under(policy)
+
+
+def _tell_unread_displaced(lost: Mapping[ContainerKey, CPUSet], policy: CPUPolicy) -> None:
+    """Warn of the sets of unread containers that a re-plan did not keep (``lost``, by key).
+    Such a set holds CPUs the policy hands to no container now (reserved, offline or gone,
+    every one under ``none``), or alone would leave the shared pool without a CPU: neither
+    may stay held (the shared pool is never empty, reserved CPUs are never exclusive), so
+    the assignment goes and the pool gets what it may of its CPUs. The container goes on
+    running there beside the shared containers (and beside any container adopted onto those
+    CPUs in this start) until a sweep reads it and moves it, as under
+    --recover-from-runtime."""
+    if not lost:
+        return
+    log.warning(
+        "a container whose state cannot be read loses the CPUs it holds to the re-plan; it"
+        " runs on them, shared, until a sweep reads it and moves it",
+        extra={
+            "fields": {
+                "containers": {str(key): str(cpus) for key, cpus in lost.items()},
+                "allocatable": str(policy.exclusive_candidates),
+            }
+        },
+    )
 
 
 def _holder(

@@ -716,6 +716,77 @@ async def test_a_pinned_container_whose_status_cannot_be_read_keeps_its_cpus_for
     assert_consistent(env)
 
 
+async def test_a_replan_at_start_up_keeps_the_cpus_of_a_container_it_cannot_read(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """strict-cpu-reservation turned on across a restart leaves the shared pool no CPU
+    unless an assignment gives way. The re-plan had the last key give way, here that of a
+    container whose state the runtime could not give: its CPU went back to the pool while it
+    ran there, and nothing moved it off until a sweep read it. It keeps it; the container
+    that can be read gives way, and shares."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed", uid="ffffffff-0000-0000-0000-0")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    big = await env.kubelet.run_pod("big", "guaranteed", uid="00000000-0000-0000-0000-0")
+    big_id = await env.kubelet.start_new(big, "main", 6000)
+    assert (env.cpus(pinned_id), env.cpus(big_id)) == (FIRST_SINGLE, "1-3,5-7")
+    failing = unreadable(env, monkeypatch, Status.UNKNOWN)
+    failing.add(pinned_id)
+
+    strict = StaticPolicy.create(
+        TOPOLOGY,
+        reserved=CPUSet.parse("0"),
+        options=StaticPolicyOptions(strict_cpu_reservation=True),
+    )
+    with caplog.at_level("WARNING", logger="shim.engine.resync"):
+        await env.restart(strict)
+    key = ContainerKey(pinned.uid, "main")
+    assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
+    assert env.engine.state.assignments[key].container_id == pinned_id
+    assert env.engine.state.shared == CPUSet.parse("1-3,5-7")
+    assert env.cpus(big_id) == "1-3,5-7"
+    assert not [r for r in caplog.records if "loses the CPUs" in r.getMessage()]
+    assert_consistent(env)
+
+    failing.clear()
+    assert (await sweep(env.engine)).tracked == [pinned_id]
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert env.engine.containers[pinned_id].exclusive
+    assert_consistent(env)
+
+
+@pytest.mark.parametrize(
+    "policy", [static_policy("0,4"), NonePolicy(TOPOLOGY)], ids=["reserved-now", "none"]
+)
+async def test_a_replan_at_start_up_tells_of_cpus_a_container_it_cannot_read_loses(
+    env: Env,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    policy: StaticPolicy | NonePolicy,
+) -> None:
+    """CPUs the new policy may hand to no container (reserved now, or none at all under
+    ``none``) cannot stay held: the assignment goes, and that is told, since the container
+    runs on them beside the shared containers until a sweep reads it and moves it."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    failing = unreadable(env, monkeypatch, Status.UNKNOWN)
+    failing.add(pinned_id)
+
+    with caplog.at_level("WARNING", logger="shim.engine.resync"):
+        await env.restart(policy)
+    assert env.saved() == {}
+    lost = [r.__dict__["fields"] for r in caplog.records if "loses the CPUs" in r.getMessage()]
+    assert [fields["containers"] for fields in lost] == [
+        {str(ContainerKey(pinned.uid, "main")): FIRST_SINGLE}
+    ]
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert_consistent(env)
+
+    failing.clear()
+    assert (await sweep(env.engine)).tracked == [pinned_id]
+    # Moved: adopted onto CPUs it may hold now, or shared.
+    assert_consistent(env)
+
+
 @pytest.mark.parametrize("status", [Status.UNKNOWN, None], ids=["failed", "undecodable"])
 async def test_a_container_start_up_could_not_read_is_not_warned_of_again_by_the_sweeps(
     env: Env,

@@ -526,6 +526,37 @@ def test_replan_never_leaves_the_shared_pool_empty() -> None:
     assert planned.shared, f"empty shared pool, displaced {displaced}"
 
 
+def test_replan_keeps_the_sets_of_unmovable_containers_first_and_as_they_are() -> None:
+    """A container that cannot be moved (its state unread) keeps its set without being asked
+    what it requests (a lone thread under full-pcpus-only), ahead of the others, and gives
+    way to an empty shared pool last; CPUs no container may hold now it loses all the same."""
+    state = CPUState.empty(STATIC)
+    for step in range(7):
+        cpus = STATIC.allocate(state.exclusive(), 2)
+        state = state.assign(ContainerKey(f"pod-{step}", "app"), Assignment(cpus), STATIC)
+    last = ContainerKey("pod-6", "app")
+    assert replan(state, STRICT)[1] == [last]
+
+    def request_of(key: ContainerKey, assignment: Assignment) -> ExclusiveRequest:
+        return ExclusiveRequest(len(assignment.cpus))
+
+    planned, displaced = replan(state, STRICT, request_of, unmovable={last})
+    assert last in planned.assignments
+    assert len(displaced) == 1
+    assert planned.shared == state.assignments[displaced[0]].cpus
+    check_invariants(planned, STRICT)
+
+    lone = state_with(STATIC, a="1", b="2,10", c="3")
+    planned, displaced = replan(
+        lone, FULL, request_of, unmovable={ContainerKey("a", "app"), ContainerKey("c", "app")}
+    )
+    assert displaced == []
+    assert planned.exclusive() == lone.exclusive()
+    bigger = StaticPolicy.create(TOPOLOGY, reserved=P("0-1,8-9"))
+    _, displaced = replan(lone, bigger, request_of, unmovable={ContainerKey("a", "app")})
+    assert displaced == [ContainerKey("a", "app")]
+
+
 @PROPERTY_SETTINGS
 @given(st.sampled_from([STATIC, FULL]), operations, st.sampled_from(["0,8", "0-1,8-9", "0-3"]))
 def test_replan_result_is_consistent(
