@@ -622,8 +622,8 @@ class Mover:
         decode error. It is asked about again, and would be told at each: by the watcher
         while its cgroup is not located (after 1 s, up to a minute apart), and by every
         sweep's adoption while it waits for exclusive CPUs (resync.status_read, which warns
-        in the same words, once per container too, of a container cpushim does not
-        track)."""
+        in the same words, once while it stays so, of a container cpushim does not track
+        and of a failed call for one it does)."""
         if tracked.undecodable_status_seen:
             return
         tracked.undecodable_status_seen = True

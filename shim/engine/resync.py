@@ -1122,28 +1122,40 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
         engine.unread_untracked.discard(container_id)
         return StatusRead(None)
     response, error = container_status(reply)
+    tracked = engine.containers.get(container_id)
     if response is None:
-        tracked = engine.containers.get(container_id)
         if tracked is not None and reply.status is Status.OK:
             # An adoption asks at every sweep, and the watcher while it is not located:
             # an answer that does not decode is told once for the container, by either.
             engine.mover.undecodable_status(tracked, error)
-        elif tracked is not None or _newly_unread(engine, container_id):
+        elif _newly_unread(engine, container_id, tracked):
+            fields = {"container_id": container_id, "error": error}
+            if tracked is not None:
+                fields["container"] = str(tracked.key)
             log.warning(
-                "cannot read a container's state; it stays as it is",
-                extra={"fields": {"container_id": container_id, "error": error}},
+                "cannot read a container's state; it stays as it is", extra={"fields": fields}
             )
         return StatusRead(None, answered=False)
     engine.unread_untracked.discard(container_id)
+    if tracked is not None:
+        # Read: a call that fails after this is told again.
+        tracked.failed_status_seen = False
     if response.status.state == pb.CONTAINER_EXITED:
         return StatusRead(None)
     return StatusRead(live_container(container_id, sandbox_id, response.status.metadata, response))
 
 
-def _newly_unread(engine: Engine, container_id: str) -> bool:
-    """Whether a container cpushim does not track whose state the runtime could not give is
-    to be told of, noting it as told: a sweep asks again at every try while the runtime
-    cannot say, and start-up has told of those it could not read."""
+def _newly_unread(engine: Engine, container_id: str, tracked: Tracked | None) -> bool:
+    """Whether a container whose state the runtime could not give (``tracked``: a failed
+    call; one cpushim does not track: an answer that does not decode too) is to be told of,
+    noting it as told, once while it stays so: an adoption asks again at every sweep about
+    one that waits for exclusive CPUs, a sweep asks again at every try about one it does not
+    track while the runtime cannot say, and start-up has told of those it could not read.
+    A good read (:func:`status_read`) ends the spell."""
+    if tracked is not None:
+        told = tracked.failed_status_seen
+        tracked.failed_status_seen = True
+        return not told
     if container_id in engine.unread_untracked:
         return False
     engine.unread_untracked.add(container_id)

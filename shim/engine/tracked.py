@@ -95,6 +95,10 @@ class Tracked:
     unplaceable_cgroup_seen: bool = False
     # The runtime's ContainerStatus answer for it did not decode, and the warning given.
     undecodable_status_seen: bool = False
+    # A ContainerStatus call for it failed (an adoption's, while it waits for exclusive
+    # CPUs), and the warning given; cleared when the next such call reads it, so a later
+    # failing spell is told again.
+    failed_status_seen: bool = False
     # The cpuset its cgroup (v1) was left with when CPUs went offline, once warned of.
     offline_seen: CPUSet | None = None
     # Under cgroup v1, what cpushim knows of the cgroups the container made below its own,

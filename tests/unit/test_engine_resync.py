@@ -454,6 +454,30 @@ async def test_adoption_at_a_reload_leaves_a_container_whose_state_is_unknown_sh
     assert await adopt_sharing(env.engine) == [ContainerKey(pod.uid, "main")]  # next reload
 
 
+async def test_a_waiting_container_whose_state_cannot_be_read_is_warned_of_once_a_spell(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every sweep's adoption asks the runtime about a container that waits for exclusive
+    CPUs: a ContainerStatus that keeps failing is told once, not at each, and again when it
+    fails after a good read."""
+    _, container_id = await started_under_none(env, 2000)
+    await env.engine.change_policy(static_policy("0-6"))  # no room: it waits
+    failing = unreadable(env, monkeypatch, Status.UNAVAILABLE)
+    with caplog.at_level("WARNING", logger="shim.engine.resync"):
+        for _ in range(2):
+            failing.add(container_id)
+            for _ in range(3):
+                assert await adopt_sharing(env.engine) == []
+            failing.clear()
+            assert await adopt_sharing(env.engine) == []  # read, and refused for want of room
+    told = [
+        r.__dict__["fields"]["container_id"]
+        for r in caplog.records
+        if r.getMessage() == "cannot read a container's state; it stays as it is"
+    ]
+    assert told == [container_id, container_id]
+
+
 async def test_adoption_at_a_reload_without_room_is_counted_and_changes_nothing(
     env: Env,
 ) -> None:
