@@ -254,12 +254,35 @@ async def _found(
 
 def _learn_pods(engine: Engine, pods: dict[str, Pod], found: list[LiveContainer]) -> None:
     """The pods of ``found`` that cpushim learnt from the runtime (kubelet's own, run
-    through cpushim meanwhile, stand)."""
+    through cpushim meanwhile, stand), and those it knows without a cgroup parent placed
+    from the container found (:func:`resync.placed_pod`, no runtime call): start-up could
+    read neither their sandbox's verbose status nor a container naming the pod's cgroup
+    (its containers' statuses failed too), and the pod would be taken for one that is not
+    kubelet's, its containers sharing, until the next start. One whose parent is known and
+    not kubelet's (made by hand) stays so."""
     for container in found:
-        pod = pods.get(container.sandbox_id)
-        if pod is not None and container.sandbox_id not in engine.pods:
-            engine.pods[container.sandbox_id] = engine.marked(pod)
-            engine.learnt_sandboxes.add(container.sandbox_id)
+        sandbox_id = container.sandbox_id
+        pod = pods.get(sandbox_id)
+        if pod is not None and sandbox_id not in engine.pods:
+            engine.pods[sandbox_id] = engine.marked(pod)
+            engine.learnt_sandboxes.add(sandbox_id)
+            continue
+        known = engine.pods.get(sandbox_id)
+        if known is None or known.qos is not None or known.cgroup_parent:
+            continue
+        placed = placed_pod(known, [container])
+        if placed.qos is not None:
+            log.info(
+                "a pod's cgroup parent is found on its container",
+                extra={
+                    "fields": {
+                        "pod": placed.label,
+                        "sandbox_id": sandbox_id,
+                        "cgroup_parent": placed.cgroup_parent,
+                    }
+                },
+            )
+            engine.pods[sandbox_id] = placed
 
 
 @dataclass

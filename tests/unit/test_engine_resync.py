@@ -887,6 +887,33 @@ async def test_a_container_whose_status_cannot_be_read_is_recovered_by_a_sweep(
     assert_consistent(env)
 
 
+async def test_a_pod_start_up_could_not_place_is_placed_by_the_container_a_sweep_reads(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its sandbox's status failed at start-up, and so did its only container's: nothing
+    told the pod's cgroup parent, so its QoS class. The sweep that reads the container
+    finds the pod's cgroup in its answer (the sandbox's status failing still) and adopts it
+    as start-up would have, where it used to leave it sharing until the next start."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    failing = unreadable(env, monkeypatch, Status.DEADLINE_EXCEEDED)
+    failing.update({pinned.sandbox_id, pinned_id})
+
+    await env.restart(recover=True)
+    assert env.engine.pods[pinned.sandbox_id].qos is None
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+
+    failing.discard(pinned_id)
+    report = await sweep(env.engine)
+    assert report.tracked == [pinned_id]
+    assert report.adopted_exclusive == [ContainerKey(pinned.uid, "main")]
+    pod = env.engine.pods[pinned.sandbox_id]
+    assert (pod.qos, pod.cgroup_parent) == (QOSClass.GUARANTEED, pinned.config.linux.cgroup_parent)
+    assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
+    assert env.cpus(pinned_id) == FIRST_SINGLE
+    assert_consistent(env)
+
+
 async def test_a_create_cut_short_whose_container_cannot_be_read_keeps_its_cpus(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
