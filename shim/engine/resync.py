@@ -1131,7 +1131,7 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
         elif _newly_unread(engine, container_id, tracked):
             fields = {"container_id": container_id, "error": error}
             if tracked is not None:
-                fields["container"] = str(tracked.key)
+                fields.update(tracked.named())
             log.warning(
                 "cannot read a container's state; it stays as it is", extra={"fields": fields}
             )
