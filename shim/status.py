@@ -46,8 +46,10 @@ for none).
                       "pod" ("namespace/name", may be ""), "container", "container_id" ("" while
                       its CreateContainer is in flight), "sandbox_id", "attempt", "cpus",
                       "numa_nodes", "sockets", "mems" (the memory nodes kubelet's memory
-                      manager chose, a list string; null: its CPUs' nodes with memory)}; "tag" is
-                      null when none of its CPUs is online
+                      manager chose, a list string; null: its CPUs' nodes with memory),
+                      "mems_given" (those its cgroup is given: "mems" as far as they have
+                      memory, else every node with memory; for null, its CPUs' nodes with
+                      memory)}; "tag" is null when none of its CPUs is online
     cpus[i]           gains "owner" (container, reserved, isolated, shared or free), "tag",
                       "pod_uid" and "container" (null unless owner is container) and
                       "in_shared_pool" (reserved CPUs run shared containers too unless
@@ -568,6 +570,30 @@ def _fit_table(
     return lines
 
 
+def _mems_given(topology: Topology, assignment: Assignment) -> CPUSet:
+    """The memory nodes an exclusive container's cgroup is given on ``topology``: those
+    kubelet's memory manager chose that have memory (else every node with memory), or, when
+    it chose none, its CPUs' nodes that have memory. What cpushim's engine writes."""
+    if assignment.mems is None:
+        return topology.memory_nodes_of(assignment.cpus)
+    return topology.memory_nodes_within(assignment.mems)
+
+
+def _mems_narrowed(topology: Topology, assignment: Assignment) -> bool:
+    """Whether kubelet's memory manager chose for it a node that has no memory now (memory
+    hotplug), which its cgroup cannot be given."""
+    return assignment.mems is not None and not assignment.mems.issubset(topology.memory_nodes)
+
+
+def _mems_cell(topology: Topology, assignment: Assignment) -> str:
+    """The nodes its cgroup is given; kubelet's choice after them when that was narrowed,
+    so the column never shows a node the container does not have."""
+    given = _ids(_mems_given(topology, assignment)) or "-"
+    if _mems_narrowed(topology, assignment):
+        return f"{given} (kubelet: {assignment.mems})"
+    return given
+
+
 def _by_lowest_cpu(state: CPUState) -> list[tuple[ContainerKey, Assignment]]:
     return sorted(
         state.assignments.items(),
@@ -623,13 +649,13 @@ def render_assignments(
         _Column("ATTEMPT", [str(a.attempt) for _, a in order], droppable=True),
         _Column("NUMA", [_ids(topology.numa_nodes_of(a.cpus)) or "-" for _, a in order]),
     ]
-    if any(a.mems is not None and a.mems != topology.memory_nodes_of(a.cpus) for _, a in order):
-        # Only when kubelet's memory manager put some container's memory elsewhere.
-        mems = [
-            _ids(a.mems if a.mems is not None else topology.memory_nodes_of(a.cpus)) or "-"
-            for _, a in order
-        ]
-        columns.append(_Column("MEMS", mems))
+    if any(
+        _mems_narrowed(topology, a) or _mems_given(topology, a) != topology.memory_nodes_of(a.cpus)
+        for _, a in order
+    ):
+        # Only when kubelet's memory manager put some container's memory elsewhere, or chose
+        # a node that has no memory now.
+        columns.append(_Column("MEMS", [_mems_cell(topology, a) for _, a in order]))
     if live is not None:
         columns.append(_Column("STATE", [live.state_of(a.container_id) for _, a in order]))
     cpus = _Column("CPUS", [str(a.cpus) for _, a in order])
@@ -852,6 +878,7 @@ def status_json(
                 "numa_nodes": sorted(topology.numa_nodes_of(a.cpus)),
                 "sockets": sorted(topology.sockets_of(a.cpus)),
                 "mems": None if a.mems is None else str(a.mems),
+                "mems_given": str(_mems_given(topology, a)),
             }
             for key, a in _by_lowest_cpu(state)
         ],

@@ -561,6 +561,37 @@ def test_the_memory_column_gives_cpus_of_a_memory_less_node_the_nodes_with_memor
     assert row.split()[-2] == "0,2-7"
 
 
+def test_the_memory_column_shows_the_nodes_given_when_kubelets_lost_their_memory() -> None:
+    """kubelet's memory manager chose node 1, whose memory went offline since (memory
+    hotplug): the container's cgroup gets every node with memory, not node 1, and the column
+    says so, with kubelet's choice after it; the JSON keeps kubelet's choice in "mems"."""
+    big = expected_topology(BIG)
+    topology = Topology(cpus=big.cpus, isolated=big.isolated, memory_nodes=P("0,2-7"))
+    state = big_state(topology)
+    worker = next(k for k, a in state.assignments.items() if k.name == "worker")
+    app = next(k for k, a in state.assignments.items() if a.pod.endswith("x2k4q"))
+    assert topology.numa_nodes_of(state.assignments[worker].cpus) == {1}
+    assert topology.numa_nodes_of(state.assignments[app].cpus) == {0}
+    # Node 0's memory is the app's own: only its choice of node 1 beside it is narrowed.
+    narrowed = state.update(worker, mems=P("1")).update(app, mems=P("0-1"))
+    header, *lines = render_assignments(narrowed, topology, width=132).splitlines()
+    columns = re.split(r"\s{2,}", header)
+    assert columns[-2:] == ["MEMS", "CPUS"]
+    cells = {
+        tuple(line.split()[1:3]): re.split(r"\s{2,}", line)[columns.index("MEMS")] for line in lines
+    }
+    assert cells["ml/trainer-resnet50-imagenet-distributed-0", "worker"] == "0,2-7 (kubelet: 1)"
+    assert cells["default/web-7f9c8d6b5-x2k4q", "app"] == "0 (kubelet: 0-1)"
+    assert cells["default/web-7f9c8d6b5-p9z8r", "app"] == "0"
+    document = round_trip(status_json(topology, narrowed))
+    given = {
+        (a["pod"], a["container"]): (a["mems"], a["mems_given"]) for a in document["assignments"]
+    }
+    assert given["ml/trainer-resnet50-imagenet-distributed-0", "worker"] == ("1", "0,2-7")
+    assert given["default/web-7f9c8d6b5-x2k4q", "app"] == ("0-1", "0")
+    assert given["default/web-7f9c8d6b5-p9z8r", "app"] == (None, "0")
+
+
 @pytest.mark.parametrize(
     ("memory_nodes", "line"),
     [
@@ -646,6 +677,7 @@ ASSIGNMENT_KEYS = [
     "numa_nodes",
     "sockets",
     "mems",
+    "mems_given",
 ]
 
 
