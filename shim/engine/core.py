@@ -1257,8 +1257,12 @@ class Engine:
         (the engine lock is held)."""
         async with tracked.write_lock:
             cpus, mems, quota = self._desired(tracked)
+            asked = None
             if mems:
                 await self._keep_kubelets_mems([tracked])
+            elif request.linux.cpuset_mems:
+                # Not on kubelet's usual path: its updates name no memory nodes.
+                asked = await self._take_asked_mems(tracked, request.linux)
             if request.linux.cpu_quota > 0:
                 tracked.kubelet_quota = request.linux.cpu_quota
             # kubelet's own quota stands unless the container's exclusive CPUs drop it; an
@@ -1272,6 +1276,8 @@ class Engine:
             reply = await forward(request.SerializeToString())
             if reply.status is Status.OK:
                 tracked.applied = tracked.recorded = cpus
+                if asked is not None:
+                    tracked.shared_mems = asked
                 self._restored(tracked)
                 self.project(tracked)
             elif written:
@@ -1282,6 +1288,29 @@ class Engine:
                 # did): what the record holds is unknown, as after cpushim's own refusals.
                 tracked.recorded = None
         return reply
+
+    async def _take_asked_mems(
+        self, tracked: Tracked, resources: pb.LinuxContainerResources
+    ) -> CPUSet | None:
+        """The memory nodes an update names for a container whose nodes cpushim leaves as
+        they are (one that shares): they are kubelet's choice for it from now on, as a
+        create's are (None: none that parse, passed on for the runtime to refuse). Those
+        that have no memory now are left out of ``resources`` as a create's are, else the
+        kernel refuses the update; the checkpoint keeps kubelet's choice first when the
+        runtime's record will hold other nodes, or when it kept an earlier choice for the
+        container, which a restart would take over the record. Under the lock."""
+        asked = _nodes_asked(resources)
+        if asked is None:
+            return None
+        topology = self.policy.topology
+        narrowed = _narrowed(topology, asked)
+        if narrowed or tracked.key in self.state.kubelet_mems:
+            chosen = KubeletMems(tracked.id, asked)
+            await self._record(self.state.with_kubelet_mems(tracked.key, chosen))
+        if narrowed:
+            resources.cpuset_mems = str(topology.memory_nodes_within(asked))
+        self._note_narrowing(tracked, asked)
+        return asked
 
     def _cpu_resize(
         self, tracked: Tracked, resources: pb.LinuxContainerResources

@@ -801,3 +801,62 @@ async def test_kubelets_nodes_of_a_container_unpinned_as_cpushim_stopped_are_giv
     resources = env.fake.containers[container_id].resources
     assert (resources.cpuset_cpus, resources.cpuset_mems) == ("0-7", "1")
     assert resources.cpu_quota == 100_000
+
+
+# --- updates that name memory nodes ------------------------------------------------------
+
+
+def mems_update(container_id: str, mems: str) -> bytes:
+    """An update naming memory nodes (kubelet's name none; ``crictl update --cpuset-mems``)."""
+    request = pb.UpdateContainerResourcesRequest(
+        container_id=container_id, linux=pb.LinuxContainerResources(cpuset_mems=mems)
+    )
+    return request.SerializeToString()
+
+
+async def test_an_update_naming_a_node_without_memory_gets_those_with_memory(
+    memory_less_env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An update names node 1 for a sharing container, whose memory went offline: the kernel
+    would refuse it (the fake runtime too), so the runtime gets node 0, told once. Node 1 is
+    the container's choice from then on, as a create's would be: kept in the checkpoint
+    before the runtime's record holds node 0, so a restart knows it, and given again once
+    node 1 has memory."""
+    env = memory_less_env
+    env.fake.memory_nodes = NODE_1_WITHOUT_MEMORY.memory_nodes
+    pod = await env.kubelet.run_pod("cache", "burstable")
+    container_id = await env.kubelet.start_new(pod, "main", 500)
+    await env.kubelet.ok("UpdateContainerResources", mems_update(container_id, "1"))
+    assert recorded_mems(env, container_id) == "0"
+    assert env.engine.containers[container_id].shared_mems == CPUSet.parse("1")
+    saved = env.engine.checkpoint.load()
+    assert saved is not None
+    key = ContainerKey(pod.uid, "main")
+    assert saved.kubelet_mems[key] == KubeletMems(container_id, CPUSet.parse("1"))
+    assert caplog.text.count(NARROWED) == 1
+    await env.restart()
+    assert env.engine.containers[container_id].shared_mems == CPUSet.parse("1")
+    env.fake.memory_nodes = TOPOLOGY.memory_nodes
+    await env.engine.change_policy(static_policy())  # node 1's memory back
+    assert recorded_mems(env, container_id) == "1"
+
+
+async def test_memory_nodes_an_update_names_replace_those_of_the_create(
+    memory_less_env: Env,
+) -> None:
+    """Created naming node 1, which has no memory now: it shares on node 0's memory, node 1
+    kept as its choice. An update naming node 0 makes that its choice: no longer narrowed,
+    and kept when node 1's memory comes back, across a restart too."""
+    env = memory_less_env
+    pod = await env.kubelet.run_pod("cache", "burstable")
+    container_id = await env.kubelet.start_new(pod, "main", 500, mems="1")
+    assert recorded_mems(env, container_id) == "0"
+    await env.engine.checkpoint_written()
+    await env.kubelet.ok("UpdateContainerResources", mems_update(container_id, "0"))
+    tracked = env.engine.containers[container_id]
+    assert tracked.shared_mems == CPUSet.parse("0")
+    assert not tracked.mems_narrowed
+    await env.restart()
+    assert env.engine.containers[container_id].shared_mems == CPUSet.parse("0")
+    await env.engine.change_policy(static_policy())  # node 1's memory back
+    assert recorded_mems(env, container_id) == "0"
