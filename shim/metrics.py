@@ -298,6 +298,13 @@ class EngineCollector:
             # Before, the engine holds an empty state, not the checkpoint's: nothing pinned
             # and the whole node shared would be a lie for the wait and the resync.
             yield from self._state_gauges(state)
+            yield GaugeMetricFamily(
+                "cpushim_memory_narrowed_containers",
+                "Live containers whose memory nodes kubelet's memory manager chose include one"
+                " without memory now (memory hotplug): their memory is on those of them that"
+                " have memory, else on every node with memory",
+                value=self.engine.narrowed_memory_containers(),
+            )
         names = set(ENGINE_COUNTERS) | (set(counters) - set(KUBELET_COUNTERS))
         for key in sorted(names):
             text = ENGINE_COUNTERS.get(key, f"cpushim engine counter {key}")

@@ -1845,6 +1845,30 @@ class Engine:
             return None
         return self.policy.topology.memory_nodes_within(shared_mems)
 
+    def narrowed_memory_containers(self) -> int:
+        """How many live containers have memory nodes kubelet's memory manager chose of which
+        some have no memory now, and so are given others (:meth:`_note_narrowing` warns of
+        each once): for a gauge, so that it can be alerted on for as long as it lasts. From
+        kubelet's choice as recorded, not the warning's mark: a restart leaves that unset
+        until the container's cpuset is next worked out."""
+        topology = self.policy.topology
+        return sum(
+            1
+            for tracked in self.containers.values()
+            if tracked.phase is not Phase.EXITED
+            and _narrowed(topology, self._kubelets_mems(tracked))
+        )
+
+    def _kubelets_mems(self, tracked: Tracked) -> CPUSet | None:
+        """The memory nodes kubelet's memory manager chose for ``tracked`` (None: none):
+        its assignment's while it holds exclusive CPUs, else those it was created or
+        updated with (``kubelet_mems`` for one that lost its exclusive CPUs and has not
+        moved since)."""
+        assignment = self._assignment_of(tracked)
+        if assignment is not None:
+            return assignment.mems
+        return tracked.kubelet_mems if tracked.exclusive else tracked.shared_mems
+
     def _note_narrowing(self, tracked: Tracked, chosen: CPUSet | None) -> None:
         """Warn, once until they all have memory again, that the memory nodes kubelet's
         memory manager chose for ``tracked`` (``chosen``) name one without memory now."""

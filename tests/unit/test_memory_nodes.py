@@ -13,12 +13,14 @@ from pathlib import Path
 import orjson
 import pytest
 from grpclib.const import Status as GrpcStatus
+from prometheus_client.parser import text_string_to_metric_families
 
 from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Status
 from shim.engine.resync import adopt_sharing
 from shim.engine.tracked import Phase
+from shim.metrics import Metrics
 from shim.pods import ANNOTATION_ISOLATED, MemoryNodesError, kubelet_memory_nodes
 from shim.policy.none import NonePolicy
 from shim.policy.static import StaticPolicy
@@ -624,6 +626,39 @@ async def test_a_create_naming_a_node_without_memory_gets_those_with_memory(
     assert env.fake.containers[pinned_id].resources.cpuset_mems == mems
     assert await env.engine._apply_again()
     assert caplog.text.count(NARROWED) == 2
+
+
+def narrowed_gauge(env: Env) -> float:
+    """What /metrics says of the containers whose memory nodes are narrowed now."""
+    metrics = Metrics(env.engine)
+    metrics.state_loaded = True
+    text = metrics.render().decode()
+    name = "cpushim_memory_narrowed_containers"
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == name]
+    return family.samples[0].value
+
+
+async def test_a_gauge_counts_the_containers_whose_nodes_are_narrowed_now(
+    memory_less_env: Env,
+) -> None:
+    """The warning is told once per container; the gauge says how many there are for as
+    long as it lasts: pinned or sharing, through a restart, none once node 1 has memory
+    again. A container whose nodes all have memory, and one that exited, are not counted."""
+    env = memory_less_env
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pinned_pod, "main", 1000, mems="0-1")
+    shared_pod = await env.kubelet.run_pod("cache", "burstable")
+    await env.kubelet.start_new(shared_pod, "main", 500, mems="1")
+    await env.kubelet.start_new(shared_pod, "sidecar", 500, mems="0")
+    exited = await env.kubelet.start_new(shared_pod, "init", 500, mems="1")
+    assert narrowed_gauge(env) == 3
+    await env.kubelet.stop(exited)
+    assert narrowed_gauge(env) == 2
+    await env.engine.checkpoint_written()
+    await env.restart()
+    assert narrowed_gauge(env) == 2
+    await env.engine.change_policy(static_policy())  # node 1's memory back
+    assert narrowed_gauge(env) == 0
 
 
 async def test_at_a_restart_kubelets_nodes_without_memory_are_narrowed(
