@@ -1905,8 +1905,8 @@ class Engine:
         state = self.state
         for tracked in given:
             if self._assignment_of(tracked) is None:
-                chosen = tracked.kubelet_mems if tracked.exclusive else tracked.shared_mems
-                state = state.with_kubelet_mems(tracked.key, KubeletMems(tracked.id, chosen))
+                chosen = KubeletMems(tracked.id, self._kubelets_mems(tracked))
+                state = state.with_kubelet_mems(tracked.key, chosen)
         await self._record(state)
 
     def _lost(self, tracked: Tracked) -> bool:
