@@ -1849,8 +1849,8 @@ class Engine:
         """How many live containers have memory nodes kubelet's memory manager chose of which
         some have no memory now, and so are given others (:meth:`_note_narrowing` warns of
         each once): for a gauge, so that it can be alerted on for as long as it lasts. From
-        kubelet's choice as recorded, not the warning's mark: a restart leaves that unset
-        until the container's cpuset is next worked out."""
+        kubelet's choice as recorded and the nodes with memory now, not the warning's mark,
+        which is brought up to date only where a container's memory nodes are worked out."""
         topology = self.policy.topology
         return sum(
             1

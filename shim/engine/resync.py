@@ -1273,6 +1273,10 @@ def tracked_from_runtime(
         own_resources=has_own_resources(resources),
     )
     engine.mover.unplaced_cgroup(tracked, place)
+    # Told now for each container whose chosen memory nodes include one without memory, so
+    # that start-up's log names every one of them; the mark keeps a later move from telling
+    # it again (a shared container's nodes are looked at again only when they change).
+    engine._note_narrowing(tracked, engine._kubelets_mems(tracked))
     return tracked
 
 

@@ -46,8 +46,9 @@ class Tracked:
     # hotplug took some away (Topology.memory_nodes_within).
     shared_mems: CPUSet | None = None
     # kubelet's memory nodes for it (above, or its assignment's) name a node that has no
-    # memory now, and the warning that its memory goes elsewhere was given; cleared once they
-    # all have memory again, so that another loss is told again.
+    # memory now, and the warning that its memory goes elsewhere was given (by this run of
+    # cpushim: start-up tells it again); cleared once they all have memory again, so that
+    # another loss is told again.
     mems_narrowed: bool = False
     # Its pod's namespace/name ("" when unknown), for the logs: operators know pods by it.
     pod: str = ""

@@ -818,6 +818,32 @@ async def test_kubelets_nodes_of_a_create_narrowed_outlive_a_restart(
     assert env.engine.containers[container_id].shared_mems == CPUSet.parse("1")
 
 
+async def test_a_restart_tells_each_narrowed_container_once_and_no_move_tells_it_again(
+    memory_less_env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node 1, which kubelet chose for a pinned and a sharing container, has no memory: each
+    was told once. A restart tells each once more, so its log names them, the sharing one
+    too, whose runtime record holds node 0 already and which has nothing to move. A later
+    memory change that moves both (node 2's memory comes online) tells neither again: node 1
+    still has none, the same loss."""
+    env = memory_less_env
+    pinned_pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned_pod, "main", 1000, mems="1")
+    shared_pod = await env.kubelet.run_pod("cache", "burstable")
+    shared_id = await env.kubelet.start_new(shared_pod, "main", 500, mems="1")
+    assert caplog.text.count(NARROWED) == 2
+    await env.engine.checkpoint_written()
+    await env.restart()
+    assert caplog.text.count(NARROWED) == 4
+    assert all(env.engine.containers[i].mems_narrowed for i in (pinned_id, shared_id))
+    assert not env.engine.containers[shared_id].settings_stale
+    with_node_2 = Topology(cpus=TOPOLOGY.cpus, memory_nodes=CPUSet.parse("0,2"))
+    env.fake.memory_nodes = with_node_2.memory_nodes
+    await env.engine.change_policy(StaticPolicy.create(with_node_2, reserved=CPUSet([0])))
+    assert (recorded_mems(env, pinned_id), recorded_mems(env, shared_id)) == ("0,2", "0,2")
+    assert caplog.text.count(NARROWED) == 4
+
+
 async def test_kubelets_nodes_of_a_container_unpinned_as_cpushim_stopped_are_given_back(
     env: Env,
 ) -> None:
