@@ -1882,9 +1882,10 @@ class Engine:
         """The warning of :meth:`_note_narrowing` (``container_id``: "" before the create)."""
         topology = self.policy.topology
         log.warning(
-            "kubelet's memory manager chose memory nodes for a container that have no memory"
-            " now (memory hotplug), which the kernel refuses: its memory goes to those of them"
-            " that have memory, else to every node with memory, until they have it again",
+            "memory nodes chosen for a container (by kubelet's memory manager, or an update"
+            " that names them) have no memory now (memory hotplug), which the kernel refuses:"
+            " its memory goes to those of them that have memory, else to every node with"
+            " memory, until they have it again",
             extra={
                 "fields": {
                     **self._named(key),

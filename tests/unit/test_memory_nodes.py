@@ -595,7 +595,10 @@ async def test_at_a_restart_memory_nodes_beside_a_memory_less_node_mark_exclusiv
 
 # --- kubelet's nodes that lost their memory ------------------------------------------------
 
-NARROWED = "kubelet's memory manager chose memory nodes for a container that have no memory now"
+NARROWED = (
+    "memory nodes chosen for a container (by kubelet's memory manager, or an update that names"
+    " them) have no memory now"
+)
 
 
 @pytest.mark.parametrize(("chosen", "mems"), [("1", "0"), ("0-1", "0")], ids=["none", "one"])
