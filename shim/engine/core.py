@@ -1271,8 +1271,10 @@ class Engine:
             theirs = quota != rq.NO_QUOTA and request.linux.cpu_quota > 0
             rq.pin(request.linux, cpus, mems, quota=None if theirs else quota)
             # With a move of the container still to be tried again, its children must make
-            # room first, or cgroup v1 refuses the runtime's write and kubelet's call fails.
-            written = self.mover.write_tree_first(tracked, cpus, mems)
+            # room first, or cgroup v1 refuses the runtime's write and kubelet's call fails;
+            # so must they for memory nodes the call names, which runc writes too.
+            sent_mems = mems or (request.linux.cpuset_mems if asked is not None else "")
+            written = self.mover.write_tree_first(tracked, cpus, sent_mems)
             reply = await forward(request.SerializeToString())
             if reply.status is Status.OK:
                 tracked.applied = tracked.recorded = cpus
@@ -1281,8 +1283,13 @@ class Engine:
                 self._restored(tracked)
                 self.project(tracked)
             elif written:
-                self.mover.refused_after_tree_write(tracked, cpus, mems, quota, reply)
+                self.mover.refused_after_tree_write(tracked, cpus, sent_mems, quota, reply)
                 self.project(tracked)
+                if tracked.settings_stale:
+                    # Memory nodes or a quota went unrecorded with the refusal: the move that
+                    # gives them is tried again, not left to the next decision. Nodes the
+                    # call named, which the cgroups hold now, give way to the container's.
+                    self._move_retry.soon()
             elif reply.status is not Status.NOT_FOUND:
                 # runc may have told systemd before it failed (or the reply was lost after it
                 # did): what the record holds is unknown, as after cpushim's own refusals.

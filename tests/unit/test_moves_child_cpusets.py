@@ -473,3 +473,39 @@ async def test_kubelets_update_of_a_container_whose_move_is_pending_takes_its_ch
             assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE  # the runtime's record
         finally:
             env.channel.close()
+
+
+def mems_of(directory: Path) -> str:
+    return (directory / "cpuset.mems").read_text().strip()
+
+
+async def test_an_update_naming_memory_nodes_takes_the_children_with_it(env: Env) -> None:
+    """An update that names memory nodes for a shared container (``crictl update
+    --cpuset-mems``; cpushim passes them on) would have runc write them into the container's
+    own cgroup only, which v1 refuses below a child that holds more. They are written
+    children first, as the CPUs are. One the runtime refuses for a reason of its own leaves
+    the cgroups on the container's nodes again, by a move tried again through the runtime."""
+    pod = await env.kubelet.run_pod("ci", "burstable")
+    shared_id = await env.kubelet.start_new(pod, "main", 500, mems="0-1")
+    cgroup = await located(env, shared_id)
+    inner = child(cgroup, "docker", "0-7", mems="0-1")
+    update = pb.UpdateContainerResourcesRequest(
+        container_id=shared_id, linux=pb.LinuxContainerResources(cpuset_mems="0")
+    ).SerializeToString()
+    tracked = env.engine.containers[shared_id]
+
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.UNAVAILABLE)
+    reply = await env.kubelet.call("UpdateContainerResources", update)
+    assert reply.status is Status.UNAVAILABLE
+    await until(
+        lambda: not tracked.settings_stale and mems_of(cgroup) == "0-1", "the nodes given back"
+    )
+    assert mems_of(inner) == "0-1"
+    assert env.fake.containers[shared_id].resources.cpuset_mems == "0-1"
+    assert tracked.shared_mems == CPUSet.parse("0-1")
+
+    await env.kubelet.ok("UpdateContainerResources", update)
+    assert (mems_of(cgroup), mems_of(inner)) == ("0", "0")
+    assert env.fake.containers[shared_id].resources.cpuset_mems == "0"
+    assert tracked.shared_mems == CPUSet.parse("0")
+    assert env.engine._out_of_place() == []
