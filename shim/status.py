@@ -700,6 +700,10 @@ def render_status(
     lines += _field("shared pool", _cpus_text(state.shared), width)
     lines += _field("isolated", _cpus_text(topology.isolated), width)
     lines += _field("offline", _cpus_text(offline or CPUSet()), width)
+    if CPUSet(topology.numa_nodes) - topology.memory_nodes:
+        # Why the MEMS column may give a container other nodes than kubelet chose: the kernel
+        # takes no cpuset.mems naming a node without memory.
+        lines += _field("memory", f"nodes {_memory_nodes_text(topology)}", width)
     if live is not None:
         if live.error is not None:
             seen = f"{live.source}: not reachable ({live.error})"

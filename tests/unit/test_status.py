@@ -617,6 +617,28 @@ def test_the_topology_names_the_memory_nodes_when_they_are_not_the_cpus(
     assert topology_json(topology)["memory_nodes"] == memory_nodes
 
 
+@pytest.mark.parametrize(
+    ("memory_nodes", "line"),
+    [
+        ("0,2-7", "nodes 0,2-7 (1 without memory)"),
+        ("0,2-8", "nodes 0,2-8 (8 without CPUs; 1 without memory)"),
+        ("0-8", None),
+        ("0-7", None),
+    ],
+    ids=["memory-less node", "both", "memory-only node", "the CPUs' nodes"],
+)
+def test_the_status_names_the_nodes_without_memory(memory_nodes: str, line: str | None) -> None:
+    """A node without memory is why the MEMS column gives a container other nodes than
+    kubelet's memory manager chose: the summary says which, as the topology page does, and
+    only then (a memory-only node changes no container's nodes)."""
+    big = expected_topology(BIG)
+    topology = Topology(cpus=big.cpus, isolated=big.isolated, memory_nodes=P(memory_nodes))
+    page = render_status(topology, big_state(topology), width=80).splitlines()
+    summary = page[: page.index("")]
+    found = [text.split(None, 1)[1] for text in summary if text.startswith("memory ")]
+    assert found == ([line] if line else [])
+
+
 def test_an_empty_state_has_no_table() -> None:
     topology = expected_topology(SMALL)
     state = CPUState.empty(StaticPolicy.create(topology, reserved=P("0")))
