@@ -184,13 +184,16 @@ class CPUState:
             kubelet_mems=MappingProxyType(mems),
         )
 
-    def with_kubelet_mems(self, key: ContainerKey, mems: KubeletMems) -> CPUState:
+    def with_kubelet_mems(self, key: ContainerKey, mems: KubeletMems | None) -> CPUState:
         """With ``mems`` recorded for the container ``key`` names (its earlier attempt's
-        replaced)."""
+        replaced; None: nothing recorded for it)."""
         if self.kubelet_mems.get(key) == mems:
             return self
         recorded = dict(self.kubelet_mems)
-        recorded[key] = mems
+        if mems is None:
+            del recorded[key]
+        else:
+            recorded[key] = mems
         return replace(self, kubelet_mems=MappingProxyType(dict(sorted(recorded.items()))))
 
     def with_pod_level(self, pod_uid: str) -> CPUState:

@@ -1258,6 +1258,7 @@ class Engine:
         async with tracked.write_lock:
             cpus, mems, quota = self._desired(tracked)
             asked = None
+            chosen_before = self.state.kubelet_mems.get(tracked.key)
             if mems:
                 await self._keep_kubelets_mems([tracked])
             elif request.linux.cpuset_mems:
@@ -1294,6 +1295,10 @@ class Engine:
                 # runc may have told systemd before it failed (or the reply was lost after it
                 # did): what the record holds is unknown, as after cpushim's own refusals.
                 tracked.recorded = None
+            if asked is not None and reply.status is not Status.OK:
+                # The nodes the refused call named are no one's choice: a restart would
+                # otherwise take them from the checkpoint over the container's own.
+                await self._record(self.state.with_kubelet_mems(tracked.key, chosen_before))
         return reply
 
     async def _take_asked_mems(

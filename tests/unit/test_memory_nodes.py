@@ -924,3 +924,28 @@ async def test_memory_nodes_an_update_names_replace_those_of_the_create(
     assert env.engine.containers[container_id].shared_mems == CPUSet.parse("0")
     await env.engine.change_policy(static_policy())  # node 1's memory back
     assert recorded_mems(env, container_id) == "0"
+
+
+async def test_memory_nodes_of_an_update_the_runtime_refuses_are_not_kept(
+    memory_less_env: Env,
+) -> None:
+    """Created naming node 1 (no memory now, so node 0's is used, node 1 kept as its choice
+    in the checkpoint); an update naming node 0 that the runtime refuses leaves node 1 its
+    choice, on disk too: a restart does not take the refused nodes for it."""
+    env = memory_less_env
+    pod = await env.kubelet.run_pod("cache", "burstable")
+    container_id = await env.kubelet.start_new(pod, "main", 500, mems="1")
+    await env.engine.checkpoint_written()
+    key = ContainerKey(pod.uid, "main")
+    kept = KubeletMems(container_id, CPUSet.parse("1"))
+    assert env.engine.state.kubelet_mems[key] == kept
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.INTERNAL, "runc says no")
+    reply = await env.kubelet.call("UpdateContainerResources", mems_update(container_id, "0"))
+    assert reply.status is Status.INTERNAL
+    assert env.engine.containers[container_id].shared_mems == CPUSet.parse("1")
+    await env.engine.checkpoint_written()
+    saved = env.engine.checkpoint.load()
+    assert saved is not None
+    assert saved.kubelet_mems[key] == kept
+    await env.restart()
+    assert env.engine.containers[container_id].shared_mems == CPUSet.parse("1")
