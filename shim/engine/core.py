@@ -22,7 +22,7 @@ import collections
 import contextlib
 import logging
 import posixpath
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -1514,21 +1514,37 @@ class Engine:
         """Run under ``policy`` from now on (a config reload, CPUs going offline or online):
         assignments it would hand their containers now are kept, the others get new CPUs
         where it can give them, every container is moved to match, and the checkpoint says
-        so. Containers kept on their CPUs whose memory nodes derive from the machine's are
-        moved too when those changed (:meth:`_follow_memory_nodes`). Returns the containers
-        that lost their exclusive CPUs for good (they share now). OSError when the
-        checkpoint cannot be written, and nothing changes then."""
+        so. A set a container cpushim does not track may run on (:meth:`untracked_holders`)
+        is kept as it is, first, as start-up keeps an unread container's; one the policy
+        cannot leave held is released and warned of. Containers kept on their CPUs whose
+        memory nodes derive from the machine's are moved too when those changed
+        (:meth:`_follow_memory_nodes`). Returns the containers that lost their exclusive
+        CPUs for good (they share now). OSError when the checkpoint cannot be written, and
+        nothing changes then."""
         async with self.lock:
             before = self.policy.topology
-            # The rule start-up re-plans by: a set stays only if it would be handed out now.
+            # The rule start-up re-plans by: a set stays only if it would be handed out now,
+            # and one a container cpushim does not track may run on is kept as it is, first.
+            unmovable = self.untracked_holders()
             planned, displaced = replan(
-                self.state, policy, lambda _, assignment: self._request_again(assignment)
+                self.state,
+                policy,
+                lambda _, assignment: self._request_again(assignment),
+                unmovable=unmovable,
             )
             lost: list[ContainerKey] = []
             # Told and counted here: the adoptions that try again do not tell it again.
             refused: set[ContainerKey] = set()
+            untracked_lost: dict[ContainerKey, CPUSet] = {}
             for key in displaced:
                 old = self.state.assignments[key]
+                if key in unmovable:
+                    # Released, as at start-up: new CPUs would be held for a container that
+                    # goes on running on these until a sweep reads it, and that sweep's
+                    # adoption gives it CPUs by what it asks for then.
+                    lost.append(key)
+                    untracked_lost[key] = old.cpus
+                    continue
                 if policy.name == "none":
                     # Asked for by the operator: nothing failed, and no alert should fire.
                     lost.append(key)
@@ -1552,6 +1568,7 @@ class Engine:
                 planned = planned.assign(key, replace(old, cpus=cpus), policy)
             await self._commit(planned.under(policy))
             self.policy = policy
+            tell_untracked_displaced(untracked_lost, policy)
             for tracked in self.containers.values():
                 if tracked.key in refused:
                     tracked.adoption_refused = True
@@ -1562,6 +1579,18 @@ class Engine:
                 self.projector.topology = policy.topology
             await self._apply()
         return lost
+
+    def untracked_holders(self) -> set[ContainerKey]:
+        """The keys whose CPUs a container cpushim does not track may run on: one whose
+        state start-up or a sweep could not read (held under its id, or under its pod and
+        name when the checkpoint had none), or one whose create's answer was lost (held
+        without an id). Nothing moves such a container off them: it is not tracked until
+        a sweep reads it and takes it in, onto what its assignment holds then."""
+        return {
+            key
+            for key, assignment in self.state.assignments.items()
+            if assignment.container_id not in self.containers
+        }
 
     def _follow_memory_nodes(self, before: Topology) -> None:
         """The machine's memory nodes changed (memory hotplug) from those of ``before``: the
@@ -2032,6 +2061,29 @@ class Engine:
         async with self.lock:
             await self._apply()
             return not self._out_of_place()
+
+
+def tell_untracked_displaced(lost: Mapping[ContainerKey, CPUSet], policy: CPUPolicy) -> None:
+    """Warn of the sets that a re-plan (at start-up, or live) did not keep for containers
+    cpushim does not track (``lost``, by key: :meth:`Engine.untracked_holders`). Such a set
+    holds CPUs the policy hands to no container now (reserved, offline or gone, every one
+    under ``none``), or alone would leave the shared pool without a CPU: neither may stay
+    held (the shared pool is never empty, reserved CPUs are never exclusive), so the
+    assignment goes and the pool gets what it may of its CPUs. The container goes on
+    running there beside the shared containers (and beside any container given those CPUs
+    meanwhile) until a sweep reads it and moves it, as under --recover-from-runtime."""
+    if not lost:
+        return
+    log.warning(
+        "a container whose state cannot be read loses the CPUs it holds to the re-plan; it"
+        " runs on them, shared, until a sweep reads it and moves it",
+        extra={
+            "fields": {
+                "containers": {str(key): str(cpus) for key, cpus in lost.items()},
+                "allocatable": str(policy.exclusive_candidates),
+            }
+        },
+    )
 
 
 def _nodes_asked(resources: pb.LinuxContainerResources) -> CPUSet | None:

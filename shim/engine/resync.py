@@ -27,7 +27,7 @@ from shim.cpuset import CPUSet
 from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import requests as rq
-from shim.engine.core import Engine
+from shim.engine.core import Engine, tell_untracked_displaced
 from shim.engine.moves import CgroupPlace, cgroups_path_of, container_status, pid_of
 from shim.engine.tracked import Phase, Tracked
 from shim.kube import CgroupParentError, kubelet_cfs_quota, pod_cgroup
@@ -649,7 +649,7 @@ def _reconcile(
         state, displaced = replan(
             state, policy, _requests_now(pods, live), unmovable=unread_holders
         )
-        _tell_unread_displaced(
+        tell_untracked_displaced(
             {key: previous[key].cpus for key in displaced if key in unread_holders}, policy
         )
         log.info(
@@ -770,29 +770,6 @@ def _reconcile(
             report.adopted_exclusive.append(str(adopted_key))
         candidates = pending
     return state.under(policy)
-
-
-def _tell_unread_displaced(lost: Mapping[ContainerKey, CPUSet], policy: CPUPolicy) -> None:
-    """Warn of the sets of unread containers that a re-plan did not keep (``lost``, by key).
-    Such a set holds CPUs the policy hands to no container now (reserved, offline or gone,
-    every one under ``none``), or alone would leave the shared pool without a CPU: neither
-    may stay held (the shared pool is never empty, reserved CPUs are never exclusive), so
-    the assignment goes and the pool gets what it may of its CPUs. The container goes on
-    running there beside the shared containers (and beside any container adopted onto those
-    CPUs in this start) until a sweep reads it and moves it, as under
-    --recover-from-runtime."""
-    if not lost:
-        return
-    log.warning(
-        "a container whose state cannot be read loses the CPUs it holds to the re-plan; it"
-        " runs on them, shared, until a sweep reads it and moves it",
-        extra={
-            "fields": {
-                "containers": {str(key): str(cpus) for key, cpus in lost.items()},
-                "allocatable": str(policy.exclusive_candidates),
-            }
-        },
-    )
 
 
 def _holder(

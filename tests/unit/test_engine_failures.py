@@ -72,6 +72,36 @@ async def test_a_create_whose_reply_is_lost_keeps_its_cpus(env: Env) -> None:
     assert_consistent(env)
 
 
+async def test_a_reload_keeps_the_cpus_of_a_create_whose_reply_is_lost_as_they_are(
+    env: Env,
+) -> None:
+    """The container the runtime made on the CPU runs there untracked until a sweep finds
+    it: nothing moves it. strict-cpu-reservation turned on by a reload leaves the shared
+    pool no CPU unless an assignment gives way; the last key used to, here the held one,
+    and its CPU went to the pool while the container ran there. It keeps it; the tracked
+    container gives way and shares."""
+    pod = await env.kubelet.run_pod("db", "guaranteed", uid="ffffffff-0000-0000-0000-0")
+    request = env.kubelet.create_request(pod, "main", 1000).SerializeToString()
+    call = UnaryCall(rq.CREATE_CONTAINER, (), request, 10.0)
+    assert (await env.engine.handle(call, ReplyLost(env.channel, call))).unanswered
+    [orphan] = env.fake.containers
+    big = await env.kubelet.run_pod("big", "guaranteed", uid="00000000-0000-0000-0000-0")
+    big_id = await env.kubelet.start_new(big, "main", 6000)
+    assert (env.cpus(orphan), env.cpus(big_id)) == (FIRST_SINGLE, "1-3,5-7")
+
+    strict = StaticPolicy.create(
+        TOPOLOGY,
+        reserved=CPUSet.parse("0"),
+        options=StaticPolicyOptions(strict_cpu_reservation=True),
+    )
+    assert await env.engine.change_policy(strict) == [ContainerKey(big.uid, "main")]
+    held = env.engine.state.assignments[ContainerKey(pod.uid, "main")]
+    assert (held.cpus, held.container_id) == (CPUSet.parse(FIRST_SINGLE), "")
+    assert env.cpus(big_id) == str(env.engine.state.shared) == "1-3,5-7"
+    assert env.cpus(orphan) == FIRST_SINGLE
+    assert_consistent(env)
+
+
 async def test_a_create_whose_client_went_away_keeps_its_cpus_through_the_relay(env: Env) -> None:
     """kubelet's connection closes while containerd makes the container: the relay ends the
     forward without an answer, so the CPUs stay held for the container's next attempt."""

@@ -27,6 +27,7 @@ from shim.engine.sweeping import sweep
 from shim.engine.watching import Watcher
 from shim.kube import QOSClass
 from shim.pods import ANNOTATION_CFS_QUOTA
+from shim.policy import CPUPolicy
 from shim.policy.none import NonePolicy
 from shim.policy.options import StaticPolicyOptions
 from shim.policy.static import StaticPolicy
@@ -740,14 +741,27 @@ async def test_a_pinned_container_whose_status_cannot_be_read_keeps_its_cpus_for
     assert_consistent(env)
 
 
-async def test_a_replan_at_start_up_keeps_the_cpus_of_a_container_it_cannot_read(
-    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+async def replanned(env: Env, policy: CPUPolicy, when: str) -> None:
+    """Re-planned under ``policy`` at a restart (``when`` "start-up"), or (``when``
+    "reload") by a live re-plan, as a config reload makes, after a restart under the same
+    policy: the containers start-up could not read are still untracked then."""
+    if when == "start-up":
+        await env.restart(policy)
+        return
+    await env.restart()
+    await resync.replan_live(env.engine, policy, "config reload")
+
+
+@pytest.mark.parametrize("when", ["start-up", "reload"])
+async def test_a_replan_keeps_the_cpus_of_a_container_start_up_could_not_read(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
 ) -> None:
-    """strict-cpu-reservation turned on across a restart leaves the shared pool no CPU
-    unless an assignment gives way. The re-plan had the last key give way, here that of a
-    container whose state the runtime could not give: its CPU went back to the pool while it
-    ran there, and nothing moved it off until a sweep read it. It keeps it; the container
-    that can be read gives way, and shares."""
+    """strict-cpu-reservation turned on leaves the shared pool no CPU unless an assignment
+    gives way. The re-plan had the last key give way, here that of a container whose state
+    the runtime could not give: its CPU went back to the pool while it ran there, and
+    nothing moved it off until a sweep read it. It keeps it; the container that can be read
+    gives way, and shares. A reload before the sweep re-plans as start-up does: the
+    container is not tracked yet, and its assignment is known as held for it."""
     pinned = await env.kubelet.run_pod("db", "guaranteed", uid="ffffffff-0000-0000-0000-0")
     pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
     big = await env.kubelet.run_pod("big", "guaranteed", uid="00000000-0000-0000-0000-0")
@@ -761,8 +775,8 @@ async def test_a_replan_at_start_up_keeps_the_cpus_of_a_container_it_cannot_read
         reserved=CPUSet.parse("0"),
         options=StaticPolicyOptions(strict_cpu_reservation=True),
     )
-    with caplog.at_level("WARNING", logger="shim.engine.resync"):
-        await env.restart(strict)
+    with caplog.at_level("WARNING", logger="shim.engine"):
+        await replanned(env, strict, when)
     key = ContainerKey(pinned.uid, "main")
     assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
     assert env.engine.state.assignments[key].container_id == pinned_id
@@ -778,25 +792,28 @@ async def test_a_replan_at_start_up_keeps_the_cpus_of_a_container_it_cannot_read
     assert_consistent(env)
 
 
+@pytest.mark.parametrize("when", ["start-up", "reload"])
 @pytest.mark.parametrize(
     "policy", [static_policy("0,4"), NonePolicy(TOPOLOGY)], ids=["reserved-now", "none"]
 )
-async def test_a_replan_at_start_up_tells_of_cpus_a_container_it_cannot_read_loses(
+async def test_a_replan_tells_of_cpus_a_container_start_up_could_not_read_loses(
     env: Env,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     policy: StaticPolicy | NonePolicy,
+    when: str,
 ) -> None:
     """CPUs the new policy may hand to no container (reserved now, or none at all under
     ``none``) cannot stay held: the assignment goes, and that is told, since the container
-    runs on them beside the shared containers until a sweep reads it and moves it."""
+    runs on them beside the shared containers until a sweep reads it and moves it. A
+    reload used to give it new CPUs without a word, held while it ran on the old ones."""
     pinned = await env.kubelet.run_pod("db", "guaranteed")
     pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
     failing = unreadable(env, monkeypatch, Status.UNKNOWN)
     failing.add(pinned_id)
 
-    with caplog.at_level("WARNING", logger="shim.engine.resync"):
-        await env.restart(policy)
+    with caplog.at_level("WARNING", logger="shim.engine"):
+        await replanned(env, policy, when)
     assert env.saved() == {}
     lost = [r.__dict__["fields"] for r in caplog.records if "loses the CPUs" in r.getMessage()]
     assert [fields["containers"] for fields in lost] == [
@@ -808,6 +825,38 @@ async def test_a_replan_at_start_up_tells_of_cpus_a_container_it_cannot_read_los
     failing.clear()
     assert (await sweep(env.engine)).tracked == [pinned_id]
     # Moved: adopted onto CPUs it may hold now, or shared.
+    assert_consistent(env)
+
+
+async def test_a_reload_keeps_the_cpus_held_by_pod_and_name_for_a_container_not_read(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assignment start-up kept without a container id, its container unread, is one a
+    container cpushim does not track may run on too: a reload keeps it first, as it is, and
+    the sweep that reads the container gives it the id there."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed", uid="ffffffff-0000-0000-0000-0")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    big = await env.kubelet.run_pod("big", "guaranteed", uid="00000000-0000-0000-0000-0")
+    big_id = await env.kubelet.start_new(big, "main", 6000)
+    key = ContainerKey(pinned.uid, "main")
+    env.engine.checkpoint.save_sync(env.engine.state.update(key, container_id=""))
+    failing = unreadable(env, monkeypatch, Status.UNKNOWN)
+    failing.add(pinned_id)
+
+    strict = StaticPolicy.create(
+        TOPOLOGY,
+        reserved=CPUSet.parse("0"),
+        options=StaticPolicyOptions(strict_cpu_reservation=True),
+    )
+    await replanned(env, strict, "reload")
+    assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
+    assert env.engine.state.assignments[key].container_id == ""
+    assert env.cpus(big_id) == str(env.engine.state.shared)
+
+    failing.clear()
+    assert (await sweep(env.engine)).tracked == [pinned_id]
+    assert env.engine.state.assignments[key].container_id == pinned_id
+    assert env.cpus(pinned_id) == FIRST_SINGLE
     assert_consistent(env)
 
 
