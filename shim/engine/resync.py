@@ -131,7 +131,7 @@ async def start(
             f" ({exc}); is it a CRI runtime?"
         ) from exc
     for sandbox_id in unplaced:
-        pods[sandbox_id] = _placed_or_told(pods[sandbox_id], live.values())
+        pods[sandbox_id] = _placed_or_told(pods[sandbox_id], live.values(), unread)
     report = ResyncReport(unread=[item.id for item in unread])
     pods = _with_pod_level_resources(pods, live, loaded.pod_level if loaded is not None else ())
     async with engine.lock:
@@ -365,14 +365,24 @@ async def _sandbox_status(engine: Engine, sandbox_id: str, *, verbose: bool) -> 
         return SandboxRead(None, f"the answer does not decode ({exc})")
 
 
-def _placed_or_told(pod: Pod, live: Iterable[LiveContainer]) -> Pod:
+def _placed_or_told(pod: Pod, live: Iterable[LiveContainer], unread: Iterable[pb.Container]) -> Pod:
+    """``pod``, whose sandbox's status did not name its cgroup parent, placed from the
+    containers start-up read (:func:`placed_pod`). When none of them shows it, and the pod
+    has containers, that is told here, once: its containers share. Those whose status
+    start-up could not read (``unread``) are named then, since the sweep that reads one
+    may yet find the pod's cgroup on it and place the pod (``a pod's cgroup parent is found
+    on its container``); the sweeps do not tell again that it is unknown."""
     containers = [c for c in live if c.sandbox_id == pod.sandbox_id]
+    unread_here = sorted(c.id for c in unread if c.pod_sandbox_id == pod.sandbox_id)
     placed = placed_pod(pod, containers)
-    if placed.qos is None and containers:
-        log.warning(
-            "a pod's cgroup parent is unknown; its containers share",
-            extra={"fields": {"pod": pod.label, "sandbox_id": pod.sandbox_id}},
-        )
+    if placed.qos is not None or not (containers or unread_here):
+        return placed
+    message = "a pod's cgroup parent is unknown; its containers share"
+    fields: dict[str, object] = {"pod": pod.label, "sandbox_id": pod.sandbox_id}
+    if unread_here:
+        message += " unless a sweep finds it on one start-up could not read"
+        fields["unread"] = unread_here
+    log.warning(message, extra={"fields": fields})
     return placed
 
 

@@ -963,6 +963,41 @@ async def test_a_pod_start_up_could_not_place_is_placed_by_the_container_a_sweep
     assert_consistent(env)
 
 
+async def test_a_pod_start_up_could_not_place_by_any_container_is_told_of_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its sandbox's status failed, and so did every one of its containers': start-up,
+    which tells of a pod none of its read containers places, said nothing of it. It is
+    told once, naming the containers a sweep may yet place it by, and not again by the
+    sweeps that try them while they fail, nor by the one that reads it and places it."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    failing = unreadable(env, monkeypatch, Status.DEADLINE_EXCEEDED)
+    failing.update({pinned.sandbox_id, pinned_id})
+
+    with caplog.at_level("INFO", logger="shim.engine"):
+        await env.restart(recover=True)
+        for _ in range(2):
+            assert (await sweep(env.engine)).unfinished
+        failing.discard(pinned_id)
+        assert (await sweep(env.engine)).tracked == [pinned_id]
+    told = [
+        (r.getMessage(), r.__dict__["fields"])
+        for r in caplog.records
+        if r.getMessage().startswith("a pod's cgroup parent is")
+    ]
+    unknown = (
+        "a pod's cgroup parent is unknown; its containers share unless a sweep finds it on"
+        " one start-up could not read"
+    )
+    assert [(message, fields.get("unread")) for message, fields in told] == [
+        (unknown, [pinned_id]),
+        ("a pod's cgroup parent is found on its container", None),
+    ]
+    assert told[0][1]["sandbox_id"] == pinned.sandbox_id
+    assert env.engine.pods[pinned.sandbox_id].qos is QOSClass.GUARANTEED
+
+
 async def test_a_create_cut_short_whose_container_cannot_be_read_keeps_its_cpus(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
