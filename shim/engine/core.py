@@ -1843,6 +1843,9 @@ class Engine:
             raise RuntimeError(
                 f"ContainerStatus {container_id}: {reply.status.name}: {reply.status_message}"
             )
+        tracked = self.containers.get(container_id)
+        if tracked is not None:
+            tracked.status_answered()
         return response.status.state
 
     def _desired(self, tracked: Tracked) -> tuple[CPUSet, str, int | None]:

@@ -580,6 +580,7 @@ class Mover:
                 # to be the same. A failed call (containerd restarting) is not told of.
                 self.undecodable_status(tracked, error)
             return Found(None, answered=False)
+        tracked.status_answered()
         info = status.info.get("info", "")
         place = self.cgroup_of(info)
         self.unplaced_cgroup(tracked, place)

@@ -1125,8 +1125,7 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
         return StatusRead(None, answered=False)
     engine.unread_untracked.discard(container_id)
     if tracked is not None:
-        # Read: a call that fails after this is told again.
-        tracked.failed_status_seen = False
+        tracked.status_answered()
     if response.status.state == pb.CONTAINER_EXITED:
         return StatusRead(None)
     return StatusRead(live_container(container_id, sandbox_id, response.status.metadata, response))
@@ -1138,7 +1137,8 @@ def _newly_unread(engine: Engine, container_id: str, tracked: Tracked | None) ->
     noting it as told, once while it stays so: an adoption asks again at every sweep about
     one that waits for exclusive CPUs, a sweep asks again at every try about one it does not
     track while the runtime cannot say, and start-up has told of those it could not read.
-    A good read (:func:`status_read`) ends the spell."""
+    A good read of a tracked one, by any call (:meth:`Tracked.status_answered`), ends the
+    spell."""
     if tracked is not None:
         told = tracked.failed_status_seen
         tracked.failed_status_seen = True

@@ -97,8 +97,8 @@ class Tracked:
     # The runtime's ContainerStatus answer for it did not decode, and the warning given.
     undecodable_status_seen: bool = False
     # A ContainerStatus call for it failed (an adoption's, while it waits for exclusive
-    # CPUs), and the warning given; cleared when the next such call reads it, so a later
-    # failing spell is told again.
+    # CPUs), and the warning given; cleared when any call reads it (status_answered), so a
+    # later failing spell is told again.
     failed_status_seen: bool = False
     # The cpuset its cgroup (v1) was left with when CPUs went offline, once warned of.
     offline_seen: CPUSet | None = None
@@ -118,6 +118,13 @@ class Tracked:
         them (None: none known): those kept from its create or from the exclusive CPUs it
         lost, else those its cgroup keeps while it shares."""
         return self.kubelet_mems if self.kubelet_mems is not None else self.shared_mems
+
+    def status_answered(self) -> None:
+        """A ContainerStatus call read its state: an adoption's, the watcher's looking for
+        its cgroup, or a create's asking whether it still runs. Whichever it was, the
+        runtime answers for it again, so a failing spell is over and a call that fails
+        after this is told of anew (``failed_status_seen``)."""
+        self.failed_status_seen = False
 
     def named(self) -> dict[str, str]:
         """The fields a log line names it by: its pod as kubectl shows it, the key the

@@ -527,6 +527,37 @@ async def test_a_status_that_does_not_decode_is_told_once_by_the_sweep_and_the_w
     assert "does not decode" in warned[0].__dict__["fields"]["error"]
 
 
+@pytest.mark.parametrize("reader", ["watcher", "create"])
+async def test_a_failing_status_read_by_another_call_in_between_is_told_again(
+    env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, reader: str
+) -> None:
+    """An adoption (resync.status_read) tells a failed ContainerStatus once while the calls
+    keep failing. A good read by the watcher looking for the cgroup, or by a create asking
+    whether the container still runs, ends that spell as the adoption's own does: a call
+    that fails after it is told again, where it used to stay unsaid."""
+    container_id = await start_located(env, "web")
+    tracked = env.engine.containers[container_id]
+    tracked.cgroup = None
+    failing = unreadable(env, monkeypatch, Status.UNAVAILABLE)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            failing.add(container_id)
+            for _ in range(2):
+                read = await resync.status_read(env.engine, container_id, tracked.sandbox_id)
+                assert read == resync.StatusRead(None, answered=False)
+            failing.clear()
+            if reader == "watcher":
+                assert (await env.engine.mover.find(tracked)).cgroup is not None
+            else:
+                assert await env.engine._container_state(container_id) == pb.CONTAINER_RUNNING
+    told = [
+        r.__dict__["fields"]["container_id"]
+        for r in caplog.records
+        if r.getMessage() == "cannot read a container's state; it stays as it is"
+    ]
+    assert told == [container_id, container_id]
+
+
 @pytest.mark.parametrize("child_cpus", [None, "0-3"])
 async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
     env: Env, monkeypatch: pytest.MonkeyPatch, child_cpus: str | None
