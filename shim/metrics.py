@@ -159,8 +159,9 @@ ENGINE_COUNTERS: dict[str, str] = {
         " of them for the whole pod's): none of their containers gets exclusive CPUs"
     ),
     "removed_containers_found": (
-        "Tracked containers the runtime no longer had (removed by another CRI client, their"
-        " pod staying), found by a sweep and forgotten, their CPUs back in the shared pool"
+        "Tracked containers, and containers holding CPUs that start-up could not read, that"
+        " the runtime no longer had (removed by another CRI client, their pod staying), found"
+        " by a sweep and forgotten, their CPUs back in the shared pool"
     ),
     "unread_requests": (
         "Followed calls answered OK whose request could not be read (the watchers catch up)"

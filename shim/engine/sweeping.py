@@ -85,8 +85,8 @@ async def sweep(engine: Engine, *, settle: float = SETTLE_TIMEOUT) -> SweepRepor
     if listing is None:
         report.unfinished = True
     else:
-        if listing.gone:
-            await _forget_gone(engine, listing.gone)
+        if listing.gone or listing.held_gone:
+            await _forget_gone(engine, listing.gone, listing.held_gone)
         if listing.unknown:
             # The runtime is asked about them before the lock: a slow answer holds no
             # decision back.
@@ -291,31 +291,41 @@ class _Listing:
     unknown: dict[str, pb.Container]
     # Containers cpushim tracked before the listing that the runtime no longer has.
     gone: list[str]
+    # Containers cpushim does not track (start-up could not read them) that hold CPUs in
+    # the checkpoint and that the runtime no longer has.
+    held_gone: list[str]
 
 
-async def _forget_gone(engine: Engine, gone: list[str]) -> None:
+async def _forget_gone(engine: Engine, gone: list[str], held_gone: list[str]) -> None:
     """Containers removed on the runtime without cpushim (another client's RemoveContainer,
     its pod staying): forgotten as kubelet's RemoveContainer would have them, any CPUs
-    they hold back to the shared pool."""
+    they hold back to the shared pool. ``held_gone``: untracked ones that hold CPUs (start-up
+    could not read them); without this their CPUs would stay held until their pod went."""
     async with engine.lock:
         forgotten = [container_id for container_id in gone if container_id in engine.containers]
-        if not forgotten:
+        # Still untracked and holding: a sweep may have taken one in meanwhile (then it is
+        # in the next listing, or gone from it).
+        unread = [
+            container_id
+            for container_id in held_gone
+            if container_id not in engine.containers and engine.state.holding(container_id)
+        ]
+        if not forgotten and not unread:
             return
+        named = {cid: str(engine.containers[cid].key) for cid in forgotten}
+        for container_id in unread:
+            named[container_id] = str(engine.state.holding(container_id))
         log.info(
             "containers removed without cpushim are forgotten",
-            extra={
-                "fields": {
-                    "containers": {cid: str(engine.containers[cid].key) for cid in forgotten}
-                }
-            },
+            extra={"fields": {"containers": named}},
         )
         held: list[ContainerKey] = []
-        for container_id in forgotten:
+        for container_id in [*forgotten, *unread]:
             engine.untrack(container_id)
             key = engine.state.holding(container_id)
             if key is not None and key not in held:
                 held.append(key)
-        engine.counters["removed_containers_found"] += len(forgotten)
+        engine.counters["removed_containers_found"] += len(forgotten) + len(unread)
         await engine._release(held)
 
 
@@ -383,7 +393,14 @@ async def _listing(engine: Engine) -> _Listing | None:
         and item.id not in engine.containers
         and item.id not in engine.never_running
     }
-    return _Listing(unknown, sorted(tracked_before - listed_ids))
+    held_gone = sorted(
+        held.container_id
+        for held in engine.state.assignments.values()
+        if held.container_id
+        and held.container_id not in engine.containers
+        and held.container_id not in listed_ids
+    )
+    return _Listing(unknown, sorted(tracked_before - listed_ids), held_gone)
 
 
 async def _pod(engine: Engine, container: LiveContainer) -> tuple[Pod | None, bool]:

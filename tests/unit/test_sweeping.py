@@ -1118,6 +1118,31 @@ async def test_a_container_another_client_removed_is_forgotten(env: Env) -> None
     assert_consistent(env)
 
 
+async def test_a_container_start_up_could_not_read_and_another_client_removed_frees_its_cpu(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pinned, then cpushim restarts while the runtime cannot say what it is: its CPU stays
+    held, untracked. Removed on the runtime without cpushim meanwhile, the sweep finds it
+    gone from the listing and gives its CPU back, rather than keeping it held until its pod
+    goes."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned = await env.kubelet.start_new(pod, "main", 1000)
+    kept = await env.kubelet.start_new(pod, "sidecar", 1000)
+    failing = unreadable(env, monkeypatch, Status.UNAVAILABLE)
+    failing.add(pinned)
+    await env.restart()
+    key = ContainerKey(pod.uid, "main")
+    assert pinned not in env.engine.containers
+    assert str(env.engine.state.assignments[key].cpus) == FIRST_SINGLE
+    await remove_container_outside(env, pinned)
+    await sweep(env.engine)
+    assert key not in env.engine.state.assignments
+    assert kept in env.engine.containers
+    assert env.engine.counters["removed_containers_found"] == 1
+    assert CPUSet.parse(FIRST_SINGLE).issubset(env.engine.state.shared)
+    assert_consistent(env)
+
+
 async def test_an_exited_container_another_client_removed_is_forgotten(env: Env) -> None:
     pod = await env.kubelet.run_pod("job", "besteffort")
     done = await env.kubelet.start_new(pod, "main")
