@@ -1280,7 +1280,10 @@ class Engine:
             if reply.status is Status.OK:
                 tracked.applied = tracked.recorded = cpus
                 if asked is not None:
+                    # Its choice from now on, as a restart would know it: not the nodes kept
+                    # from exclusive CPUs it lost, which an adoption would give it otherwise.
                     tracked.shared_mems = asked
+                    tracked.kubelet_mems = None
                 self._restored(tracked)
                 self.project(tracked)
             elif written:

@@ -949,3 +949,24 @@ async def test_memory_nodes_of_an_update_the_runtime_refuses_are_not_kept(
     assert saved.kubelet_mems[key] == kept
     await env.restart()
     assert env.engine.containers[container_id].shared_mems == CPUSet.parse("1")
+
+
+async def test_an_update_names_the_nodes_an_adoption_gives_a_container_that_lost_its_cpus(
+    env: Env,
+) -> None:
+    """Pinned on kubelet's node 1, then unpinned by a switch to none: it shares on node 1's
+    memory, kept as its choice. An update naming node 0 makes that its choice, so the
+    adoption that pins it again gives it node 0, as it would after a restart, not node 1."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await create(env, pod, "1")
+    key = ContainerKey(pod.uid, "main")
+    assert await env.engine.change_policy(NonePolicy(TOPOLOGY)) == [key]
+    assert recorded_mems(env, container_id) == "1"
+    await env.kubelet.ok("UpdateContainerResources", mems_update(container_id, "0"))
+    assert recorded_mems(env, container_id) == "0"
+    assert env.engine.containers[container_id].memory_nodes_chosen == CPUSet.parse("0")
+    await env.engine.change_policy(static_policy())
+    assert await adopt_sharing(env.engine) == [key]
+    assert env.engine.state.assignments[key].mems == CPUSet.parse("0")
+    assert recorded_mems(env, container_id) == "0"
+    assert_consistent(env)
