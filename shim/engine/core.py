@@ -1284,6 +1284,9 @@ class Engine:
                     # from exclusive CPUs it lost, which an adoption would give it otherwise.
                     tracked.shared_mems = asked
                     tracked.kubelet_mems = None
+                    # Told once the runtime took them: a refused update leaves the
+                    # container's own nodes, and the mark of their warning, as they were.
+                    self._note_narrowing(tracked, asked)
                 self._restored(tracked)
                 self.project(tracked)
             elif written:
@@ -1309,9 +1312,10 @@ class Engine:
     ) -> CPUSet | None:
         """The memory nodes an update names for a container whose nodes cpushim leaves as
         they are (one that shares): they are kubelet's choice for it from now on, as a
-        create's are (None: none that parse, passed on for the runtime to refuse). Those
-        that have no memory now are left out of ``resources`` as a create's are, else the
-        kernel refuses the update; the checkpoint keeps kubelet's choice first when the
+        create's are, once the runtime takes the update (the caller keeps them then, and
+        tells of a narrowing), None: none that parse, passed on for the runtime to refuse.
+        Those that have no memory now are left out of ``resources`` as a create's are, else
+        the kernel refuses the update; the checkpoint keeps kubelet's choice first when the
         runtime's record will hold other nodes, or when it kept an earlier choice for the
         container, which a restart would take over the record. Under the lock."""
         asked = _nodes_asked(resources)
@@ -1324,7 +1328,6 @@ class Engine:
             await self._record(self.state.with_kubelet_mems(tracked.key, chosen))
         if narrowed:
             resources.cpuset_mems = str(topology.memory_nodes_within(asked))
-        self._note_narrowing(tracked, asked)
         return asked
 
     def _cpu_resize(

@@ -970,3 +970,27 @@ async def test_an_update_names_the_nodes_an_adoption_gives_a_container_that_lost
     assert env.engine.state.assignments[key].mems == CPUSet.parse("0")
     assert recorded_mems(env, container_id) == "0"
     assert_consistent(env)
+
+
+@pytest.mark.parametrize(("created", "updated"), [("1", "0"), ("0", "1")], ids=["off", "onto"])
+async def test_an_update_the_runtime_refuses_changes_no_warning_of_narrowed_nodes(
+    memory_less_env: Env, caplog: pytest.LogCaptureFixture, created: str, updated: str
+) -> None:
+    """A refused update naming memory nodes leaves the container's own as they were, and
+    their warning with them: the loss of node 1's memory is told once for a container whose
+    nodes name it, not again at the next memory change that moves it (node 2's memory
+    comes), and a container whose nodes do not name it is told nothing of an update naming
+    node 1 that the runtime refused."""
+    env = memory_less_env
+    pod = await env.kubelet.run_pod("cache", "burstable")
+    container_id = await env.kubelet.start_new(pod, "main", 500, mems=created)
+    told = caplog.text.count(NARROWED)
+    assert told == (1 if created == "1" else 0)
+    env.fake.fail_next("UpdateContainerResources", GrpcStatus.INTERNAL, "runc says no")
+    reply = await env.kubelet.call("UpdateContainerResources", mems_update(container_id, updated))
+    assert reply.status is Status.INTERNAL
+    assert env.engine.containers[container_id].mems_narrowed == (created == "1")
+    with_node_2 = Topology(cpus=TOPOLOGY.cpus, memory_nodes=CPUSet.parse("0,2"))
+    env.fake.memory_nodes = with_node_2.memory_nodes
+    await env.engine.change_policy(StaticPolicy.create(with_node_2, reserved=CPUSet([0])))
+    assert caplog.text.count(NARROWED) == told
