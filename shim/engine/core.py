@@ -217,6 +217,7 @@ class Engine:
                 self._spawn,
                 draining=self._draining,
                 retry_delay=self.options.retry_delay,
+                pod_of=self._pod_label_of,
             )
         # What follows a call the runtime has answered OK, for the calls whose request the
         # engine does not change: the relay passes them through and holds the reply's end
@@ -1036,7 +1037,9 @@ class Engine:
                     f"; the runtime did not say whether {names} of the pod exited, so"
                     " their CPUs stay held"
                 )
-            log.warning("allocation refused", extra={"fields": {"error": message}})
+            log.warning(
+                "allocation refused", extra={"fields": {**self._named(key), "error": message}}
+            )
             return Reply.error(Status.RESOURCE_EXHAUSTED, message)
 
     async def _project_new(

@@ -329,7 +329,7 @@ class Mover:
             # offline CPU): the runtime decides.
             log.info(
                 "direct cgroup write failed; moving through the runtime",
-                extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
+                extra={"fields": {**tracked.named(), "error": str(exc)}},
             )
             return False
         self.counters["cgroup_writes"] += 1
@@ -434,7 +434,7 @@ class Mover:
             except OSError as exc:
                 log.info(
                     "direct write of a container with child cpusets failed",
-                    extra={"fields": {"container_id": tracked.id, "file": name, "error": str(exc)}},
+                    extra={"fields": {**tracked.named(), "file": name, "error": str(exc)}},
                 )
                 # The CPUs may have moved already: the runtime is asked for the rest.
                 return name != cgroups.CPUSET_CPUS
@@ -510,7 +510,7 @@ class Mover:
         # runc may have told systemd before it failed: what the record holds is unknown.
         tracked.recorded = None
         fields: dict[str, object] = {
-            "container_id": tracked.id,
+            **tracked.named(),
             "cpus": str(cpus),
             "error": f"{reply.status.name}: {reply.status_message}",
             "retry_in_s": None if isinstance(retry, str) else retry,

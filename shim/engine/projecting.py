@@ -56,8 +56,11 @@ class Projector:
         *,
         draining: asyncio.Event | None = None,
         retry_delay: float = 1.0,
+        pod_of: Callable[[ContainerKey], str] = lambda _: "",
     ) -> None:
         self.writer = writer
+        # A container's pod as kubectl shows it ("" when unknown), for the logs.
+        self._pod_of = pod_of
         self.topology = topology
         self.mount_path = mount_path
         self.counters = counters
@@ -142,6 +145,9 @@ class Projector:
         await self.settle()
         return not self._behind()
 
+    def _named(self, key: ContainerKey) -> dict[str, str]:
+        return {"pod": self._pod_of(key), "container": str(key)}
+
     async def _write(self, key: ContainerKey, cpuset: Cpuset) -> bool:
         # Until this write succeeds the directory may hold neither the last cpuset nor this
         # one (``cpus`` renamed, ``cpuset.json`` not): a move back to the last must write too.
@@ -160,7 +166,7 @@ class Projector:
             self.counters["projection_errors"] += 1
             log.warning(
                 "could not write a container's projection",
-                extra={"fields": {"container": str(key), "error": str(exc)}},
+                extra={"fields": {**self._named(key), "error": str(exc)}},
             )
             return False
         except Exception:
@@ -169,7 +175,7 @@ class Projector:
             self.counters["projection_errors"] += 1
             log.exception(
                 "could not write a container's projection",
-                extra={"fields": {"container": str(key)}},
+                extra={"fields": self._named(key)},
             )
             return False
         self._written[key] = cpuset

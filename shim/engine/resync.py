@@ -124,7 +124,7 @@ async def start(
         progress.begin("resync: listing sandboxes")
         pods, stopped, unplaced = await _sandboxes(engine, progress)
         progress.begin("resync: listing containers")
-        live, exited, unread = await _containers(engine, stopped, progress)
+        live, exited, unread = await _containers(engine, pods, stopped, progress)
     except DecodeError as exc:
         raise StartupError(
             f"resync: {engine.runtime.endpoint} answered with a message that does not decode"
@@ -442,7 +442,7 @@ def _json_int(value: object, *, signed: bool = False) -> int:
 
 
 async def _containers(
-    engine: Engine, stopped: set[str], progress: StartupProgress
+    engine: Engine, pods: Mapping[str, Pod], stopped: set[str], progress: StartupProgress
 ) -> tuple[dict[str, LiveContainer], list[tuple[str, str]], list[pb.Container]]:
     """Containers that are not exited (exited ones hold no CPUs), the (sandbox id, name)
     of the exited ones, and the listed containers whose status the runtime could not give
@@ -479,10 +479,16 @@ async def _containers(
             # Without its resources and cgroup nothing can be decided for it; stopping
             # start-up for it would keep kubelet's runtime down for the whole node.
             engine.counters["startup_status_errors"] += 1
+            pod = pods.get(item.pod_sandbox_id)
+            key = ContainerKey(
+                pod.uid if pod is not None else item.pod_sandbox_id, item.metadata.name
+            )
             log.warning(
                 "cannot read a container's status; it stays as it is until a sweep reads it",
                 extra={
                     "fields": {
+                        "pod": pod.label if pod is not None else "",
+                        "container": str(key),
                         "container_id": item.id,
                         "sandbox_id": item.pod_sandbox_id,
                         "error": error,
@@ -898,6 +904,19 @@ def _current_refusal(
     return current, request, engine.policy.refusal(state.exclusive(), request, current)
 
 
+def _live_named(engine: Engine, container: LiveContainer) -> dict[str, str]:
+    """The fields a log line names a container the runtime reported by, as
+    :meth:`Tracked.named` does a tracked one (its key as :func:`tracked_from_runtime` makes
+    it when its pod is not known)."""
+    pod = engine.pods.get(container.sandbox_id)
+    key = ContainerKey(pod.uid if pod is not None else container.sandbox_id, container.name)
+    return {
+        "pod": pod.label if pod is not None else "",
+        "container": str(key),
+        "container_id": container.id,
+    }
+
+
 def _adopted_cpus(
     engine: Engine,
     state: CPUState,
@@ -922,7 +941,7 @@ def _adopted_cpus(
     if current and not quiet:
         log.info(
             "a running container's cpuset is not kept",
-            extra={"fields": {"container_id": container.id, "reason": refusal}},
+            extra={"fields": {**_live_named(engine, container), "reason": refusal}},
         )
     exclusive = state.exclusive()
     if released is not None and engine.policy.refusal(exclusive, request, released) is None:
@@ -935,7 +954,7 @@ def _adopted_cpus(
         engine.counters["adoptions_refused"] += 1
         log.error(
             "a running container cannot get its exclusive CPUs; it shares",
-            extra={"fields": {"container_id": container.id, "count": count, "error": str(exc)}},
+            extra={"fields": {**_live_named(engine, container), "count": count, "error": str(exc)}},
         )
         return None
 
@@ -1116,9 +1135,11 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
             # an answer that does not decode is told once for the container, by either.
             engine.mover.undecodable_status(tracked, error)
         elif _newly_unread(engine, container_id, tracked):
-            fields = {"container_id": container_id, "error": error}
+            pod = engine.pods.get(sandbox_id)
+            fields = {"pod": pod.label if pod is not None else "", "container_id": container_id}
             if tracked is not None:
                 fields.update(tracked.named())
+            fields["error"] = error
             log.warning(
                 "cannot read a container's state; it stays as it is", extra={"fields": fields}
             )

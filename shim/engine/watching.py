@@ -332,7 +332,7 @@ class Watcher:
             then = "looking at everything once" if look_on_failure else "tried again later"
             log.warning(
                 f"cannot watch a container's cgroup; {then}",
-                extra={"fields": {"container_id": container_id, "error": str(exc)}},
+                extra={"fields": {**tracked.named(), "error": str(exc)}},
             )
             if look_on_failure:
                 self.jobs.request("full-resync", self.look_everywhere)
@@ -551,7 +551,7 @@ class Watcher:
             written = False
             log.info(
                 "direct repair failed; the runtime repairs it",
-                extra={"fields": {"container_id": tracked.id, "error": str(exc)}},
+                extra={"fields": {**tracked.named(), "error": str(exc)}},
             )
         else:
             # The runtime is told once per set, which mends systemd's copy once runc is

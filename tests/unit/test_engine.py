@@ -512,6 +512,31 @@ async def test_log_lines_name_a_container_by_its_pod_as_kubectl_shows_it(
     assert released.__dict__["fields"]["containers"] == [key]
 
 
+async def test_a_pods_refused_cpus_are_told_by_its_namespace_and_name(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lines an operator looks for when a pod gets no exclusive CPUs name it as kubectl
+    does, as the others of its containers' lives do: a create the policy refuses, and a
+    container sharing since it was created under none that an adoption finds no room for."""
+    big = await env.kubelet.run_pod("big", "guaranteed")
+    reply = await env.kubelet.create(big, "main", 16_000)
+    assert reply.status is Status.RESOURCE_EXHAUSTED
+    await env.engine.change_policy(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 2000)
+    await env.engine.change_policy(static_policy("0-6"))  # one CPU left that is not reserved
+    assert await adopt_sharing(env.engine) == []
+    [refused] = [r for r in caplog.records if r.getMessage() == "allocation refused"]
+    assert refused.__dict__["fields"]["pod"] == "default/big"
+    assert refused.__dict__["fields"]["container"] == str(ContainerKey(big.uid, "main"))
+    [shares] = [r for r in caplog.records if "cannot get its exclusive CPUs" in r.getMessage()]
+    assert {k: shares.__dict__["fields"][k] for k in ("pod", "container", "container_id")} == {
+        "pod": "default/db",
+        "container": str(ContainerKey(pod.uid, "main")),
+        "container_id": container_id,
+    }
+
+
 async def test_an_in_place_resize_to_fewer_cpus_gives_them_to_the_shared_once_left(
     env: Env,
 ) -> None:

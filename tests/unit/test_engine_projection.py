@@ -445,7 +445,7 @@ async def test_an_unexpected_failure_of_the_writer_costs_the_mount_not_the_conta
 @pytest.mark.anyio
 @pytest.mark.parametrize("by", ["its retry", "the full look"])
 async def test_a_projection_write_that_failed_is_written_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, by: str
 ) -> None:
     # The retry comes after 50 ms, or (for the full look) not within the test at all.
     retry_delay = 0.05 if by == "its retry" else NEVER
@@ -468,10 +468,13 @@ async def test_a_projection_write_that_failed_is_written_again(
 
         monkeypatch.setattr(projector.writer, "write", write)
         pinned = await env.kubelet.run_pod("db", "guaranteed")
-        await env.kubelet.start_new(pinned, "main", 1000)
-        await until(lambda: bool(failed), "the failed write")
+        with caplog.at_level("WARNING", logger="shim.engine.projecting"):
+            await env.kubelet.start_new(pinned, "main", 1000)
+            await until(lambda: bool(failed), "the failed write")
         assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
         assert env.engine.counters["projection_errors"] == 1
+        [told] = [r for r in caplog.records if "projection" in r.getMessage()]
+        assert told.__dict__["fields"]["pod"] == "default/web"
         if by == "the full look":
             await watcher.look_everywhere()
         # Nothing moves any more, yet the directory stops naming CPU 4, which the pinned

@@ -879,13 +879,14 @@ async def test_a_container_start_up_could_not_read_is_not_warned_of_again_by_the
         for _ in range(2):
             assert (await sweep(env.engine)).unfinished
     told = [
-        (r.getMessage(), r.__dict__["fields"]["container_id"])
+        (r.getMessage(), r.__dict__["fields"]["pod"], r.__dict__["fields"]["container_id"])
         for r in caplog.records
         if r.getMessage().startswith("cannot read a container's")
     ]
     assert told == [
         (
             "cannot read a container's status; it stays as it is until a sweep reads it",
+            "default/db",
             container_id,
         )
     ]

@@ -180,6 +180,8 @@ async def test_a_record_the_runtime_refuses_is_counted_logged_and_retried(
         assert env.engine.counters["runtime_record_errors"] == 1
         (warning,) = [r for r in caplog.records if "did not record" in r.getMessage()]
         assert "containerd is busy" in str(warning.__dict__["fields"]["error"])
+        assert warning.__dict__["fields"]["pod"] == "default/web"
+        assert warning.__dict__["fields"]["container_id"] == shared_id
         env.channel.close()
 
 
