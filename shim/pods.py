@@ -75,6 +75,11 @@ class Pod:
 
     @property
     def label(self) -> str:
+        """namespace/name, as kubectl shows the pod; "" when neither is known (a create
+        without a sandbox config for a sandbox cpushim never saw), so that callers fall
+        back to the UID."""
+        if not self.namespace and not self.name:
+            return ""
         return f"{self.namespace}/{self.name}"
 
     @classmethod

@@ -89,6 +89,14 @@ def test_from_config_fields() -> None:
         pod.annotations["x"] = "y"  # type: ignore[index]
 
 
+def test_a_pod_known_by_neither_name_nor_namespace_has_no_label() -> None:
+    """A create without a sandbox config for a sandbox cpushim never saw: the logs and the
+    messages fall back to its UID on an empty label, which "/" would defeat."""
+    pod = Pod("sandbox-1", uid="sandbox-1", name="", namespace="", qos=None, cgroup_parent="")
+    assert pod.label == ""
+    assert (pod.label or pod.uid) == "sandbox-1"
+
+
 def test_from_config_copies_the_annotations() -> None:
     config = sandbox_config(f"/kubepods/pod{UID}", {ANNOTATION_EXCLUSIVE: "false"})
     pod = Pod.from_config("sandbox-1", config)
@@ -99,7 +107,7 @@ def test_from_config_copies_the_annotations() -> None:
 def test_from_an_empty_config() -> None:
     pod = Pod.from_config("sandbox-1", pb.PodSandboxConfig())
     assert pod.qos is None
-    assert (pod.uid, pod.label) == ("", "/")
+    assert (pod.uid, pod.label) == ("", "")
     assert dict(pod.annotations) == {}
 
 
