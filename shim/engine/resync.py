@@ -1117,9 +1117,12 @@ class StatusRead:
     answered: bool = True
 
 
-async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> StatusRead:
+async def status_read(
+    engine: Engine, container_id: str, sandbox_id: str, name: str = ""
+) -> StatusRead:
     """:func:`live_status`, telling a container that is gone or exited from one whose state
-    cannot be read."""
+    cannot be read. ``name``: the container's, when the runtime's listing gave it (for the
+    log)."""
     request = pb.ContainerStatusRequest(container_id=container_id, verbose=True)
     reply = await engine.runtime.unary(
         UnaryCall(rq.CONTAINER_STATUS, (), request.SerializeToString(), CALL_TIMEOUT)
@@ -1137,6 +1140,10 @@ async def status_read(engine: Engine, container_id: str, sandbox_id: str) -> Sta
         elif _newly_unread(engine, container_id, tracked):
             pod = engine.pods.get(sandbox_id)
             fields = {"pod": pod.label if pod is not None else "", "container_id": container_id}
+            if name:
+                fields["container"] = str(
+                    ContainerKey(pod.uid if pod is not None else sandbox_id, name)
+                )
             if tracked is not None:
                 fields.update(tracked.named())
             fields["error"] = error

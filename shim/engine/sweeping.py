@@ -228,7 +228,8 @@ async def _found(
     not_ready: set[str] | None = None
     unread = False
     for container_id in sorted(unknown):
-        read = await status_read(engine, container_id, unknown[container_id].pod_sandbox_id)
+        listed = unknown[container_id]
+        read = await status_read(engine, container_id, listed.pod_sandbox_id, listed.metadata.name)
         container = read.live
         if container is None:
             unread = unread or not read.answered

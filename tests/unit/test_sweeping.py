@@ -332,11 +332,16 @@ async def test_a_container_whose_state_cannot_be_read_is_warned_of_once_by_the_s
             assert report.unfinished
             assert report.tracked == []
     told = [
-        (r.__dict__["fields"]["pod"], r.__dict__["fields"]["container_id"])
+        tuple(r.__dict__["fields"].get(k) for k in ("pod", "container", "container_id"))
         for r in caplog.records
         if r.getMessage() == "cannot read a container's state; it stays as it is"
     ]
-    assert sorted(told) == sorted([("default/tools", gone), ("default/tools", kept)])
+    assert sorted(told) == sorted(
+        [
+            ("default/tools", f"{pod.uid}/debug", gone),
+            ("default/tools", f"{pod.uid}/probe", kept),
+        ]
+    )
     await remove_container_outside(env, gone)
     failing.clear()
     assert (await sweep(env.engine)).tracked == [kept]
