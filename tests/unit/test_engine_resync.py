@@ -752,6 +752,24 @@ async def replanned(env: Env, policy: CPUPolicy, when: str) -> None:
     await resync.replan_live(env.engine, policy, "config reload")
 
 
+async def pinned_beside_big(env: Env) -> tuple[Pod, str, str]:
+    """A 1-CPU container (its pod's UID sorting last) beside a 6-CPU one that leaves only
+    the reserved CPU shared: strict-cpu-reservation then leaves the pool no CPU unless one
+    of them gives way. Returns the small one's pod and the two container ids."""
+    pinned = await env.kubelet.run_pod("db", "guaranteed", uid="ffffffff-0000-0000-0000-0")
+    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
+    big = await env.kubelet.run_pod("big", "guaranteed", uid="00000000-0000-0000-0000-0")
+    big_id = await env.kubelet.start_new(big, "main", 6000)
+    return pinned, pinned_id, big_id
+
+
+STRICT = StaticPolicy.create(
+    TOPOLOGY,
+    reserved=CPUSet.parse("0"),
+    options=StaticPolicyOptions(strict_cpu_reservation=True),
+)
+
+
 @pytest.mark.parametrize("when", ["start-up", "reload"])
 async def test_a_replan_keeps_the_cpus_of_a_container_start_up_could_not_read(
     env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
@@ -762,21 +780,12 @@ async def test_a_replan_keeps_the_cpus_of_a_container_start_up_could_not_read(
     nothing moved it off until a sweep read it. It keeps it; the container that can be read
     gives way, and shares. A reload before the sweep re-plans as start-up does: the
     container is not tracked yet, and its assignment is known as held for it."""
-    pinned = await env.kubelet.run_pod("db", "guaranteed", uid="ffffffff-0000-0000-0000-0")
-    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
-    big = await env.kubelet.run_pod("big", "guaranteed", uid="00000000-0000-0000-0000-0")
-    big_id = await env.kubelet.start_new(big, "main", 6000)
+    pinned, pinned_id, big_id = await pinned_beside_big(env)
     assert (env.cpus(pinned_id), env.cpus(big_id)) == (FIRST_SINGLE, "1-3,5-7")
     failing = unreadable(env, monkeypatch, Status.UNKNOWN)
     failing.add(pinned_id)
-
-    strict = StaticPolicy.create(
-        TOPOLOGY,
-        reserved=CPUSet.parse("0"),
-        options=StaticPolicyOptions(strict_cpu_reservation=True),
-    )
     with caplog.at_level("WARNING", logger="shim.engine"):
-        await replanned(env, strict, when)
+        await replanned(env, STRICT, when)
     key = ContainerKey(pinned.uid, "main")
     assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
     assert env.engine.state.assignments[key].container_id == pinned_id
@@ -834,21 +843,12 @@ async def test_a_reload_keeps_the_cpus_held_by_pod_and_name_for_a_container_not_
     """An assignment start-up kept without a container id, its container unread, is one a
     container cpushim does not track may run on too: a reload keeps it first, as it is, and
     the sweep that reads the container gives it the id there."""
-    pinned = await env.kubelet.run_pod("db", "guaranteed", uid="ffffffff-0000-0000-0000-0")
-    pinned_id = await env.kubelet.start_new(pinned, "main", 1000)
-    big = await env.kubelet.run_pod("big", "guaranteed", uid="00000000-0000-0000-0000-0")
-    big_id = await env.kubelet.start_new(big, "main", 6000)
+    pinned, pinned_id, big_id = await pinned_beside_big(env)
     key = ContainerKey(pinned.uid, "main")
     env.engine.checkpoint.save_sync(env.engine.state.update(key, container_id=""))
     failing = unreadable(env, monkeypatch, Status.UNKNOWN)
     failing.add(pinned_id)
-
-    strict = StaticPolicy.create(
-        TOPOLOGY,
-        reserved=CPUSet.parse("0"),
-        options=StaticPolicyOptions(strict_cpu_reservation=True),
-    )
-    await replanned(env, strict, "reload")
+    await replanned(env, STRICT, "reload")
     assert env.saved() == {pinned.uid: {"main": FIRST_SINGLE}}
     assert env.engine.state.assignments[key].container_id == ""
     assert env.cpus(big_id) == str(env.engine.state.shared)
