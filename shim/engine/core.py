@@ -217,7 +217,7 @@ class Engine:
                 self._spawn,
                 draining=self._draining,
                 retry_delay=self.options.retry_delay,
-                pod_of=self._pod_label_of,
+                named=self._named,
             )
         # What follows a call the runtime has answered OK, for the calls whose request the
         # engine does not change: the relay passes them through and holds the reply's end
@@ -1419,7 +1419,7 @@ class Engine:
                 tracked.id,
                 tracked.sandbox_id,
                 tracked.attempt,
-                self._pod_label(tracked),
+                self._pod_label_of(key),
                 mems,
             )
             state = self.state.assign(key, replace(assignment, cpus=cpus), policy)
@@ -1458,7 +1458,7 @@ class Engine:
         asked (kubelet asks again at every sync of the pod)."""
         held = resize.assignment.cpus if resize.assignment is not None else CPUSet()
         message = (
-            f"cpushim: cannot resize pod {self._pod_label(tracked) or tracked.key.pod_uid}"
+            f"cpushim: cannot resize pod {self._pod_label_of(tracked.key) or tracked.key.pod_uid}"
             f" container {tracked.key.name} in place to {resize.asked} exclusive"
             f" CPU{'s' if resize.asked != 1 else ''}: {reason} (it holds {held or 'none'};"
             f" free: {self.free_exclusive() or 'none'}, shared pool: {self.state.shared})"
@@ -1478,10 +1478,6 @@ class Engine:
                 },
             )
         return Reply.error(Status.RESOURCE_EXHAUSTED, message)
-
-    def _pod_label(self, tracked: Tracked) -> str:
-        pod = self.pods.get(tracked.sandbox_id)
-        return pod.label if pod is not None else ""
 
     def _note_waiting_resize(self, tracked: Tracked, noted: int) -> None:
         """An in-place resize to ``noted`` CPUs of a container that holds none and waits for
@@ -1791,10 +1787,8 @@ class Engine:
         held = self.state.assignments.get(key)
         if held is not None and held.pod:
             return held.pod
-        for pod in self.pods.values():
-            if pod.uid == key.pod_uid:
-                return pod.label
-        return ""
+        pod = self.pods.get(self._sandbox_of(key))
+        return pod.label if pod is not None else ""
 
     def _named(self, key: ContainerKey) -> dict[str, str]:
         """The fields a log line names a container by when only its key is at hand (see

@@ -56,11 +56,11 @@ class Projector:
         *,
         draining: asyncio.Event | None = None,
         retry_delay: float = 1.0,
-        pod_of: Callable[[ContainerKey], str] = lambda _: "",
+        named: Callable[[ContainerKey], dict[str, str]] = lambda key: {"container": str(key)},
     ) -> None:
         self.writer = writer
-        # A container's pod as kubectl shows it ("" when unknown), for the logs.
-        self._pod_of = pod_of
+        # The fields a log line names a container by (the engine's: with its pod).
+        self._named = named
         self.topology = topology
         self.mount_path = mount_path
         self.counters = counters
@@ -144,9 +144,6 @@ class Projector:
         self.retry()
         await self.settle()
         return not self._behind()
-
-    def _named(self, key: ContainerKey) -> dict[str, str]:
-        return {"pod": self._pod_of(key), "container": str(key)}
 
     async def _write(self, key: ContainerKey, cpuset: Cpuset) -> bool:
         # Until this write succeeds the directory may hold neither the last cpuset nor this

@@ -480,16 +480,11 @@ async def _containers(
             # start-up for it would keep kubelet's runtime down for the whole node.
             engine.counters["startup_status_errors"] += 1
             pod = pods.get(item.pod_sandbox_id)
-            key = ContainerKey(
-                pod.uid if pod is not None else item.pod_sandbox_id, item.metadata.name
-            )
             log.warning(
                 "cannot read a container's status; it stays as it is until a sweep reads it",
                 extra={
                     "fields": {
-                        "pod": pod.label if pod is not None else "",
-                        "container": str(key),
-                        "container_id": item.id,
+                        **_named_in(pod, item.pod_sandbox_id, item.metadata.name, item.id),
                         "sandbox_id": item.pod_sandbox_id,
                         "error": error,
                     }
@@ -904,17 +899,25 @@ def _current_refusal(
     return current, request, engine.policy.refusal(state.exclusive(), request, current)
 
 
-def _live_named(engine: Engine, container: LiveContainer) -> dict[str, str]:
+def _key_in(pod: Pod | None, sandbox_id: str, name: str) -> ContainerKey:
+    """A container's key: its pod's UID and its name, the sandbox id standing in for the UID
+    of a pod cpushim does not know."""
+    return ContainerKey(pod.uid if pod is not None else sandbox_id, name)
+
+
+def _named_in(pod: Pod | None, sandbox_id: str, name: str, container_id: str) -> dict[str, str]:
     """The fields a log line names a container the runtime reported by, as
-    :meth:`Tracked.named` does a tracked one (its key as :func:`tracked_from_runtime` makes
-    it when its pod is not known)."""
-    pod = engine.pods.get(container.sandbox_id)
-    key = ContainerKey(pod.uid if pod is not None else container.sandbox_id, container.name)
+    :meth:`Tracked.named` does a tracked one."""
     return {
         "pod": pod.label if pod is not None else "",
-        "container": str(key),
-        "container_id": container.id,
+        "container": str(_key_in(pod, sandbox_id, name)),
+        "container_id": container_id,
     }
+
+
+def _live_named(engine: Engine, container: LiveContainer) -> dict[str, str]:
+    pod = engine.pods.get(container.sandbox_id)
+    return _named_in(pod, container.sandbox_id, container.name, container.id)
 
 
 def _adopted_cpus(
@@ -1141,9 +1144,7 @@ async def status_read(
             pod = engine.pods.get(sandbox_id)
             fields = {"pod": pod.label if pod is not None else "", "container_id": container_id}
             if name:
-                fields["container"] = str(
-                    ContainerKey(pod.uid if pod is not None else sandbox_id, name)
-                )
+                fields.update(_named_in(pod, sandbox_id, name, container_id))
             if tracked is not None:
                 fields.update(tracked.named())
             fields["error"] = error
@@ -1188,9 +1189,7 @@ def tracked_from_runtime(
     pod = pods.get(container.sandbox_id)
     # A container that holds CPUs is known by its assignment's key even when its sandbox is
     # no longer listed (removed behind it): else it would share while its CPUs stay held.
-    key = engine.state.holding(container.id) or ContainerKey(
-        pod.uid if pod else container.sandbox_id, container.name
-    )
+    key = engine.state.holding(container.id) or _key_in(pod, container.sandbox_id, container.name)
     assignment = engine.state.assignments.get(key)
     known = assignment or remembered.get(key)
     resources = container.resources
