@@ -182,6 +182,14 @@ ENGINE_COUNTERS: dict[str, str] = {
         "Shrinks of a cpuset systemd holds a larger copy of (cgroup v2, systemd driver),"
         " recorded with the runtime before cpushim went on instead of later"
     ),
+    "stuck_runtime_spells": (
+        "Times a container's runtime calls went unanswered for long enough (a hung containerd"
+        " shim) that its moves were written into its cgroup without waiting for them"
+    ),
+    "writes_past_stuck_runtime": (
+        "Moves written into a container's cgroup while a runtime call about it went"
+        " unanswered (written again once that call ended)"
+    ),
     "stale_records_reapplied": (
         "Drift repairs of the cpuset the runtime's record held from before a move not yet"
         " told to it, applied again by systemd (a daemon-reload)"
@@ -305,6 +313,12 @@ class EngineCollector:
                 " without memory now (memory hotplug): their memory is on those of them that"
                 " have memory, else on every node with memory",
                 value=self.engine.narrowed_memory_containers(),
+            )
+            yield GaugeMetricFamily(
+                "cpushim_stuck_runtime_containers",
+                "Live containers whose runtime calls go unanswered (a hung containerd shim):"
+                " their moves are written into their cgroups without waiting for them",
+                value=self.engine.stuck_runtime_containers(),
             )
         names = set(ENGINE_COUNTERS) | (set(counters) - set(KUBELET_COUNTERS))
         for key in sorted(names):

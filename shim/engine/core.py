@@ -94,6 +94,9 @@ class EngineOptions:
     # A move the runtime refused, or a projection write that failed, is tried again after
     # this long, doubling up to a minute.
     retry_delay: float = 1.0
+    # How long a move waits for a runtime call about the same container before taking its
+    # runtime for stuck (a hung containerd shim) and writing its cgroup past that call.
+    stuck_after: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,7 @@ class Engine:
             record_max_delay=self.options.record_max_delay,
             spawn=self._spawn,
             concurrency=self.options.update_concurrency,
+            stuck_after=self.options.stuck_after,
         )
         self.projection = projection
         # None: no projection directories (shim/engine/projecting.py).
@@ -1904,6 +1908,14 @@ class Engine:
             for tracked in self.containers.values()
             if tracked.phase is not Phase.EXITED
             and _narrowed(topology, self._kubelets_mems(tracked))
+        )
+
+    def stuck_runtime_containers(self) -> int:
+        """How many live containers' runtime calls go unanswered (shim/engine/moves.py)."""
+        return sum(
+            1
+            for tracked in self.containers.values()
+            if tracked.runtime_stuck and tracked.phase is not Phase.EXITED
         )
 
     def _kubelets_mems(self, tracked: Tracked) -> CPUSet | None:

@@ -15,6 +15,14 @@ after the record delay, a second at least, the wait doubling up to a minute whil
 refusing. One record cannot wait: under cgroup v2 with the systemd driver, a shrink whose CPUs
 systemd's copy of the cpuset still holds is recorded at once (:meth:`Mover.systemd_holds_more`).
 
+A hung containerd shim answers no call about its containers until its call's deadline. A
+move does not wait for such a call past ``stuck_after`` seconds: the container is taken for
+stuck (``Tracked.runtime_stuck``) and its cgroup written without the call's lock, and the
+call, when it ends, writes the cgroup again with the latest cpuset, since the runtime's write
+of its older one may have landed after. Until a call about it is answered, its moves are
+written at once and its records wait in the background, so one hung shim holds up no pod's
+call but its own.
+
 Exclusive containers (whose mems and CFS quota move too) and containers that have not started
 (no cgroup yet) always go through the runtime, and so does a shared container given every
 memory node anew (their list changed with memory hotplug).
@@ -163,11 +171,15 @@ class Mover:
         record_max_delay: float,
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
         concurrency: int = 8,
+        stuck_after: float = 2.0,
     ) -> None:
         self.runtime = runtime
         self.layout = layout
         self.counters = counters
         self.timeout = timeout
+        # How long a move waits for a runtime call about the same container (which holds its
+        # write lock) before taking that container's runtime for stuck.
+        self.stuck_after = stuck_after
         self.record_delay = record_delay
         self.record_max_delay = record_max_delay
         self._spawn = spawn
@@ -194,13 +206,46 @@ class Mover:
         runtime otherwise, or when the kernel refuses the write. ``refused``: the kernel
         refused this write a moment ago (:meth:`write_now`), and would again."""
         if not refused and self.writes_directly(tracked, mems, quota):
-            async with tracked.write_lock:
+            if not await self._turn(tracked):
+                # A call about it that the runtime does not answer holds the lock: the cgroup
+                # is written past it, and that call writes it again when it ends.
                 if self._write_cgroup(tracked, cpus):
-                    if self.systemd_holds_more(tracked, cpus):
+                    self.counters["writes_past_stuck_runtime"] += 1
+                    return MoveResult(ok=True)
+                return MoveResult(ok=False)
+            handed_on = False
+            try:
+                if self._write_cgroup(tracked, cpus):
+                    if self.systemd_holds_more(tracked, cpus) and not tracked.runtime_stuck:
+                        handed_on = True
                         return await self._record_now(tracked, cpus)
                     return MoveResult(ok=True)
                 return await self.update_locked(tracked, cpus, mems, quota, tree_first=False)
+            finally:
+                if not handed_on:
+                    tracked.write_lock.release()
         return await self.update_through_runtime(tracked, cpus, mems, quota, tree_first=not refused)
+
+    async def _turn(self, tracked: Tracked) -> bool:
+        """Take the container's write lock for a direct write; False, without it, when the
+        container's runtime is stuck: a call about it held the lock for ``stuck_after``
+        seconds, or one went unanswered past its deadline and none has been answered since
+        (the holder may be such a call). Moves of other containers wait meanwhile (the
+        engine's lock is held), so this wait bounds what one hung shim costs them."""
+        lock = tracked.write_lock
+        while True:
+            if tracked.runtime_stuck and lock.locked():
+                return False
+            # Bounded even when the lock is free: a waiter may be queued for it already.
+            try:
+                async with asyncio.timeout(self.stuck_after):
+                    await lock.acquire()
+                return True
+            except TimeoutError:
+                if lock.locked():
+                    self._stuck(tracked, waited=self.stuck_after)
+                    return False
+                # Released as the wait ran out: taken on the next turn of the loop.
 
     def write_now(
         self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
@@ -209,14 +254,21 @@ class Mover:
         way, no write of its cpuset is under way and the move needs no record at once.
         Otherwise, or when the kernel refuses the write, it is to be moved with :meth:`move`.
         Not taking the lock is safe: nothing runs between the check and the write, and
-        whoever takes the lock next reads ``tracked.applied`` afresh."""
+        whoever takes the lock next reads ``tracked.applied`` afresh. A container whose
+        runtime is stuck is written even while a call about it holds the lock (the call
+        writes the cgroup again when it ends), and its shrinks are not recorded at once
+        (the record would wait on the stuck runtime; it is left to the delayed one)."""
+        stuck = tracked.runtime_stuck
+        locked = tracked.write_lock.locked()
         if (
-            tracked.write_lock.locked()
+            (locked and not stuck)
             or not self.writes_directly(tracked, mems, quota)
-            or self.systemd_holds_more(tracked, cpus)
+            or (self.systemd_holds_more(tracked, cpus) and not stuck)
         ):
             return DirectWrite.NOT_NOW
         if self._write_cgroup(tracked, cpus):
+            if locked:
+                self.counters["writes_past_stuck_runtime"] += 1
             return DirectWrite.WRITTEN
         return DirectWrite.REFUSED
 
@@ -247,44 +299,106 @@ class Mover:
         return tracked.recorded is None or not tracked.recorded.issubset(cpus)
 
     async def _record_now(self, tracked: Tracked, cpus: CPUSet) -> MoveResult:
-        """Tell the runtime of a cpuset just written into the cgroup (the write lock held).
-        The cgroup holds it whatever the runtime says: a refusal is counted and logged, and
-        the record is left to the delayed one already planned, which tries again."""
-        reply = await self._send_record(tracked, cpus)
-        if reply.status is Status.NOT_FOUND:
-            return MoveResult(ok=False, gone=True)
-        if reply.status is Status.OK:
-            self.counters["systemd_records_at_once"] += 1
-        else:
-            self._record_refused(tracked, cpus, reply, self.record_delay)
+        """Tell the runtime of a cpuset just written into the cgroup. The caller's write lock
+        is handed on to this record, which releases it when it ends. Waited for
+        ``stuck_after`` seconds at most: past that the container's runtime is taken for
+        stuck and the caller goes on, the record running on. The cgroup holds the cpuset
+        whatever the runtime says: a refusal is counted and logged, and the record is left
+        to the delayed one already planned, which tries again."""
+        ended: list[MoveResult] = []
+
+        async def record() -> None:
+            try:
+                reply = await self._send_record(tracked, cpus)
+            finally:
+                tracked.write_lock.release()
+            if reply.status is Status.NOT_FOUND:
+                ended.append(MoveResult(ok=False, gone=True))
+                return
+            if reply.status is Status.OK:
+                self.counters["systemd_records_at_once"] += 1
+            else:
+                self._record_refused(tracked, cpus, reply, self.record_delay)
+            ended.append(MoveResult(ok=True))
+
+        await asyncio.wait({self._spawn(record())}, timeout=self.stuck_after)
+        if ended:
+            return ended[0]
+        self._stuck(tracked, waited=self.stuck_after)
         return MoveResult(ok=True)
 
     async def _send_record(self, tracked: Tracked, cpus: CPUSet) -> Reply:
         """UpdateContainerResources with a cpuset the cgroup already holds (the write lock
         held); on success it is the runtime's record."""
+        moved_at = tracked.moved_at
         reply = await self.runtime.unary(
             UnaryCall(
                 rq.UPDATE_CONTAINER_RESOURCES, (), rq.update_request(tracked.id, cpus), self.timeout
             )
         )
+        self._heard(tracked, reply)
         if reply.status is Status.OK:
             tracked.recorded = cpus
             self.counters["runtime_records"] += 1
+        if tracked.moved_at != moved_at:
+            self._write_past(tracked)
         return reply
+
+    # --- a runtime that does not answer for a container --------------------------------------
+
+    def _stuck(self, tracked: Tracked, *, waited: float) -> None:
+        """A call about the container has gone unanswered for ``waited`` seconds."""
+        if tracked.runtime_stuck:
+            return
+        tracked.runtime_stuck = True
+        self.counters["stuck_runtime_spells"] += 1
+        log.warning(
+            "the runtime does not answer for a container (a hung containerd shim?); its"
+            " moves are written into its cgroup without waiting for it until it answers",
+            extra={"fields": {**tracked.named(), "waited_s": waited}},
+        )
+
+    def _heard(self, tracked: Tracked, reply: Reply) -> None:
+        """A call about the container has ended: whether its runtime answers."""
+        if reply.status is Status.DEADLINE_EXCEEDED:
+            self._stuck(tracked, waited=self.timeout)
+        elif tracked.runtime_stuck:
+            tracked.runtime_stuck = False
+            log.info("the runtime answers for a container again", extra={"fields": tracked.named()})
+
+    def _write_past(self, tracked: Tracked) -> None:
+        """A call through the runtime has ended after a direct write went past it (its runtime
+        was stuck): the runtime's write of the call's older cpuset may have landed after that
+        one, so the latest is written again."""
+        cpus = tracked.applied
+        if cpus is None or tracked.cgroup is None or tracked.phase is not Phase.RUNNING:
+            return
+        log.info(
+            "a late runtime call may have undone a newer cpuset; writing it again",
+            extra={"fields": {**tracked.named(), "cpus": str(cpus)}},
+        )
+        self._write_cgroup(tracked, cpus)
 
     async def record_behind(self, tracked: Tracked) -> None:
         """Tell the runtime of a cpuset the cgroup holds and its record does not (found so
         at start-up or in a sweep: written before a stop, or by someone else): at once when
         systemd's copy may hold CPUs outside it, as :meth:`move` does for its own writes,
         else after the record delay (:meth:`record_later`)."""
-        async with tracked.write_lock:
+        await tracked.write_lock.acquire()
+        handed_on = False
+        try:
             cpus = tracked.applied
             if (
                 cpus is not None
                 and tracked.phase is Phase.RUNNING
                 and self.systemd_holds_more(tracked, cpus)
+                and not tracked.runtime_stuck
             ):
+                handed_on = True
                 await self._record_now(tracked, cpus)
+        finally:
+            if not handed_on:
+                tracked.write_lock.release()
         if tracked.applied != tracked.recorded:
             self.record_later(tracked)
 
@@ -380,9 +494,18 @@ class Mover:
             tracked, cpus, mems, cpus_written=cpus_written
         )
         request = rq.update_request(tracked.id, cpus, mems, quota=quota)
+        moved_at = tracked.moved_at
         reply = await self.runtime.unary(
             UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
         )
+        self._heard(tracked, reply)
+        if tracked.moved_at != moved_at:
+            # A direct write went past this call (its runtime was stuck): that write's cpuset
+            # is the latest, whatever the runtime did with this one.
+            if reply.status is Status.OK:
+                tracked.recorded = cpus
+            self._write_past(tracked)
+            return MoveResult(ok=reply.status is Status.OK, gone=reply.status is Status.NOT_FOUND)
         if reply.status is Status.OK:
             tracked.applied = tracked.recorded = cpus
             self.counters["cpuset_updates"] += 1

@@ -109,8 +109,15 @@ class Tracked:
     # the cpuset has stayed put for a while (shim/engine/moves.py).
     moved_at: float = 0.0
     # Held by every write of this container's cpuset (direct or through the runtime), so an
-    # older cpuset can never land after a newer one.
+    # older cpuset can never land after a newer one; but for a container whose runtime is
+    # stuck (below), which direct writes no longer wait for.
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    # A runtime call about it (an update, a record) went unanswered past its deadline, or has
+    # held the write lock longer than a move would wait (a hung containerd shim): its moves
+    # are written into its cgroup without waiting for that call, and a call that ends after
+    # such a write writes the cgroup again (shim/engine/moves.py). Cleared when a call about
+    # it is answered.
+    runtime_stuck: bool = False
 
     @property
     def memory_nodes_chosen(self) -> CPUSet | None:

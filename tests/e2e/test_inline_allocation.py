@@ -26,6 +26,7 @@ from tests.e2e.pods import (
     start_pod,
     start_shared_and_pinned,
 )
+from tests.e2e.test_operations import Scrape, free_port, get
 from tests.harness.containerd import (
     ServingProcess,
     ServingProcessError,
@@ -207,6 +208,50 @@ def test_a_pod_whose_shim_hangs_keeps_neither_cpushim_down_nor_its_cpu(
             )
         )
         assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_hung_shim_holds_up_no_other_pods_pinning_or_release(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """The shim of a shared container's pod hangs. cpushim's record of that container's
+    move (a second after it) gets no answer: past its deadline the container's runtime is
+    taken for stuck, and other pods' pinnings and releases move it in its cgroup without
+    waiting for its shim. Once the shim goes on, the records it held land, and the cgroup
+    ends with the latest cpuset, as does the runtime's record."""
+    metrics = f"http://127.0.0.1:{free_port()}"
+    shim.start("--metrics-address", metrics.removeprefix("http://"))
+    kubelet = via()
+    shared_pod, shared_id = start_pod(kubelet, "shared", "besteffort")
+    _, pinned_id = start_pinned(kubelet)
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+
+    def stuck() -> float:
+        status, text = get(f"{metrics}/metrics")
+        assert status == 200, text
+        return Scrape(text).value("cpushim_stuck_runtime_containers")
+
+    def log() -> str:
+        return shim.process.log() if shim.process else ""
+
+    with shim_stopped(direct, shared_pod.id):
+        wait_for(lambda: stuck() == 1, 30.0, "the record past its deadline", on_timeout=log)
+        kubelet.stop_container(pinned_id)
+        assert_kernel(kubelet.kernel_cpus(shared_id), "0-1")
+        kubelet.remove_container(pinned_id)
+        _, second_id = start_pinned(kubelet)
+        assert_kernel(kubelet.kernel_cpus(second_id), "1")
+        assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+        assert "the runtime does not answer for a container" in log()
+
+    wait_for(lambda: stuck() == 0, 30.0, "the shim answering again", on_timeout=log)
+    wait_for(
+        lambda: kubelet.recorded_cpuset_cpus(shared_id) == "0",
+        REACTION_TIMEOUT,
+        "the latest cpuset recorded",
+        on_timeout=log,
+    )
+    assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+    assert_kernel(kubelet.kernel_cpus(second_id), "1")
 
 
 def test_a_container_kubelets_static_policy_pinned_is_adopted_with_its_cpu_and_no_quota(

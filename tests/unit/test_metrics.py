@@ -185,6 +185,7 @@ async def test_the_state_s_gauges_wait_for_the_state(env: Env) -> None:
         "cpu_manager_exclusive_cpu_allocation_count": 2,
         "cpu_manager_shared_pool_size_millicores": 6000,
         "cpushim_memory_narrowed_containers": 0,
+        "cpushim_stuck_runtime_containers": 0,
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import shutil
 import subprocess
@@ -769,4 +770,92 @@ async def test_records_run_no_more_at_once_than_moves_through_the_runtime(
         await until(lambda: env.engine.counters["runtime_records"] == len(shared), "recorded")
         assert [updates_to(fake, i) for i in shared] == [[SHARED_AFTER_FIRST_SINGLE]] * 5
         assert most == 2
+        env.channel.close()
+
+
+# --- a runtime that does not answer for a container (a hung containerd shim) -----------------
+
+
+@pytest.mark.parametrize(("version", "driver"), [(1, "cgroupfs"), (2, "systemd")])
+async def test_a_shim_that_hangs_holds_up_no_other_pods_pinning_or_release(
+    tmp_path: Path, version: int, driver: CgroupDriver
+) -> None:
+    """A record of a shared container whose shim hangs held the container's write lock until
+    the call's deadline, and the decision that had to move it waited for that lock holding
+    the engine's: every pinning and release on the node waited for the one shim (under the
+    systemd driver every pinning did, its shrink recorded at once). A move now waits for
+    such a call ``stuck_after`` at most, then writes the cgroup past it; the call, when it
+    lands, has the latest cpuset written again."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=version, cgroup_driver=driver
+    ) as fake:
+        options = EngineOptions(
+            record_delay=0.0, record_max_delay=NEVER, update_timeout=NEVER, stuck_after=0.05
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        shared_id = await start_located(env, "web")
+        hung = fake.gate("UpdateContainerResources")
+
+        first = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(first, "main", 1000)
+        await until(lambda: updates_to(fake, shared_id) != [], "a record sent, and held")
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        await env.kubelet.stop(pinned_id)
+        assert env.kernel_cpus(shared_id) == "0-7"
+        assert env.engine.stuck_runtime_containers() == 1
+        second = await env.kubelet.run_pod("db-2", "guaranteed")
+        await env.kubelet.start_new(second, "main", 1000)
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert env.engine.counters["writes_past_stuck_runtime"] >= 1
+        assert env.engine.counters["stuck_runtime_spells"] == 1
+
+        # The shim answers: the held records land with the older cpusets they carry, and
+        # the latest is written again after them.
+        hung.set()
+        fake.ungate("UpdateContainerResources")
+        await env.engine.drain(5.0)
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert env.engine.stuck_runtime_containers() == 0
+        env.channel.close()
+
+
+async def test_a_record_past_its_deadline_marks_the_runtime_stuck_until_one_is_answered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record that gets no answer within the call's deadline tells that the container's
+    runtime is stuck, once; the next move does not wait for the record sent again; the
+    first answer ends the spell."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=0.0, record_max_delay=NEVER, update_timeout=1.0, stuck_after=NEVER
+        )
+        caplog.set_level(logging.INFO, logger="shim.engine.moves")
+        env = await make_env(fake, tmp_path / "state", options=options)
+        shared_id = await start_located(env, "web")
+        tracked = env.engine.containers[shared_id]
+        hung = fake.gate("UpdateContainerResources")
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        await until(lambda: tracked.runtime_stuck, "the record past its deadline")
+        stuck = [r for r in caplog.records if "does not answer" in r.getMessage()]
+        assert len(stuck) == 1
+        assert env.engine.counters["runtime_record_errors"] == 1
+
+        # The record is sent again after a second, and hangs again, holding the lock: the
+        # release's grow is written past it (a move waiting for it would wait for good).
+        await until(lambda: len(updates_to(fake, shared_id)) == 2, "the record sent again")
+        assert tracked.write_lock.locked()
+        await env.kubelet.stop(pinned_id)
+        assert env.kernel_cpus(shared_id) == "0-7"
+        assert env.engine.counters["writes_past_stuck_runtime"] == 1
+
+        fake.ungate("UpdateContainerResources")
+        hung.set()
+        await env.engine.drain(5.0)
+        assert not tracked.runtime_stuck
+        assert env.kernel_cpus(shared_id) == "0-7"
+        assert env.cpus(shared_id) == "0-7"
+        assert [r for r in caplog.records if "does not answer" in r.getMessage()] == stuck
+        assert any("answers for a container again" in r.getMessage() for r in caplog.records)
         env.channel.close()
