@@ -1239,80 +1239,132 @@ class Engine:
                 # kubelet retries a resize the runtime refuses at every sync of the pod, and
                 # shows the error in its status: the refusal is applied once there is room.
                 return refusal
-            reply = await self._update_tracked(tracked, request, forward)
             if resized:
+                # Forwarded under the lock: CPUs it gives back must not be handed out before
+                # the runtime has taken them from it.
+                async with tracked.write_lock:
+                    update = await self._prepare_update(tracked, request)
+                    reply = await forward(request.SerializeToString())
+                    self._updated(tracked, update, reply)
+                await self._after_update(tracked, request, update, reply)
                 # CPUs it gave back go to the shared containers now that it has left them,
                 # and, as after any release, to a container waiting for room.
                 await self._apply()
                 self._tell_room_made()
-            if reply.status is Status.NOT_FOUND and request.container_id == tracked.id:
-                # Removed on the runtime without cpushim: no call from kubelet will name it
-                # again, and its CPUs would stay held until a sweep found it gone. Only when
-                # named in full, as kubelet names it: that a prefix was not resolved to one
-                # container need not mean this one is gone.
-                log.info(
-                    "an updated container is gone from the runtime; forgotten",
-                    extra={"fields": tracked.named()},
-                )
-                await self._forget_removed(tracked.id)
+                return reply
+            # Taken under the engine's lock, as every move takes it: no deadlock between them.
+            await tracked.write_lock.acquire()
+            try:
+                update = await self._prepare_update(tracked, request)
+            except BaseException:
+                tracked.write_lock.release()
+                raise
+        # Forwarded holding the container's write lock alone: when its shim hangs, the call
+        # waits until kubelet's deadline (minutes), and the decisions of every other pod
+        # would wait with it. A move of this container meanwhile waits a moment, then goes
+        # past the call (shim/engine/moves.py), which then writes the latest cpuset again.
+        try:
+            reply = await forward(request.SerializeToString())
+            self._updated(tracked, update, reply)
+        finally:
+            tracked.write_lock.release()
+        refused_nodes = update.asked is not None and reply.status is not Status.OK
+        if refused_nodes or self._gone(tracked, request, reply):
+            async with self.lock:
+                await self._after_update(tracked, request, update, reply)
         return reply
 
-    async def _update_tracked(
-        self, tracked: Tracked, request: pb.UpdateContainerResourcesRequest, forward: Forward
-    ) -> Reply:
-        """Forward an update of a tracked container with cpushim's cpuset written into it
-        (the engine lock is held)."""
-        async with tracked.write_lock:
-            cpus, mems, quota = self._desired(tracked)
-            asked = None
-            chosen_before = self.state.kubelet_mems.get(tracked.key)
-            if mems:
-                await self._keep_kubelets_mems([tracked])
-            elif request.linux.cpuset_mems:
-                # Not on kubelet's usual path: its updates name no memory nodes.
-                asked = await self._take_asked_mems(tracked, request.linux)
-            if request.linux.cpu_quota > 0:
-                tracked.kubelet_quota = request.linux.cpu_quota
-            # kubelet's own quota stands unless the container's exclusive CPUs drop it; an
-            # update that names none (not kubelet's) still gives a container that lost its
-            # exclusive CPUs kubelet's quota back, or _restored below would leave it at -1.
-            theirs = quota != rq.NO_QUOTA and request.linux.cpu_quota > 0
-            rq.pin(request.linux, cpus, mems, quota=None if theirs else quota)
-            # With a move of the container still to be tried again, its children must make
-            # room first, or cgroup v1 refuses the runtime's write and kubelet's call fails;
-            # so must they for memory nodes the call names, which runc writes too.
-            sent_mems = mems or (request.linux.cpuset_mems if asked is not None else "")
-            written = self.mover.write_tree_first(tracked, cpus, sent_mems)
-            reply = await forward(request.SerializeToString())
-            if reply.status is Status.OK:
-                tracked.applied = tracked.recorded = cpus
-                if asked is not None:
-                    # Its choice from now on, as a restart would know it: not the nodes kept
-                    # from exclusive CPUs it lost, which an adoption would give it otherwise.
-                    tracked.shared_mems = asked
-                    tracked.kubelet_mems = None
-                    # Told once the runtime took them: a refused update leaves the
-                    # container's own nodes, and the mark of their warning, as they were.
-                    self._note_narrowing(tracked, asked)
-                self._restored(tracked)
-                self.project(tracked)
-            elif written:
-                self.mover.refused_after_tree_write(tracked, cpus, sent_mems, quota, reply)
-                self.project(tracked)
-                if tracked.settings_stale:
-                    # Memory nodes or a quota went unrecorded with the refusal: the move that
-                    # gives them is tried again, not left to the next decision. Nodes the
-                    # call named, which the cgroups hold now, give way to the container's.
-                    self._move_retry.soon()
-            elif reply.status is not Status.NOT_FOUND:
-                # runc may have told systemd before it failed (or the reply was lost after it
-                # did): what the record holds is unknown, as after cpushim's own refusals.
-                tracked.recorded = None
-            if asked is not None and reply.status is not Status.OK:
-                # The nodes the refused call named are no one's choice: a restart would
-                # otherwise take them from the checkpoint over the container's own.
-                await self._record(self.state.with_kubelet_mems(tracked.key, chosen_before))
-        return reply
+    @staticmethod
+    def _gone(tracked: Tracked, request: pb.UpdateContainerResourcesRequest, reply: Reply) -> bool:
+        """Whether the runtime answered that the container is gone: only when named in full,
+        as kubelet names it (that a prefix was not resolved to one container need not mean
+        this one is gone)."""
+        return reply.status is Status.NOT_FOUND and request.container_id == tracked.id
+
+    async def _prepare_update(
+        self, tracked: Tracked, request: pb.UpdateContainerResourcesRequest
+    ) -> _Update:
+        """Write cpushim's cpuset into an update of a tracked container (the engine's lock and
+        the container's write lock held)."""
+        cpus, mems, quota = self._desired(tracked)
+        asked = None
+        chosen_before = self.state.kubelet_mems.get(tracked.key)
+        if mems:
+            await self._keep_kubelets_mems([tracked])
+        elif request.linux.cpuset_mems:
+            # Not on kubelet's usual path: its updates name no memory nodes.
+            asked = await self._take_asked_mems(tracked, request.linux)
+        if request.linux.cpu_quota > 0:
+            tracked.kubelet_quota = request.linux.cpu_quota
+        # kubelet's own quota stands unless the container's exclusive CPUs drop it; an
+        # update that names none (not kubelet's) still gives a container that lost its
+        # exclusive CPUs kubelet's quota back, or _restored below would leave it at -1.
+        theirs = quota != rq.NO_QUOTA and request.linux.cpu_quota > 0
+        rq.pin(request.linux, cpus, mems, quota=None if theirs else quota)
+        # With a move of the container still to be tried again, its children must make
+        # room first, or cgroup v1 refuses the runtime's write and kubelet's call fails;
+        # so must they for memory nodes the call names, which runc writes too.
+        sent_mems = mems or (request.linux.cpuset_mems if asked is not None else "")
+        written = self.mover.write_tree_first(tracked, cpus, sent_mems)
+        return _Update(cpus, sent_mems, quota, asked, chosen_before, written, tracked.moved_at)
+
+    def _updated(self, tracked: Tracked, update: _Update, reply: Reply) -> None:
+        """What the runtime's answer to an update means for the container (its write lock
+        held)."""
+        self.mover.heard(tracked, reply)
+        # A move went past the call while the runtime did not answer for the container: its
+        # cpuset is the latest, and the runtime's write of the call's may have landed after.
+        overtaken = tracked.moved_at != update.moved_at
+        latest = tracked.applied
+        cpus = update.cpus
+        if reply.status is Status.OK:
+            tracked.applied = tracked.recorded = cpus
+            if update.asked is not None:
+                # Its choice from now on, as a restart would know it: not the nodes kept
+                # from exclusive CPUs it lost, which an adoption would give it otherwise.
+                tracked.shared_mems = update.asked
+                tracked.kubelet_mems = None
+                # Told once the runtime took them: a refused update leaves the
+                # container's own nodes, and the mark of their warning, as they were.
+                self._note_narrowing(tracked, update.asked)
+            self._restored(tracked)
+        elif update.written:
+            self.mover.refused_after_tree_write(tracked, cpus, update.mems, update.quota, reply)
+            if tracked.settings_stale:
+                # Memory nodes or a quota went unrecorded with the refusal: the move that
+                # gives them is tried again, not left to the next decision. Nodes the
+                # call named, which the cgroups hold now, give way to the container's.
+                self._move_retry.soon()
+        elif reply.status is not Status.NOT_FOUND:
+            # runc may have told systemd before it failed (or the reply was lost after it
+            # did): what the record holds is unknown, as after cpushim's own refusals.
+            tracked.recorded = None
+        if overtaken:
+            tracked.applied = latest
+            self.mover.write_past(tracked)
+        if reply.status is Status.OK or update.written or overtaken:
+            self.project(tracked)
+
+    async def _after_update(
+        self,
+        tracked: Tracked,
+        request: pb.UpdateContainerResourcesRequest,
+        update: _Update,
+        reply: Reply,
+    ) -> None:
+        """What an update's answer leaves to do under the engine's lock."""
+        if update.asked is not None and reply.status is not Status.OK:
+            # The nodes the refused call named are no one's choice: a restart would
+            # otherwise take them from the checkpoint over the container's own.
+            await self._record(self.state.with_kubelet_mems(tracked.key, update.chosen_before))
+        if self._gone(tracked, request, reply):
+            # Removed on the runtime without cpushim: no call from kubelet will name it
+            # again, and its CPUs would stay held until a sweep found it gone.
+            log.info(
+                "an updated container is gone from the runtime; forgotten",
+                extra={"fields": tracked.named()},
+            )
+            await self._forget_removed(tracked.id)
 
     async def _take_asked_mems(
         self, tracked: Tracked, resources: pb.LinuxContainerResources
@@ -2159,6 +2211,24 @@ def _response(reply: Reply, message_type: type[_M]) -> _M | None:
         return message_type.FromString(reply.messages[0])
     except DecodeError:
         return None
+
+
+@dataclass(frozen=True)
+class _Update:
+    """An update of a tracked container as it went to the runtime."""
+
+    cpus: CPUSet
+    # The memory nodes and quota sent with the CPUs ("" / None: kubelet's own, untouched).
+    mems: str
+    quota: int | None
+    # The memory nodes the call named for a container that shares, when there were some.
+    asked: CPUSet | None
+    # kubelet's choice the checkpoint held before.
+    chosen_before: KubeletMems | None
+    # Written below the container's child cpusets first (Mover.write_tree_first).
+    written: bool
+    # When the container's cgroup was last written directly, as the call went out.
+    moved_at: float
 
 
 @dataclass(frozen=True)

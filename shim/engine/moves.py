@@ -336,12 +336,12 @@ class Mover:
                 rq.UPDATE_CONTAINER_RESOURCES, (), rq.update_request(tracked.id, cpus), self.timeout
             )
         )
-        self._heard(tracked, reply)
+        self.heard(tracked, reply)
         if reply.status is Status.OK:
             tracked.recorded = cpus
             self.counters["runtime_records"] += 1
         if tracked.moved_at != moved_at:
-            self._write_past(tracked)
+            self.write_past(tracked)
         return reply
 
     # --- a runtime that does not answer for a container --------------------------------------
@@ -358,7 +358,7 @@ class Mover:
             extra={"fields": {**tracked.named(), "waited_s": waited}},
         )
 
-    def _heard(self, tracked: Tracked, reply: Reply) -> None:
+    def heard(self, tracked: Tracked, reply: Reply) -> None:
         """A call about the container has ended: whether its runtime answers."""
         if reply.status is Status.DEADLINE_EXCEEDED:
             self._stuck(tracked, waited=self.timeout)
@@ -366,7 +366,7 @@ class Mover:
             tracked.runtime_stuck = False
             log.info("the runtime answers for a container again", extra={"fields": tracked.named()})
 
-    def _write_past(self, tracked: Tracked) -> None:
+    def write_past(self, tracked: Tracked) -> None:
         """A call through the runtime has ended after a direct write went past it (its runtime
         was stuck): the runtime's write of the call's older cpuset may have landed after that
         one, so the latest is written again."""
@@ -498,13 +498,13 @@ class Mover:
         reply = await self.runtime.unary(
             UnaryCall(rq.UPDATE_CONTAINER_RESOURCES, (), request, self.timeout)
         )
-        self._heard(tracked, reply)
+        self.heard(tracked, reply)
         if tracked.moved_at != moved_at:
             # A direct write went past this call (its runtime was stuck): that write's cpuset
             # is the latest, whatever the runtime did with this one.
             if reply.status is Status.OK:
                 tracked.recorded = cpus
-            self._write_past(tracked)
+            self.write_past(tracked)
             return MoveResult(ok=reply.status is Status.OK, gone=reply.status is Status.NOT_FOUND)
         if reply.status is Status.OK:
             tracked.applied = tracked.recorded = cpus

@@ -29,6 +29,7 @@ from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver, wait_for
 from tests.unit.engine_env import (
     FIRST_SINGLE,
+    GIB,
     SHARED_AFTER_FIRST_SINGLE,
     Env,
     make_env,
@@ -858,4 +859,49 @@ async def test_a_record_past_its_deadline_marks_the_runtime_stuck_until_one_is_a
         assert env.cpus(shared_id) == "0-7"
         assert [r for r in caplog.records if "does not answer" in r.getMessage()] == stuck
         assert any("answers for a container again" in r.getMessage() for r in caplog.records)
+        env.channel.close()
+
+
+async def test_kubelets_update_of_a_container_whose_shim_hangs_holds_up_no_other_pod(
+    tmp_path: Path,
+) -> None:
+    """kubelet's UpdateContainerResources (an in-place resize of a Burstable pod) was
+    forwarded under the engine's lock: for a container whose shim hangs, every decision on
+    the node waited until kubelet's deadline, minutes. It is forwarded holding the
+    container's write lock alone; a pinning meanwhile moves the container past it, and the
+    update, once it lands with the pool of when it was sent, has the latest written again."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05)
+        env = await make_env(fake, tmp_path / "state", options=options)
+        pod = await env.kubelet.run_pod("web", "burstable")
+        shared_id = await env.kubelet.start_new(pod, "main", 500)
+        await until(lambda: env.engine.containers[shared_id].cgroup is not None, "located")
+        hung = fake.gate("UpdateContainerResources")
+        resize = pb.UpdateContainerResourcesRequest(
+            container_id=shared_id,
+            linux=pb.LinuxContainerResources(
+                cpu_period=100_000, cpu_shares=1024, memory_limit_in_bytes=GIB
+            ),
+        )
+        update = asyncio.create_task(
+            env.kubelet.call("UpdateContainerResources", resize.SerializeToString())
+        )
+        await until(lambda: updates_to(fake, shared_id) == ["0-7"], "kubelet's update held")
+
+        guaranteed = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(guaranteed, "main", 1000)
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert not update.done()
+
+        hung.set()
+        fake.ungate("UpdateContainerResources")
+        reply = await update
+        assert reply.status is Status.OK
+        assert fake.containers[shared_id].resources.cpu_shares == 1024
+        # The update carried the pool of when it was sent, and runc wrote it: the latest
+        # is written again after it.
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        assert env.engine.containers[shared_id].applied == CPUSet.parse(SHARED_AFTER_FIRST_SINGLE)
+        await env.engine.drain(5.0)
+        assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
         env.channel.close()
