@@ -1230,35 +1230,43 @@ class Engine:
         request = pb.UpdateContainerResourcesRequest.FromString(call.request)
         # The request goes on naming the container as its client did: the runtime resolves
         # a prefix itself, and refuses one that also names a container cpushim does not know.
-        tracked = self.containers.get(self._container_id(request.container_id))
-        if tracked is None:
-            return await forward()
-        async with self.lock:
-            resized, refusal = await self._resize_in_place(tracked, request.linux)
-            if refusal is not None:
-                # kubelet retries a resize the runtime refuses at every sync of the pod, and
-                # shows the error in its status: the refusal is applied once there is room.
-                return refusal
-            if resized:
-                # Forwarded under the lock: CPUs it gives back must not be handed out before
-                # the runtime has taken them from it.
-                async with tracked.write_lock:
-                    update = await self._prepare_update(tracked, request)
-                    reply = await forward(request.SerializeToString())
-                    self._updated(tracked, update, reply)
-                await self._after_update(tracked, request, update, reply)
-                # CPUs it gave back go to the shared containers now that it has left them,
-                # and, as after any release, to a container waiting for room.
-                await self._apply()
-                self._tell_room_made()
-                return reply
-            # Taken under the engine's lock, as every move takes it: no deadlock between them.
-            await tracked.write_lock.acquire()
-            try:
-                update = await self._prepare_update(tracked, request)
-            except BaseException:
-                tracked.write_lock.release()
-                raise
+        while True:
+            tracked = self.containers.get(self._container_id(request.container_id))
+            if tracked is None:
+                return await forward()
+            async with self.lock:
+                resized, refusal = await self._resize_in_place(tracked, request.linux)
+                if refusal is not None:
+                    # kubelet retries a resize the runtime refuses at every sync of the pod,
+                    # and shows the error in its status: the refusal is applied once there
+                    # is room.
+                    return refusal
+                if resized:
+                    # Forwarded under the lock: CPUs it gives back must not be handed out
+                    # before the runtime has taken them from it.
+                    async with tracked.write_lock:
+                        update = await self._prepare_update(tracked, request)
+                        reply = await forward(request.SerializeToString())
+                        self._updated(tracked, update, reply)
+                    await self._after_update(tracked, request, update, reply)
+                    # CPUs it gave back go to the shared containers now that it has left
+                    # them, and, as after any release, to a container waiting for room.
+                    await self._apply()
+                    self._tell_room_made()
+                    return reply
+                # Taken under the engine's lock, as every move takes it (no deadlock between
+                # them), and waited for as a move waits: a record in flight to a hung shim
+                # holds it until its deadline, and every other pod's decisions would wait.
+                if await self.mover.turn(tracked):
+                    try:
+                        update = await self._prepare_update(tracked, request)
+                    except BaseException:
+                        tracked.write_lock.release()
+                        raise
+                    break
+            # Waited for outside the engine's lock, then decided again.
+            async with tracked.write_lock:
+                pass
         # Forwarded holding the container's write lock alone: when its shim hangs, the call
         # waits until kubelet's deadline (minutes), and the decisions of every other pod
         # would wait with it. A move of this container meanwhile waits a moment, then goes

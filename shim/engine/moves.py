@@ -206,7 +206,7 @@ class Mover:
         runtime otherwise, or when the kernel refuses the write. ``refused``: the kernel
         refused this write a moment ago (:meth:`write_now`), and would again."""
         if not refused and self.writes_directly(tracked, mems, quota):
-            if not await self._turn(tracked):
+            if not await self.turn(tracked):
                 # A call about it that the runtime does not answer holds the lock: the cgroup
                 # is written past it, and that call writes it again when it ends.
                 if self._write_cgroup(tracked, cpus):
@@ -226,12 +226,13 @@ class Mover:
                     tracked.write_lock.release()
         return await self.update_through_runtime(tracked, cpus, mems, quota, tree_first=not refused)
 
-    async def _turn(self, tracked: Tracked) -> bool:
-        """Take the container's write lock for a direct write; False, without it, when the
-        container's runtime is stuck: a call about it held the lock for ``stuck_after``
-        seconds, or one went unanswered past its deadline and none has been answered since
-        (the holder may be such a call). Moves of other containers wait meanwhile (the
-        engine's lock is held), so this wait bounds what one hung shim costs them."""
+    async def turn(self, tracked: Tracked) -> bool:
+        """Take the container's write lock for a direct write, or for kubelet's update of it;
+        False, without it, when the container's runtime is stuck: a call about it held the
+        lock for ``stuck_after`` seconds, or one went unanswered past its deadline and none
+        has been answered since (the holder may be such a call). Moves of other containers
+        wait meanwhile (the engine's lock is held), so this wait bounds what one hung shim
+        costs them."""
         lock = tracked.write_lock
         while True:
             if tracked.runtime_stuck and lock.locked():

@@ -905,3 +905,56 @@ async def test_kubelets_update_of_a_container_whose_shim_hangs_holds_up_no_other
         await env.engine.drain(5.0)
         assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
         env.channel.close()
+
+
+async def test_kubelets_update_behind_a_hung_record_holds_up_no_other_pod(
+    tmp_path: Path,
+) -> None:
+    """kubelet's UpdateContainerResources of a container whose shim hangs took the
+    container's write lock under the engine's lock, waiting as long as it took: behind a
+    record of the container in flight (its deadline, or for good), every pinning and release
+    on the node waited with it. It waits for the lock a moment at most under the engine's
+    lock, then outside it, and decides again once it has it."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=0.0, record_max_delay=NEVER, update_timeout=NEVER, stuck_after=0.05
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        pod = await env.kubelet.run_pod("web", "burstable")
+        shared_id = await env.kubelet.start_new(pod, "main", 500)
+        tracked = env.engine.containers[shared_id]
+        await until(lambda: tracked.cgroup is not None, "located")
+        hung = fake.gate("UpdateContainerResources")
+        first = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(first, "main", 1000)
+        await until(lambda: updates_to(fake, shared_id) != [], "a record sent, and held")
+        assert tracked.write_lock.locked()
+
+        resize = pb.UpdateContainerResourcesRequest(
+            container_id=shared_id,
+            linux=pb.LinuxContainerResources(
+                cpu_period=100_000, cpu_shares=1024, memory_limit_in_bytes=GIB
+            ),
+        )
+        update = asyncio.create_task(
+            env.kubelet.call("UpdateContainerResources", resize.SerializeToString())
+        )
+        await until(env.engine.lock.locked, "kubelet's update deciding")
+        second = await env.kubelet.run_pod("db-2", "guaranteed")
+        pinning = asyncio.create_task(env.kubelet.start_new(second, "main", 1000))
+        done, _ = await asyncio.wait({pinning}, timeout=5.0)
+        assert done, "a pinning waited for kubelet's update of another pod's container"
+        latest = str(env.engine.state.shared)
+        assert env.kernel_cpus(shared_id) == latest
+        assert not update.done()
+
+        hung.set()
+        fake.ungate("UpdateContainerResources")
+        reply = await update
+        assert reply.status is Status.OK
+        assert fake.containers[shared_id].resources.cpu_shares == 1024
+        assert env.kernel_cpus(shared_id) == latest
+        await env.engine.drain(5.0)
+        assert env.cpus(shared_id) == latest
+        assert not tracked.runtime_stuck
+        env.channel.close()
