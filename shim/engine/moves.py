@@ -505,6 +505,8 @@ class Mover:
             # is the latest, whatever the runtime did with this one.
             if reply.status is Status.OK:
                 tracked.recorded = cpus
+            elif reply.status is not Status.NOT_FOUND:
+                tracked.recorded = None  # as in _record_refused: runc may have told systemd
             self.write_past(tracked)
             return MoveResult(ok=reply.status is Status.OK, gone=reply.status is Status.NOT_FOUND)
         if reply.status is Status.OK:

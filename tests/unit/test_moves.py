@@ -958,3 +958,47 @@ async def test_kubelets_update_behind_a_hung_record_holds_up_no_other_pod(
         assert env.cpus(shared_id) == latest
         assert not tracked.runtime_stuck
         env.channel.close()
+
+
+async def test_a_refused_move_through_the_runtime_overtaken_leaves_the_record_unknown(
+    tmp_path: Path,
+) -> None:
+    """A move through the runtime that a direct write went past (its runtime stuck), then
+    refused: runc may have told systemd the refused set before it failed, as for any refused
+    update. The record was left as it was, and once the container was back where that
+    record had it, the delayed record found nothing to tell: systemd's copy could keep the
+    refused set."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
+    ) as fake:
+        options = EngineOptions(
+            record_delay=NEVER, record_max_delay=NEVER, update_timeout=NEVER, stuck_after=0.05
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        shared_id = await start_located(env, "web")
+        tracked = env.engine.containers[shared_id]
+        assert tracked.recorded == CPUSet.parse("0-7")
+        fake.fail_next("UpdateContainerResources", GrpcStatus.UNKNOWN)
+        hung = fake.gate("UpdateContainerResources")
+
+        async def through_the_runtime() -> moves.MoveResult:
+            async with tracked.write_lock:
+                return await env.engine.mover.update_locked(tracked, CPUSet.parse("0-3"), "", None)
+
+        move = asyncio.create_task(through_the_runtime())
+        await until(lambda: updates_to(fake, shared_id) == ["0-3"], "the move held")
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE  # past the move
+        await env.kubelet.stop(pinned_id)
+        assert env.kernel_cpus(shared_id) == "0-7"
+
+        fake.ungate("UpdateContainerResources")
+        hung.set()
+        result = await move
+        assert not result.ok
+        assert env.kernel_cpus(shared_id) == "0-7"
+        assert tracked.recorded is None
+        await env.engine.drain(5.0)
+        assert updates_to(fake, shared_id) == ["0-3", "0-7"]
+        env.channel.close()
