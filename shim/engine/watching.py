@@ -569,8 +569,14 @@ class Watcher:
             )
         if result.ok:
             self.engine._restored(tracked)
-        elif (result.moved and tracked.settings_stale) or tracked.applied != cpus:
-            self.engine._move_retry.soon()  # for the memory nodes and quota, or the CPUs
+        else:
+            if written and not result.gone:
+                # The cgroup holds it: the runtime's record (and systemd's copy) is told later,
+                # as after a refused record, whose answer also ends a spell of the runtime
+                # taken for stuck (a call past its deadline) that nothing else would end.
+                self.engine.mover.record_later(tracked)
+            if (result.moved and tracked.settings_stale) or tracked.applied != cpus:
+                self.engine._move_retry.soon()  # for the memory nodes and quota, or the CPUs
         self.engine.project(tracked)
 
     def _reversed_by_runtime(self, tracked: Tracked, found: CPUSet, cpus: CPUSet) -> bool:

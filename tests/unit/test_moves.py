@@ -25,6 +25,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import EngineOptions, moves, resync
 from shim.engine import requests as rq
+from shim.engine.watching import Watcher
 from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver, wait_for
 from tests.unit.engine_env import (
@@ -1001,4 +1002,37 @@ async def test_a_refused_move_through_the_runtime_overtaken_leaves_the_record_un
         assert tracked.recorded is None
         await env.engine.drain(5.0)
         assert updates_to(fake, shared_id) == ["0-3", "0-7"]
+        env.channel.close()
+
+
+async def test_a_repair_past_its_deadline_is_recorded_later_which_ends_the_spell(
+    tmp_path: Path,
+) -> None:
+    """A drift repair writes the cgroup, then tells the runtime; when that call went past its
+    deadline (a hung shim), the container's runtime was taken for stuck and nothing asked
+    about it again: once the shim answered, the container still counted as stuck (and the
+    alert on it fired) until it next moved, and the runtime's record stayed behind."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=0.0, record_max_delay=NEVER, update_timeout=0.2, stuck_after=NEVER
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        shared_id = await start_located(env, "web")
+        tracked = env.engine.containers[shared_id]
+        await until(lambda: shared_id in watcher._containers, "watched")
+        hung = fake.gate("UpdateContainerResources")
+        cgroup = fake.cgroup_dir(shared_id)
+        assert cgroup is not None
+        (cgroup / "cpuset.cpus").write_text("3\n")
+
+        await until(lambda: tracked.runtime_stuck, "the repair's update past its deadline")
+        assert env.kernel_cpus(shared_id) == "0-7"
+        fake.ungate("UpdateContainerResources")
+        hung.set()
+        await until(lambda: env.engine.stuck_runtime_containers() == 0, "the spell ended")
+        assert updates_to(fake, shared_id) == ["0-7", "0-7"]  # the repair's, then a record
+        await watcher.stop()
+        await env.engine.drain(5.0)
         env.channel.close()
