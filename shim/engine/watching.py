@@ -563,7 +563,12 @@ class Watcher:
             tracked.reversal_recorded = cpus
         # Through the runtime too, so its own record (and systemd's) says the same. The CPUs
         # are not written into the tree again: in place, or refused and refused again.
+        moved_at = tracked.moved_at
         async with self._repair_updates:
+            if tracked.moved_at != moved_at:
+                # A move went past the repair while it waited for its turn (the container's
+                # runtime taken for stuck): its cpuset is the latest, and is recorded later.
+                return
             result = await self.engine.mover.update_locked(
                 tracked, cpus, mems, quota, tree_first=written, cpus_written=written
             )

@@ -36,6 +36,7 @@ from tests.unit.engine_env import (
     make_env,
     unreadable,
     until,
+    updates,
     updates_to,
 )
 
@@ -1035,4 +1036,59 @@ async def test_a_repair_past_its_deadline_is_recorded_later_which_ends_the_spell
         assert updates_to(fake, shared_id) == ["0-7", "0-7"]  # the repair's, then a record
         await watcher.stop()
         await env.engine.drain(5.0)
+        env.channel.close()
+
+
+async def test_a_repair_waiting_its_turn_never_lands_the_cpuset_a_move_went_past(
+    tmp_path: Path,
+) -> None:
+    """A drift repair writes the cgroup, then waits for its turn among the repairs' updates
+    holding the container's write lock; a move of the container meanwhile, its runtime
+    taken for stuck, went past it. The repair's update then carried the cpuset of before
+    the move and was not taken for overtaken (the move came before the call went out): the
+    runtime wrote the older cpuset, the engine took it for applied, and the shared container
+    ran on a CPU just pinned until the next decision."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=NEVER,
+            record_max_delay=NEVER,
+            update_timeout=NEVER,
+            stuck_after=0.05,
+            update_concurrency=1,
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        first_id = await start_located(env, "api")
+        second_id = await start_located(env, "web")
+        await until(lambda: {first_id, second_id} <= set(watcher._containers), "watched")
+        hung = fake.gate("UpdateContainerResources")
+
+        async def drifted(container_id: str) -> None:
+            cgroup = fake.cgroup_dir(container_id)
+            assert cgroup is not None
+            (cgroup / "cpuset.cpus").write_text("3\n")
+            await until(lambda: env.kernel_cpus(container_id) == "0-7", "written back")
+
+        # The first repair's update is held, the second waits for its turn.
+        await drifted(first_id)
+        await drifted(second_id)
+        await until(lambda: len(updates(fake)) == 1, "the first repair's update held")
+        assert env.engine.counters["drift_repairs"] == 2
+
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(pod, "main", 1000)
+        assert env.kernel_cpus(second_id) == SHARED_AFTER_FIRST_SINGLE  # past the repair
+
+        fake.ungate("UpdateContainerResources")
+        hung.set()
+        await until(lambda: watcher.jobs.pending == 0, "the repairs done")
+        for container_id in (first_id, second_id):
+            assert env.kernel_cpus(container_id) == SHARED_AFTER_FIRST_SINGLE, container_id
+            assert env.engine.containers[container_id].applied == CPUSet.parse(
+                SHARED_AFTER_FIRST_SINGLE
+            )
+        await watcher.stop()
+        await env.engine.drain(5.0)
+        assert env.cpus(second_id) == SHARED_AFTER_FIRST_SINGLE
         env.channel.close()
