@@ -384,8 +384,12 @@ class Mover:
         """Tell the runtime of a cpuset the cgroup holds and its record does not (found so
         at start-up or in a sweep: written before a stop, or by someone else): at once when
         systemd's copy may hold CPUs outside it, as :meth:`move` does for its own writes,
-        else after the record delay (:meth:`record_later`)."""
-        await tracked.write_lock.acquire()
+        else after the record delay (:meth:`record_later`). A sweep calls this under the
+        engine's lock: the container's lock is waited for as a move waits for it, and when
+        its runtime is stuck the record is left to the delayed one."""
+        if not await self.turn(tracked):
+            self.record_later(tracked)
+            return
         handed_on = False
         try:
             cpus = tracked.applied

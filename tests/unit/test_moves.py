@@ -25,6 +25,7 @@ from shim.cri import runtime_v1_pb2 as pb
 from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import EngineOptions, moves, resync
 from shim.engine import requests as rq
+from shim.engine.sweeping import sweep
 from shim.engine.watching import Watcher
 from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver, wait_for
@@ -1091,4 +1092,40 @@ async def test_a_repair_waiting_its_turn_never_lands_the_cpuset_a_move_went_past
         await watcher.stop()
         await env.engine.drain(5.0)
         assert env.cpus(second_id) == SHARED_AFTER_FIRST_SINGLE
+        env.channel.close()
+
+
+async def test_a_sweep_taking_in_a_container_whose_shim_hangs_holds_up_no_other_pod(
+    tmp_path: Path,
+) -> None:
+    """A sweep takes in a container another client made, under the engine's lock: under the
+    systemd driver its move is recorded at once, which a hung shim leaves to run on after
+    ``stuck_after``; the sweep then waited for that record, the container's write lock
+    held, to record it again: every pinning and release on the node waited for the shim."""
+    async with FakeRuntime(
+        cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
+    ) as fake:
+        options = EngineOptions(
+            record_delay=NEVER, record_max_delay=NEVER, update_timeout=NEVER, stuck_after=0.05
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        pod = await env.kubelet.run_pod("tools", "besteffort")
+        config = env.kubelet.create_request(pod, "debug").config
+        outsider = fake.add_container(pod.sandbox_id, config)
+        hung = fake.gate("UpdateContainerResources")
+        sweeping = asyncio.create_task(sweep(env.engine))
+        await until(lambda: updates_to(fake, outsider) != [], "the outsider's record held")
+        await until(lambda: env.engine.containers[outsider].runtime_stuck, "taken for stuck")
+
+        first = await env.kubelet.run_pod("db", "guaranteed")
+        pinning = asyncio.create_task(env.kubelet.start_new(first, "main", 1000))
+        done, _ = await asyncio.wait({pinning}, timeout=5.0)
+        assert done, "a pinning waited for the sweep's record of another pod's container"
+        await sweeping
+        assert env.kernel_cpus(outsider) == SHARED_AFTER_FIRST_SINGLE
+
+        fake.ungate("UpdateContainerResources")
+        hung.set()
+        await env.engine.drain(5.0)
+        assert env.cpus(outsider) == SHARED_AFTER_FIRST_SINGLE
         env.channel.close()
