@@ -307,12 +307,19 @@ class Mover:
         whatever the runtime says: a refusal is counted and logged, and the record is left
         to the delayed one already planned, which tries again."""
         ended: list[MoveResult] = []
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                tracked.write_lock.release()
 
         async def record() -> None:
             try:
                 reply = await self._send_record(tracked, cpus)
             finally:
-                tracked.write_lock.release()
+                release()
             if reply.status is Status.NOT_FOUND:
                 ended.append(MoveResult(ok=False, gone=True))
                 return
@@ -322,10 +329,26 @@ class Mover:
                 self._record_refused(tracked, cpus, reply, self.record_delay)
             ended.append(MoveResult(ok=True))
 
-        await asyncio.wait({self._spawn(record())}, timeout=self.stuck_after)
+        def done(task: asyncio.Task[None]) -> None:
+            # Also for a task cancelled before it ran (the loop torn down): the lock goes
+            # back. A defect in it is logged here, whenever it ends.
+            release()
+            if not task.cancelled() and task.exception() is not None:
+                self.counters["internal_errors"] += 1
+                log.error(
+                    "a record at once failed",
+                    exc_info=task.exception(),
+                    extra={"fields": tracked.named()},
+                )
+
+        recording = self._spawn(record())
+        recording.add_done_callback(done)
+        await asyncio.wait({recording}, timeout=self.stuck_after)
         if ended:
             return ended[0]
-        self._stuck(tracked, waited=self.stuck_after)
+        if not recording.done():
+            self._stuck(tracked, waited=self.stuck_after)
+        # A failed record leaves the cgroup as written: the delayed record tries again.
         return MoveResult(ok=True)
 
     async def _send_record(self, tracked: Tracked, cpus: CPUSet) -> Reply:
@@ -363,6 +386,10 @@ class Mover:
         """A call about the container has ended: whether its runtime answers."""
         if reply.status is Status.DEADLINE_EXCEEDED:
             self._stuck(tracked, waited=self.timeout)
+        elif reply.unanswered or reply.status is Status.CANCELLED:
+            # No answer about the container (a lost connection, the caller gone): it tells
+            # nothing of whether its runtime answers.
+            return
         elif tracked.runtime_stuck:
             tracked.runtime_stuck = False
             log.info("the runtime answers for a container again", extra={"fields": tracked.named()})

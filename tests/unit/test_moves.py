@@ -1129,3 +1129,45 @@ async def test_a_sweep_taking_in_a_container_whose_shim_hangs_holds_up_no_other_
         await env.engine.drain(5.0)
         assert env.cpus(outsider) == SHARED_AFTER_FIRST_SINGLE
         env.channel.close()
+
+
+async def test_a_record_at_once_that_fails_gives_the_lock_back_and_is_logged(
+    systemd_env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The record at once runs in a task of its own, holding the container's write lock:
+    a defect in it must give the lock back (or every later move of the container would
+    wait for it), be logged, and not pass for a runtime that does not answer."""
+    env = systemd_env
+    shared_id = await start_located(env, "web")
+    tracked = env.engine.containers[shared_id]
+
+    async def broken(tracked: object, cpus: object) -> Reply:
+        raise RuntimeError("a defect")
+
+    monkeypatch.setattr(env.engine.mover, "_send_record", broken)
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    await env.kubelet.start_new(pod, "main", 1000)
+    assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+    await until(lambda: not tracked.write_lock.locked(), "the lock given back")
+    assert not tracked.runtime_stuck
+    assert env.engine.counters["internal_errors"] == 1
+    assert any(r.getMessage() == "a record at once failed" for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("reply", "stuck_after"),
+    [
+        (Reply.error(Status.DEADLINE_EXCEEDED, "late"), True),
+        (Reply.no_answer(Status.UNAVAILABLE, "connection lost"), True),
+        (Reply.error(Status.CANCELLED, "kubelet gone"), True),
+        (Reply.error(Status.UNKNOWN, "refused"), False),
+        (Reply.ok(b""), False),
+    ],
+)
+async def test_only_an_answer_ends_a_stuck_spell(env: Env, reply: Reply, stuck_after: bool) -> None:
+    """A call that got no answer about the container (a lost connection, a caller that
+    went away) says nothing of whether its runtime answers now: the spell goes on."""
+    tracked = env.engine.containers[await start_located(env, "web")]
+    tracked.runtime_stuck = True
+    env.engine.mover.heard(tracked, reply)
+    assert tracked.runtime_stuck is stuck_after
