@@ -4,6 +4,7 @@ CPUs (the ``shim`` fixture), and the checks those tests make on what comes back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -65,6 +66,16 @@ def start_shared_and_pinned(client: KubeletClient) -> tuple[str, Sandbox, str]:
 def assert_kernel(kernel: KernelCpus, cpus: str) -> None:
     assert kernel.cpus_allowed_list == cpus, kernel
     assert kernel.cgroup_cpuset_cpus == cpus, kernel
+
+
+def cgroup_cpus_of(client: KubeletClient, container_id: str) -> str:
+    """The container's cgroup cpuset.cpus, whether or not its process runs yet."""
+    path = client.container_info(container_id)["runtimeSpec"]["linux"]["cgroupsPath"]
+    cgroup = Path("/sys/fs/cgroup/cpuset", path.lstrip("/"), "cpuset.cpus")
+    if cgroup.exists():
+        return cgroup.read_text().strip()
+    # Created, not started: runc makes the cgroup at start from the spec.
+    return client.recorded_cpuset_cpus(container_id)
 
 
 def rpc_error(call: Callable[[], object]) -> grpc.RpcError:

@@ -20,6 +20,7 @@ import pytest
 from tests.e2e.conftest import CPUSHIM_START_TIMEOUT, REPO_ROOT, Shim
 from tests.e2e.pods import (
     assert_kernel,
+    cgroup_cpus_of,
     rpc_error,
     run_pod,
     start_pinned,
@@ -51,16 +52,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
 # How long cpushim may take to act on what it is told in the background (an adoption).
 REACTION_TIMEOUT = 10.0
-
-
-def cgroup_cpus_of(client: KubeletClient, container_id: str) -> str:
-    """The container's cgroup cpuset.cpus, whether or not its process runs yet."""
-    path = client.container_info(container_id)["runtimeSpec"]["linux"]["cgroupsPath"]
-    cgroup = Path("/sys/fs/cgroup/cpuset", path.lstrip("/"), "cpuset.cpus")
-    if cgroup.exists():
-        return cgroup.read_text().strip()
-    # Created, not started: runc makes the cgroup at start from the spec.
-    return client.recorded_cpuset_cpus(container_id)
 
 
 def test_pinning_moves_shared_containers_before_create_and_back_before_stop_returns(
