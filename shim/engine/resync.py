@@ -1222,11 +1222,11 @@ def tracked_from_runtime(
     if given is not None and not exclusive:
         shared_mems = given.mems
     elif not exclusive:
-        # Its cgroup keeps the nodes it was created with (kubelet's memory manager's), or
-        # was given back when it lost exclusive CPUs (kubelet's, or every node with memory).
+        # Its cgroup keeps the nodes it was created with: kubelet's memory manager's, every
+        # node when its memory spans them all, which an in-place resize that pins it keeps
+        # as a create's would. (Nodes cpushim put in the record, when it lost exclusive
+        # CPUs or memory changed, have their entry in the checkpoint: above.)
         shared_mems = _recorded_mems(container)
-        if shared_mems == topology.memory_nodes:
-            shared_mems = None
     recorded = _current_cpus(container) or None
     running = container.state == pb.CONTAINER_RUNNING
     place = engine.mover.cgroup_of(container.info) if running else CgroupPlace(None)

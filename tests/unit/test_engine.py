@@ -607,6 +607,26 @@ async def test_an_in_place_resize_of_a_fraction_keeps_kubelets_memory_nodes(env:
     assert_consistent(env)
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["running", "after a restart"])
+async def test_an_in_place_resize_of_a_fraction_keeps_kubelets_choice_of_every_node(
+    env: Env, restarted: bool
+) -> None:
+    """kubelet's memory manager may name every node (the container's memory spans both):
+    pinned by a resize, its memory stays on both nodes, not only those of its CPUs, after a
+    restart of cpushim too, which reads kubelet's nodes from the runtime's record."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    fraction_id = await env.kubelet.start_new(pod, "main", 1500, mems="0-1")
+    if restarted:
+        await env.restart()
+    await env.kubelet.ok("UpdateContainerResources", kubelet_resize(fraction_id, 1000))
+    resources = env.fake.containers[fraction_id].resources
+    assert len(CPUSet.parse(resources.cpuset_cpus)) == 1
+    assert resources.cpuset_mems == "0-1"
+    assignment = env.engine.state.assignments[ContainerKey(pod.uid, "main")]
+    assert assignment.mems == CPUSet.parse("0-1")
+    assert_consistent(env)
+
+
 async def test_a_container_resized_back_to_whole_cpus_gets_its_old_ones_if_free(
     env: Env,
 ) -> None:
