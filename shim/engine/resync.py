@@ -727,7 +727,14 @@ def _reconcile(
         if plan.exclusive is None or policy.name == "none":
             report.adopted_shared.append(container.id)
             continue
-        candidates.append((container, plan.exclusive, plan, _kubelet_mems(engine, container)))
+        candidates.append(
+            (
+                container,
+                plan.exclusive,
+                plan,
+                _kubelet_mems(engine, container, pinned=_may_be_pinned(engine, container, plan)),
+            )
+        )
     # The sets cpushim is seen to have handed out are kept first: under strict-cpu-reservation
     # a container that shares a pool of as many CPUs as it asks for runs on a set that looks
     # free, and keeping that ahead of them would leave a pinned container no pool CPU to
@@ -860,15 +867,24 @@ def _recorded_mems(container: LiveContainer) -> CPUSet | None:
         return None
 
 
-def _kubelet_mems(engine: Engine, container: LiveContainer) -> CPUSet | None:
+def _kubelet_mems(engine: Engine, container: LiveContainer, *, pinned: bool) -> CPUSet | None:
     """The memory nodes kubelet's memory manager chose for a container cpushim does not know,
-    as far as the runtime's record tells: nodes other than its CPUs' nodes that have memory
-    are none that cpushim derives, so they are kubelet's (or a restore's every node, which
-    narrows nothing). None when they are those or unknown."""
+    as far as the runtime's record tells. Those of a container that may be pinned
+    (``pinned``: see :func:`_may_be_pinned`) that are its CPUs' nodes with memory may be
+    cpushim's own (None). Any other's are kubelet's: nodes beyond its CPUs', its CPUs' nodes
+    for a container that shares (its memory may span the nodes of the pool), or a restore's
+    every node, which narrows nothing. None when the record names none."""
     mems = _recorded_mems(container)
-    if mems == engine.policy.topology.memory_nodes_of(_current_cpus(container)):
+    if pinned and mems == engine.policy.topology.memory_nodes_of(_current_cpus(container)):
         return None
     return mems
+
+
+def _may_be_pinned(engine: Engine, container: LiveContainer, plan: ContainerPlan) -> bool:
+    """Whether a container that asks for exclusive CPUs may run pinned: it shows the settings
+    cpushim gives an exclusive one, or holds as many CPUs as it asks for. One on more CPUs
+    than that shares a pool, and cpushim gave it no memory nodes of its own."""
+    return _shows_pinned(engine, container, plan) or len(_current_cpus(container)) == plan.exclusive
 
 
 def _kept_cpus(
@@ -1013,7 +1029,9 @@ async def adopt_sharing(engine: Engine, skip: Collection[ContainerKey] = ()) -> 
             # can only tell nodes apart from the shared pool's.
             mems = tracked.memory_nodes_chosen
             if mems is None:
-                mems = _kubelet_mems(engine, container)
+                mems = _kubelet_mems(
+                    engine, container, pinned=_may_be_pinned(engine, container, plan)
+                )
             # A refusal is told once per container: this runs at every full look, and
             # after a release while one waits.
             cpus = _adopted_cpus(
@@ -1215,7 +1233,9 @@ def tracked_from_runtime(
         # in the checkpoint. Or pinned while cpushim knew nothing of it
         # (--recover-from-runtime) and sharing now: the runtime's record is all that tells
         # what kubelet's memory manager chose.
-        kubelet_mems = given.mems if given is not None else _kubelet_mems(engine, container)
+        kubelet_mems = (
+            given.mems if given is not None else _kubelet_mems(engine, container, pinned=True)
+        )
     topology = engine.policy.topology
     shared_mems = None
     mems_given = not exclusive and given is not None

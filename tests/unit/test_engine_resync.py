@@ -443,6 +443,28 @@ async def test_a_container_created_under_none_is_pinned_when_the_policy_turns_st
     assert_consistent(env)
 
 
+@pytest.mark.parametrize("how", ["reload", "restart"])
+async def test_a_container_created_under_none_keeps_kubelets_choice_of_every_node_when_pinned(
+    env: Env, how: str
+) -> None:
+    """kubelet's memory manager gave a 1-CPU container both nodes (its memory spans them)
+    while the policy was none: it shares, on CPUs of both nodes. Pinned once the policy
+    turns static, its memory stays on both, whether a reload or a restart turned it: a
+    restart read kubelet's nodes as cpushim's own, since they are those of its CPUs."""
+    await env.engine.change_policy(NonePolicy(TOPOLOGY))
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    container_id = await env.kubelet.start_new(pod, "main", 1000, mems="0-1")
+    if how == "reload":
+        await env.engine.change_policy(static_policy("0"))
+        assert await adopt_sharing(env.engine) == [ContainerKey(pod.uid, "main")]
+    else:
+        await env.restart(static_policy("0"))
+    assert env.cpus(container_id) == FIRST_SINGLE
+    assert env.fake.containers[container_id].resources.cpuset_mems == "0-1"
+    assert env.engine.state.assignments[ContainerKey(pod.uid, "main")].mems == CPUSet.parse("0-1")
+    assert_consistent(env)
+
+
 async def test_adoption_at_a_reload_leaves_a_container_whose_state_is_unknown_sharing(
     env: Env,
 ) -> None:
