@@ -335,18 +335,7 @@ class KubeletAndNode(RuleBasedStateMachine):
             await self.env.kubelet.stop(container.id)
             return True
 
-        def done() -> None:
-            container.running = False
-
-        return Step(
-            "stop",
-            container.pod,
-            calls,
-            lambda free: True,
-            container.exclusive_cpus,
-            done,
-            container,
-        )
+        return self._ending_step("stop", container, calls)
 
     def exit_step(self, container: ModelContainer) -> Step:
         """The container's process ends by itself; done once the engine has seen it."""
@@ -356,11 +345,19 @@ class KubeletAndNode(RuleBasedStateMachine):
             await until(lambda: self.exit_seen(container), f"the exit of {container} seen")
             return True
 
+        return self._ending_step("exit", container, calls)
+
+    @staticmethod
+    def _ending_step(
+        name: str, container: ModelContainer, calls: Callable[[], Coroutine[Any, Any, bool]]
+    ) -> Step:
+        """A step after which the container no longer runs, its exclusive CPUs given back."""
+
         def done() -> None:
             container.running = False
 
         return Step(
-            "exit",
+            name,
             container.pod,
             calls,
             lambda free: True,

@@ -865,6 +865,31 @@ async def test_a_record_past_its_deadline_marks_the_runtime_stuck_until_one_is_a
         env.channel.close()
 
 
+def burstable_resize(container_id: str) -> bytes:
+    """kubelet's in-place resize of a Burstable container: its request to 1 CPU, no limit."""
+    return pb.UpdateContainerResourcesRequest(
+        container_id=container_id,
+        linux=pb.LinuxContainerResources(
+            cpu_period=100_000, cpu_shares=1024, memory_limit_in_bytes=GIB
+        ),
+    ).SerializeToString()
+
+
+async def resize_lands(
+    env: Env, hung: asyncio.Event, update: asyncio.Task[Reply], container_id: str, latest: str
+) -> None:
+    """The shim answers: kubelet's held resize lands, and the container's cgroup and the
+    runtime's record end with ``latest``."""
+    hung.set()
+    env.fake.ungate("UpdateContainerResources")
+    reply = await update
+    assert reply.status is Status.OK
+    assert env.fake.containers[container_id].resources.cpu_shares == 1024
+    assert env.kernel_cpus(container_id) == latest
+    await env.engine.drain(5.0)
+    assert env.cpus(container_id) == latest
+
+
 async def test_kubelets_update_of_a_container_whose_shim_hangs_holds_up_no_other_pod(
     tmp_path: Path,
 ) -> None:
@@ -880,14 +905,8 @@ async def test_kubelets_update_of_a_container_whose_shim_hangs_holds_up_no_other
         shared_id = await env.kubelet.start_new(pod, "main", 500)
         await until(lambda: env.engine.containers[shared_id].cgroup is not None, "located")
         hung = fake.gate("UpdateContainerResources")
-        resize = pb.UpdateContainerResourcesRequest(
-            container_id=shared_id,
-            linux=pb.LinuxContainerResources(
-                cpu_period=100_000, cpu_shares=1024, memory_limit_in_bytes=GIB
-            ),
-        )
         update = asyncio.create_task(
-            env.kubelet.call("UpdateContainerResources", resize.SerializeToString())
+            env.kubelet.call("UpdateContainerResources", burstable_resize(shared_id))
         )
         await until(lambda: updates_to(fake, shared_id) == ["0-7"], "kubelet's update held")
 
@@ -896,17 +915,10 @@ async def test_kubelets_update_of_a_container_whose_shim_hangs_holds_up_no_other
         assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
         assert not update.done()
 
-        hung.set()
-        fake.ungate("UpdateContainerResources")
-        reply = await update
-        assert reply.status is Status.OK
-        assert fake.containers[shared_id].resources.cpu_shares == 1024
         # The update carried the pool of when it was sent, and runc wrote it: the latest
         # is written again after it.
-        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
+        await resize_lands(env, hung, update, shared_id, SHARED_AFTER_FIRST_SINGLE)
         assert env.engine.containers[shared_id].applied == CPUSet.parse(SHARED_AFTER_FIRST_SINGLE)
-        await env.engine.drain(5.0)
-        assert env.cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE
         env.channel.close()
 
 
@@ -933,14 +945,8 @@ async def test_kubelets_update_behind_a_hung_record_holds_up_no_other_pod(
         await until(lambda: updates_to(fake, shared_id) != [], "a record sent, and held")
         assert tracked.write_lock.locked()
 
-        resize = pb.UpdateContainerResourcesRequest(
-            container_id=shared_id,
-            linux=pb.LinuxContainerResources(
-                cpu_period=100_000, cpu_shares=1024, memory_limit_in_bytes=GIB
-            ),
-        )
         update = asyncio.create_task(
-            env.kubelet.call("UpdateContainerResources", resize.SerializeToString())
+            env.kubelet.call("UpdateContainerResources", burstable_resize(shared_id))
         )
         await until(env.engine.lock.locked, "kubelet's update deciding")
         second = await env.kubelet.run_pod("db-2", "guaranteed")
@@ -951,14 +957,7 @@ async def test_kubelets_update_behind_a_hung_record_holds_up_no_other_pod(
         assert env.kernel_cpus(shared_id) == latest
         assert not update.done()
 
-        hung.set()
-        fake.ungate("UpdateContainerResources")
-        reply = await update
-        assert reply.status is Status.OK
-        assert fake.containers[shared_id].resources.cpu_shares == 1024
-        assert env.kernel_cpus(shared_id) == latest
-        await env.engine.drain(5.0)
-        assert env.cpus(shared_id) == latest
+        await resize_lands(env, hung, update, shared_id, latest)
         assert not tracked.runtime_stuck
         env.channel.close()
 
