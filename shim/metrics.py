@@ -183,8 +183,8 @@ ENGINE_COUNTERS: dict[str, str] = {
         " recorded with the runtime before cpushim went on instead of later"
     ),
     "stuck_runtime_spells": (
-        "Times a container's runtime calls went unanswered for long enough (a hung containerd"
-        " shim) that its moves were written into its cgroup without waiting for them"
+        "Times a runtime call about a container went unanswered past its deadline (a hung"
+        " containerd shim): its moves were written into its cgroup without waiting for it"
     ),
     "writes_past_stuck_runtime": (
         "Moves written into a container's cgroup while a runtime call about it went"
@@ -316,8 +316,9 @@ class EngineCollector:
             )
             yield GaugeMetricFamily(
                 "cpushim_stuck_runtime_containers",
-                "Live containers whose runtime calls go unanswered (a hung containerd shim):"
-                " their moves are written into their cgroups without waiting for them",
+                "Live containers a runtime call about which went unanswered past its deadline (a"
+                " hung containerd shim), none answered since: their moves are written into"
+                " their cgroups without waiting for them",
                 value=self.engine.stuck_runtime_containers(),
             )
         names = set(ENGINE_COUNTERS) | (set(counters) - set(KUBELET_COUNTERS))

@@ -1971,11 +1971,12 @@ class Engine:
         )
 
     def stuck_runtime_containers(self) -> int:
-        """How many live containers' runtime calls go unanswered (shim/engine/moves.py)."""
+        """How many live containers' runtime calls went unanswered past their deadline, with
+        none answered since (shim/engine/moves.py)."""
         return sum(
             1
             for tracked in self.containers.values()
-            if tracked.runtime_stuck and tracked.phase is not Phase.EXITED
+            if tracked.runtime_hung and tracked.phase is not Phase.EXITED
         )
 
     def _kubelets_mems(self, tracked: Tracked) -> CPUSet | None:

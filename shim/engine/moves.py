@@ -370,29 +370,42 @@ class Mover:
 
     # --- a runtime that does not answer for a container --------------------------------------
 
-    def _stuck(self, tracked: Tracked, *, waited: float) -> None:
-        """A call about the container has gone unanswered for ``waited`` seconds."""
-        if tracked.runtime_stuck:
-            return
-        tracked.runtime_stuck = True
-        self.counters["stuck_runtime_spells"] += 1
-        log.warning(
-            "the runtime does not answer for a container (a hung containerd shim?); its"
-            " moves are written into its cgroup without waiting for it until it answers",
-            extra={"fields": {**tracked.named(), "waited_s": waited}},
-        )
+    def _stuck(self, tracked: Tracked, *, waited: float, deadline: bool = False) -> None:
+        """A call about the container has gone unanswered for ``waited`` seconds: moves go past
+        its calls from now on. Past the call's ``deadline`` the runtime is taken for hung
+        (warned of, counted, the gauge's); before it, the call may only be slow (a
+        ``runc update`` on a loaded node, or under emulation, can take seconds), which is
+        logged at info level, once per spell."""
+        if deadline and not tracked.runtime_hung:
+            tracked.runtime_stuck = tracked.runtime_hung = True
+            self.counters["stuck_runtime_spells"] += 1
+            log.warning(
+                "the runtime does not answer for a container (a hung containerd shim?); its"
+                " moves are written into its cgroup without waiting for it until it answers",
+                extra={"fields": {**tracked.named(), "waited_s": waited}},
+            )
+        elif not tracked.runtime_stuck:
+            tracked.runtime_stuck = True
+            log.info(
+                "a runtime call about a container is slow; its moves go past its calls until"
+                " one is answered",
+                extra={"fields": {**tracked.named(), "waited_s": waited}},
+            )
 
     def heard(self, tracked: Tracked, reply: Reply) -> None:
         """A call about the container has ended: whether its runtime answers."""
         if reply.status is Status.DEADLINE_EXCEEDED:
-            self._stuck(tracked, waited=self.timeout)
+            self._stuck(tracked, waited=self.timeout, deadline=True)
         elif reply.unanswered or reply.status is Status.CANCELLED:
             # No answer about the container (a lost connection, the caller gone): it tells
             # nothing of whether its runtime answers.
             return
         elif tracked.runtime_stuck:
-            tracked.runtime_stuck = False
-            log.info("the runtime answers for a container again", extra={"fields": tracked.named()})
+            if tracked.runtime_hung:
+                log.info(
+                    "the runtime answers for a container again", extra={"fields": tracked.named()}
+                )
+            tracked.runtime_stuck = tracked.runtime_hung = False
 
     def write_past(self, tracked: Tracked) -> None:
         """A call through the runtime has ended after a direct write went past it (its runtime

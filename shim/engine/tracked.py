@@ -112,12 +112,15 @@ class Tracked:
     # older cpuset can never land after a newer one; but for a container whose runtime is
     # stuck (below), which direct writes no longer wait for.
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    # A runtime call about it (an update, a record) went unanswered past its deadline, or has
-    # held the write lock longer than a move would wait (a hung containerd shim): its moves
+    # A runtime call about it (an update, a record) went unanswered past its deadline (a hung
+    # containerd shim), or has held the write lock longer than a move would wait: its moves
     # are written into its cgroup without waiting for that call, and a call that ends after
     # such a write writes the cgroup again (shim/engine/moves.py). Cleared when a call about
     # it is answered.
     runtime_stuck: bool = False
+    # Of those, one whose call went unanswered past its deadline, not only slow: warned of
+    # and counted (cpushim_stuck_runtime_containers).
+    runtime_hung: bool = False
 
     @property
     def memory_nodes_chosen(self) -> CPUSet | None:
