@@ -48,9 +48,20 @@ NEVER = 3600.0
 
 
 async def cgroup_env(
-    tmp_path: Path, fake: FakeRuntime, record_delay: float, record_max_delay: float = NEVER
+    tmp_path: Path,
+    fake: FakeRuntime,
+    record_delay: float,
+    record_max_delay: float = NEVER,
+    *,
+    update_timeout: float = EngineOptions.update_timeout,
+    stuck_after: float = EngineOptions.stuck_after,
 ) -> Env:
-    options = EngineOptions(record_delay=record_delay, record_max_delay=record_max_delay)
+    options = EngineOptions(
+        record_delay=record_delay,
+        record_max_delay=record_max_delay,
+        update_timeout=update_timeout,
+        stuck_after=stuck_after,
+    )
     return await make_env(fake, tmp_path / "state", options=options)
 
 
@@ -793,10 +804,7 @@ async def test_a_shim_that_hangs_holds_up_no_other_pods_pinning_or_release(
     async with FakeRuntime(
         cgroup_root=tmp_path / "cgroup", cgroup_version=version, cgroup_driver=driver
     ) as fake:
-        options = EngineOptions(
-            record_delay=0.0, record_max_delay=NEVER, update_timeout=NEVER, stuck_after=0.05
-        )
-        env = await make_env(fake, tmp_path / "state", options=options)
+        env = await cgroup_env(tmp_path, fake, 0.0, update_timeout=NEVER, stuck_after=0.05)
         shared_id = await start_located(env, "web")
         hung = fake.gate("UpdateContainerResources")
 
@@ -835,11 +843,8 @@ async def test_a_record_past_its_deadline_marks_the_runtime_stuck_until_one_is_a
     runtime is stuck, once; the next move does not wait for the record sent again; the
     first answer ends the spell."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(
-            record_delay=0.0, record_max_delay=NEVER, update_timeout=1.0, stuck_after=NEVER
-        )
         caplog.set_level(logging.INFO, logger="shim.engine.moves")
-        env = await make_env(fake, tmp_path / "state", options=options)
+        env = await cgroup_env(tmp_path, fake, 0.0, update_timeout=1.0, stuck_after=NEVER)
         shared_id = await start_located(env, "web")
         tracked = env.engine.containers[shared_id]
         hung = fake.gate("UpdateContainerResources")
@@ -938,10 +943,7 @@ async def test_kubelets_update_behind_a_hung_record_holds_up_no_other_pod(
     on the node waited with it. It waits for the lock a moment at most under the engine's
     lock, then outside it, and decides again once it has it."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(
-            record_delay=0.0, record_max_delay=NEVER, update_timeout=NEVER, stuck_after=0.05
-        )
-        env = await make_env(fake, tmp_path / "state", options=options)
+        env = await cgroup_env(tmp_path, fake, 0.0, update_timeout=NEVER, stuck_after=0.05)
         pod = await env.kubelet.run_pod("web", "burstable")
         shared_id = await env.kubelet.start_new(pod, "main", 500)
         tracked = env.engine.containers[shared_id]
@@ -980,10 +982,7 @@ async def test_a_refused_move_through_the_runtime_overtaken_leaves_the_record_un
     async with FakeRuntime(
         cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
     ) as fake:
-        options = EngineOptions(
-            record_delay=NEVER, record_max_delay=NEVER, update_timeout=NEVER, stuck_after=0.05
-        )
-        env = await make_env(fake, tmp_path / "state", options=options)
+        env = await cgroup_env(tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05)
         shared_id = await start_located(env, "web")
         tracked = env.engine.containers[shared_id]
         assert tracked.recorded == CPUSet.parse("0-7")
@@ -1021,10 +1020,7 @@ async def test_a_repair_past_its_deadline_is_recorded_later_which_ends_the_spell
     about it again: once the shim answered, the container still counted as stuck (and the
     alert on it fired) until it next moved, and the runtime's record stayed behind."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(
-            record_delay=0.0, record_max_delay=NEVER, update_timeout=0.2, stuck_after=NEVER
-        )
-        env = await make_env(fake, tmp_path / "state", options=options)
+        env = await cgroup_env(tmp_path, fake, 0.0, update_timeout=0.2, stuck_after=NEVER)
         watcher = Watcher(env.engine, resync_period=0)
         watcher.start()
         shared_id = await start_located(env, "web")
@@ -1112,10 +1108,7 @@ async def test_a_sweep_taking_in_a_container_whose_shim_hangs_holds_up_no_other_
     async with FakeRuntime(
         cgroup_root=tmp_path / "cgroup", cgroup_version=2, cgroup_driver="systemd"
     ) as fake:
-        options = EngineOptions(
-            record_delay=NEVER, record_max_delay=NEVER, update_timeout=NEVER, stuck_after=0.05
-        )
-        env = await make_env(fake, tmp_path / "state", options=options)
+        env = await cgroup_env(tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05)
         pod = await env.kubelet.run_pod("tools", "besteffort")
         config = env.kubelet.create_request(pod, "debug").config
         outsider = fake.add_container(pod.sandbox_id, config)
