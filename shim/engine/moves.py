@@ -36,10 +36,10 @@ import enum
 import errno
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeVar
 
 import orjson
 from google.protobuf.message import DecodeError
@@ -56,6 +56,15 @@ from shim.engine.tracked import Phase, Tracked
 from shim.fileio import read_file
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class Spawn(Protocol):
+    """Runs work in the background, as the engine's own (drained and cancelled with it)."""
+
+    def __call__(self, work: Coroutine[Any, Any, _T], /) -> asyncio.Task[_T]: ...
+
 
 # The least wait before a record the runtime refused is sent again.
 MIN_RECORD_RETRY_DELAY = 1.0
@@ -169,7 +178,7 @@ class Mover:
         timeout: float,
         record_delay: float,
         record_max_delay: float,
-        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+        spawn: Spawn,
         concurrency: int = 8,
         stuck_after: float = 2.0,
     ) -> None:
@@ -220,7 +229,8 @@ class Mover:
                         handed_on = True
                         return await self._record_now(tracked, cpus)
                     return MoveResult(ok=True)
-                return await self.update_locked(tracked, cpus, mems, quota, tree_first=False)
+                handed_on = True
+                return await self._update_handed_on(tracked, cpus, mems, quota, tree_first=False)
             finally:
                 if not handed_on:
                     tracked.write_lock.release()
@@ -301,12 +311,32 @@ class Mover:
 
     async def _record_now(self, tracked: Tracked, cpus: CPUSet) -> MoveResult:
         """Tell the runtime of a cpuset just written into the cgroup. The caller's write lock
-        is handed on to this record, which releases it when it ends. Waited for
-        ``stuck_after`` seconds at most: past that the container's runtime is taken for
-        stuck and the caller goes on, the record running on. The cgroup holds the cpuset
-        whatever the runtime says: a refusal is counted and logged, and the record is left
-        to the delayed one already planned, which tries again."""
-        ended: list[MoveResult] = []
+        is handed on to this record (:meth:`_hand_on`), which waits for it ``stuck_after``
+        seconds at most. The cgroup holds the cpuset whatever the runtime says: a refusal
+        is counted and logged, and the record is left to the delayed one already planned,
+        which tries again."""
+
+        async def record() -> MoveResult:
+            reply = await self._send_record(tracked, cpus)
+            if reply.status is Status.NOT_FOUND:
+                return MoveResult(ok=False, gone=True)
+            if reply.status is Status.OK:
+                self.counters["systemd_records_at_once"] += 1
+            else:
+                self._record_refused(tracked, cpus, reply, self.record_delay)
+            return MoveResult(ok=True)
+
+        # Still running, or failed: the cgroup is as written, the delayed record tries again.
+        return await self._hand_on(tracked, record, self.stuck_after) or MoveResult(ok=True)
+
+    async def _hand_on(
+        self, tracked: Tracked, call: Callable[[], Awaitable[MoveResult]], wait: float
+    ) -> MoveResult | None:
+        """Run ``call``, a runtime call about the container, in a task of its own that is
+        handed the caller's write lock and gives it back when it ends, and wait ``wait``
+        seconds at most for it: the caller holds the engine's lock, which a call to a hung
+        shim would hold until its deadline. Its result; None when it runs on past the wait
+        (the container's runtime is taken for stuck) or failed (a defect, logged)."""
         released = False
 
         def release() -> None:
@@ -315,41 +345,33 @@ class Mover:
                 released = True
                 tracked.write_lock.release()
 
-        async def record() -> None:
+        async def run() -> MoveResult:
             try:
-                reply = await self._send_record(tracked, cpus)
+                return await call()
             finally:
                 release()
-            if reply.status is Status.NOT_FOUND:
-                ended.append(MoveResult(ok=False, gone=True))
-                return
-            if reply.status is Status.OK:
-                self.counters["systemd_records_at_once"] += 1
-            else:
-                self._record_refused(tracked, cpus, reply, self.record_delay)
-            ended.append(MoveResult(ok=True))
 
-        def done(task: asyncio.Task[None]) -> None:
+        def done(task: asyncio.Task[MoveResult]) -> None:
             # Also for a task cancelled before it ran (the loop torn down): the lock goes
             # back. A defect in it is logged here, whenever it ends.
             release()
             if not task.cancelled() and task.exception() is not None:
                 self.counters["internal_errors"] += 1
                 log.error(
-                    "a record at once failed",
+                    "a runtime call about a container failed",
                     exc_info=task.exception(),
                     extra={"fields": tracked.named()},
                 )
 
-        recording = self._spawn(record())
-        recording.add_done_callback(done)
-        await asyncio.wait({recording}, timeout=self.stuck_after)
-        if ended:
-            return ended[0]
-        if not recording.done():
-            self._stuck(tracked, waited=self.stuck_after)
-        # A failed record leaves the cgroup as written: the delayed record tries again.
-        return MoveResult(ok=True)
+        calling = self._spawn(run())
+        calling.add_done_callback(done)
+        await asyncio.wait({calling}, timeout=wait)
+        if not calling.done():
+            self._stuck(tracked, waited=wait)
+            return None
+        if calling.cancelled() or calling.exception() is not None:
+            return None
+        return calling.result()
 
     async def _send_record(self, tracked: Tracked, cpus: CPUSet) -> Reply:
         """UpdateContainerResources with a cpuset the cgroup already holds (the write lock
@@ -517,8 +539,55 @@ class Mover:
         *,
         tree_first: bool = True,
     ) -> MoveResult:
-        async with tracked.write_lock:
-            return await self.update_locked(tracked, cpus, mems, quota, tree_first=tree_first)
+        """UpdateContainerResources under the container's write lock, which is waited for as
+        a direct write waits for it (:meth:`turn`); the call is waited for ``stuck_after``
+        seconds at most, and not at all while the runtime is taken for stuck. A call about
+        the container that holds either up has the move written into the cgroup past it
+        (:meth:`_write_past_call`)."""
+        if not await self.turn(tracked):
+            return self._write_past_call(tracked, cpus, mems, quota)
+        return await self._update_handed_on(tracked, cpus, mems, quota, tree_first=tree_first)
+
+    async def _update_handed_on(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None, *, tree_first: bool
+    ) -> MoveResult:
+        """:meth:`update_locked`, the caller's write lock handed on to it (:meth:`_hand_on`)."""
+
+        def update() -> Awaitable[MoveResult]:
+            return self.update_locked(tracked, cpus, mems, quota, tree_first=tree_first)
+
+        # A runtime taken for stuck would most likely hold this call too: not waited for.
+        wait = 0.0 if tracked.runtime_stuck else self.stuck_after
+        result = await self._hand_on(tracked, update, wait)
+        if result is None:
+            return self._write_past_call(tracked, cpus, mems, quota)
+        return result
+
+    def _write_past_call(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
+    ) -> MoveResult:
+        """A move through the runtime held up by a call about the container (its runtime
+        stuck): its CPUs, then its memory nodes, are written into its cgroup past that call,
+        so that it leaves CPUs just given out exclusively. What only the runtime sets (a CFS
+        quota, its own record) is left to the move's retry, once the runtime answers: the
+        move is not ok. The call, when it ends, writes the latest cpuset again
+        (:meth:`write_past`)."""
+        if tracked.cgroup is None or tracked.phase is not Phase.RUNNING:
+            return MoveResult(ok=False)
+        if not self._write_cgroup(tracked, cpus):
+            return MoveResult(ok=False)
+        self.counters["writes_past_stuck_runtime"] += 1
+        if mems:
+            try:
+                self.write_tree(tracked, cgroups.CPUSET_MEMS, CPUSet.parse(mems))
+            except OSError as exc:
+                log.info(
+                    "direct write of a container's memory nodes failed; left to the runtime",
+                    extra={"fields": {**tracked.named(), "mems": mems, "error": str(exc)}},
+                )
+        if mems or quota is not None:
+            tracked.settings_stale = True
+        return MoveResult(ok=False, moved=True)
 
     async def update_locked(
         self,

@@ -80,9 +80,9 @@ class Tracked:
     # Its cgroup holds the cpuset it should but the runtime's record does not carry the
     # memory nodes or quota that go with it: adopted at start-up on the exclusive CPUs it had
     # (kubelet's static policy's), or moved straight in its cgroup past its child cpusets
-    # while the runtime refused the rest; or its memory nodes derive from the machine's,
-    # which changed (memory hotplug): a shared container's every node among them. One move
-    # through the runtime gives them.
+    # while the runtime refused the rest, or past a call its runtime did not answer; or its
+    # memory nodes derive from the machine's, which changed (memory hotplug): a shared
+    # container's every node among them. One move through the runtime gives them.
     settings_stale: bool = False
     # It asks for exclusive CPUs, shares, and an adoption found none for it (logged and
     # counted once: adoption is tried again at every full look, and after a release).

@@ -33,8 +33,10 @@ from tests.unit.engine_env import (
     FIRST_SINGLE,
     GIB,
     SHARED_AFTER_FIRST_SINGLE,
+    TOPOLOGY,
     Env,
     make_env,
+    static_policy,
     unreadable,
     until,
     updates,
@@ -1131,6 +1133,72 @@ async def test_a_sweep_taking_in_a_container_whose_shim_hangs_holds_up_no_other_
         env.channel.close()
 
 
+async def test_a_move_through_the_runtime_of_a_hung_shims_container_holds_up_nothing(
+    tmp_path: Path,
+) -> None:
+    """An exclusive container moves through the runtime (its quota and memory nodes go with
+    its CPUs): with its shim hung, the call held the engine's lock until its deadline, and a
+    second move waited for the first call's lock without a bound, so a reload that moved it
+    and every pinning and release after waited for the one shim. The call is waited for
+    ``stuck_after`` at most, a move behind a stuck call not at all: the CPUs and memory
+    nodes are written into the cgroup past it, and the runtime gets the rest once it
+    answers."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        tracked = env.engine.containers[pinned_id]
+        await until(lambda: tracked.cgroup is not None, "located")
+        key = tracked.key
+        hung = fake.gate("UpdateContainerResources")
+
+        # A reload reserves its CPU: it is given another, through the runtime.
+        reload = asyncio.create_task(
+            env.engine.change_policy(static_policy(reserved=f"0,{FIRST_SINGLE}"))
+        )
+        done, _ = await asyncio.wait({reload}, timeout=5.0)
+        assert done, "a reload waited for the hung shim"
+        moved = env.engine.state.assignments[key].cpus
+        assert moved != CPUSet.parse(FIRST_SINGLE)
+        assert env.kernel_cpus(pinned_id) == str(moved)
+        assert env.cpus(pinned_id) == FIRST_SINGLE  # the runtime's record: the call is held
+        assert tracked.runtime_stuck
+        assert tracked.settings_stale  # its quota and memory nodes are the runtime's to set
+
+        # Moved again behind the held call, which holds its lock: not waited for at all. To
+        # the other socket: its memory node with it.
+        assert TOPOLOGY.memory_nodes_of(moved) == CPUSet.parse("0")
+        reserved = TOPOLOGY.cpus_in_numa_node(0)
+        reload = asyncio.create_task(env.engine.change_policy(static_policy(str(reserved))))
+        done, _ = await asyncio.wait({reload}, timeout=5.0)
+        assert done, "a move waited for the container's held call"
+        latest = env.engine.state.assignments[key].cpus
+        assert TOPOLOGY.memory_nodes_of(latest) == CPUSet.parse("1")
+        assert env.kernel_cpus(pinned_id) == str(latest)
+        assert tracked.cgroup is not None
+        assert cgroups.read_list(tracked.cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
+        assert env.engine.counters["writes_past_stuck_runtime"] == 2
+        other = await env.kubelet.run_pod("db-2", "guaranteed")
+        pinning = asyncio.create_task(env.kubelet.start_new(other, "main", 1000))
+        started, _ = await asyncio.wait({pinning}, timeout=5.0)
+        assert started, "a pinning waited for another pod's hung shim"
+
+        # The shim answers: the held call lands with the older set, the latest is written
+        # again after it, and the move's retry gives the runtime the rest.
+        fake.ungate("UpdateContainerResources")
+        hung.set()
+        await until(lambda: not tracked.settings_stale, "the move retried through the runtime")
+        await env.engine.drain(5.0)
+        assert env.kernel_cpus(pinned_id) == str(latest)
+        assert env.cpus(pinned_id) == str(latest)
+        assert fake.containers[pinned_id].resources.cpu_quota == -1
+        assert not tracked.runtime_stuck
+        env.channel.close()
+
+
 async def test_a_record_at_once_that_fails_gives_the_lock_back_and_is_logged(
     systemd_env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1151,7 +1219,7 @@ async def test_a_record_at_once_that_fails_gives_the_lock_back_and_is_logged(
     await until(lambda: not tracked.write_lock.locked(), "the lock given back")
     assert not tracked.runtime_stuck
     assert env.engine.counters["internal_errors"] == 1
-    assert any(r.getMessage() == "a record at once failed" for r in caplog.records)
+    assert any(r.getMessage() == "a runtime call about a container failed" for r in caplog.records)
 
 
 @pytest.mark.parametrize(
