@@ -3,7 +3,11 @@ CPUs (the ``shim`` fixture), and the checks those tests make on what comes back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -82,3 +86,22 @@ def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as caught:
         call()
     return caught.value
+
+
+@contextlib.contextmanager
+def shim_stopped(client: KubeletClient, sandbox_id: str) -> Iterator[int]:
+    """The sandbox's containerd shim stopped (SIGSTOP), as a hung one: containerd's verbose
+    PodSandboxStatus asks it for the task's state, and waits. Its pid; continued after."""
+    pause = json.loads(client.pod_sandbox_status(sandbox_id, verbose=True).info["info"])["pid"]
+    shim_pid = parent_pid(pause)
+    assert Path(f"/proc/{shim_pid}/comm").read_text().startswith("containerd-shim")
+    os.kill(shim_pid, signal.SIGSTOP)
+    try:
+        yield shim_pid
+    finally:
+        os.kill(shim_pid, signal.SIGCONT)
+
+
+def parent_pid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rfind(")") + 2 :].split()[1])

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -23,6 +21,7 @@ from tests.e2e.pods import (
     cgroup_cpus_of,
     rpc_error,
     run_pod,
+    shim_stopped,
     start_pinned,
     start_pod,
     start_shared_and_pinned,
@@ -153,25 +152,6 @@ def test_containers_created_while_cpushim_was_down_are_adopted(
     assert shim.assignments() == {pinned_pod.uid: {"main": "1"}}
     assert_kernel(direct.kernel_cpus(pinned_id), "1")
     assert_kernel(direct.kernel_cpus(shared_id), "0")
-
-
-@contextlib.contextmanager
-def shim_stopped(client: KubeletClient, sandbox_id: str) -> Iterator[int]:
-    """The sandbox's containerd shim stopped (SIGSTOP), as a hung one: containerd's verbose
-    PodSandboxStatus asks it for the task's state, and waits. Its pid; continued after."""
-    pause = json.loads(client.pod_sandbox_status(sandbox_id, verbose=True).info["info"])["pid"]
-    shim_pid = parent_pid(pause)
-    assert Path(f"/proc/{shim_pid}/comm").read_text().startswith("containerd-shim")
-    os.kill(shim_pid, signal.SIGSTOP)
-    try:
-        yield shim_pid
-    finally:
-        os.kill(shim_pid, signal.SIGCONT)
-
-
-def parent_pid(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rfind(")") + 2 :].split()[1])
 
 
 @pytest.mark.parametrize("recover", [False, True], ids=["checkpoint", "recovered"])

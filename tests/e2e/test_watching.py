@@ -19,13 +19,14 @@ from tests.e2e.conftest import Shim
 from tests.e2e.pods import (
     assert_kernel,
     run_pod,
+    shim_stopped,
     start_pinned,
     start_pod,
     start_shared_and_pinned,
 )
 from tests.e2e.test_operations import Scrape, free_port, get
 from tests.harness.containerd import PrivateContainerd, wait_for
-from tests.harness.kubelet import ONE_CPU, KubeletClient, cgroup_file
+from tests.harness.kubelet import ONE_CPU, KubeletClient, cgroup_file, kernel_cpus_of_pid
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
@@ -156,6 +157,51 @@ def test_a_config_edit_applies_live_and_a_bad_one_is_refused(
     assert_kernel(kubelet.kernel_cpus(pinned_id), "0")
     assert_kernel(kubelet.kernel_cpus(shared_id), "1")
     assert shim.assignments() == {pinned_pod.uid: {"main": "0"}}
+
+
+def test_a_config_edit_moves_a_pinned_container_whose_shim_hangs_past_it(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient], tmp_path: Path
+) -> None:
+    """A reload that moves a pinned container goes through containerd (its quota and memory
+    nodes move with its CPUs): with the container's pod shim hung, that update held every
+    decision on the node until its deadline, again at every retry, and the container never
+    left the CPU just reserved. The update is waited for 2 s at most: the CPUs are written
+    into the cgroup past it, other pods are pinned meanwhile, and once the shim goes on the
+    runtime gets the rest."""
+    config = tmp_path / "config.toml"
+    config.write_text('reservedSystemCPUs = "0"\n')
+    shim.reserved_flags = ()
+    shim.start("--config", str(config))
+    kubelet = via()
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
+    pinned_pid = direct.container_pid(pinned_id)
+    cgroup = kernel_cpus_of_pid(pinned_pid).cgroup_path
+    process = shim.process
+    assert process is not None
+
+    with shim_stopped(direct, pinned_pod.id):
+        replace_file(config, 'reservedSystemCPUs = "1"\n')
+        wait_for(
+            lambda: kernel_cpus_of_pid(pinned_pid).cgroup_cpuset_cpus == "0",
+            REACTION_TIMEOUT,
+            "the pinned container moved off the newly reserved CPU",
+            on_timeout=process.log,
+        )
+        assert_kernel(kernel_cpus_of_pid(pinned_pid), "0")
+        assert shim.assignments() == {pinned_pod.uid: {"main": "0"}}
+        # Decisions go on: a new pod is created and started through cpushim meanwhile.
+        _, other_id = start_pod(kubelet, "other", "besteffort")
+        assert_kernel(kubelet.kernel_cpus(other_id), "1")
+        assert_kernel(kubelet.kernel_cpus(shared_id), "1")
+
+    wait_for(
+        lambda: direct.recorded_cpuset_cpus(pinned_id) == "0",
+        30.0,
+        "the runtime told of the move once the shim answers",
+        on_timeout=process.log,
+    )
+    assert_kernel(kernel_cpus_of_pid(pinned_pid), "0")
+    assert cgroup_file("cpu", cgroup, "cpu.cfs_quota_us") == "-1"
 
 
 def test_a_config_edit_from_none_to_static_pins_a_running_guaranteed_container(
