@@ -24,6 +24,7 @@ import logging
 import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -1234,6 +1235,7 @@ class Engine:
             tracked = self.containers.get(self._container_id(request.container_id))
             if tracked is None:
                 return await forward()
+            forwarding: asyncio.Task[Reply] | None = None
             async with self.lock:
                 resized, refusal = await self._resize_in_place(tracked, request.linux)
                 if refusal is not None:
@@ -1241,19 +1243,6 @@ class Engine:
                     # and shows the error in its status: the refusal is applied once there
                     # is room.
                     return refusal
-                if resized:
-                    # Forwarded under the lock: CPUs it gives back must not be handed out
-                    # before the runtime has taken them from it.
-                    async with tracked.write_lock:
-                        update = await self._prepare_update(tracked, request)
-                        reply = await forward(request.SerializeToString())
-                        self._updated(tracked, update, reply)
-                    await self._after_update(tracked, request, update, reply)
-                    # CPUs it gave back go to the shared containers now that it has left
-                    # them, and, as after any release, to a container waiting for room.
-                    await self._apply()
-                    self._tell_room_made()
-                    return reply
                 # Taken under the engine's lock, as every move takes it (no deadlock between
                 # them), and waited for as a move waits: a record in flight to a hung shim
                 # holds it until its deadline, and every other pod's decisions would wait.
@@ -1263,24 +1252,71 @@ class Engine:
                     except BaseException:
                         tracked.write_lock.release()
                         raise
-                    break
-            # Waited for outside the engine's lock, then decided again.
+                    forwarding = self.mover.hand_on(
+                        tracked, partial(self._forward_update, tracked, update, request, forward)
+                    )
+                    if not resized:
+                        break
+                    # A new count of exclusive CPUs is waited for under the lock: CPUs it
+                    # gives back must not be handed out before it has left them.
+                    wait = self.mover.call_wait(tracked)
+                    if await self.mover.answered_within(tracked, forwarding, wait):
+                        reply = forwarding.result()
+                        await self._after_update(tracked, request, update, reply)
+                        await self._grown_after_resize()
+                        return reply
+                if resized:
+                    # Its runtime does not answer for it (a hung shim would hold the call
+                    # until kubelet's deadline, minutes): it is moved in its cgroup past
+                    # the call, which writes the latest cpuset again when it ends, and the
+                    # CPUs it gave back go to the others now.
+                    self.mover.write_past_call(tracked, *self._desired(tracked))
+                    self.project(tracked)
+                    await self._grown_after_resize()
+                    if forwarding is not None:
+                        break
+            # Waited for outside the engine's lock, then decided again (a resize applied
+            # already is not one any more: it is forwarded as any other update).
             async with tracked.write_lock:
                 pass
         # Forwarded holding the container's write lock alone: when its shim hangs, the call
         # waits until kubelet's deadline (minutes), and the decisions of every other pod
         # would wait with it. A move of this container meanwhile waits a moment, then goes
         # past the call (shim/engine/moves.py), which then writes the latest cpuset again.
-        try:
-            reply = await forward(request.SerializeToString())
-            self._updated(tracked, update, reply)
-        finally:
-            tracked.write_lock.release()
+        reply = await forwarding
+        if reply.status is Status.OK and tracked.adoption_refused and tracked.resize_noted:
+            # It waits for room, and the resize noted may fit: the adoption asked for when it
+            # was noted may have read the runtime's record before the runtime took the new
+            # count, and planned for the old one.
+            self._room_for_resize()
+        if tracked.settings_stale and reply.status is not Status.NOT_FOUND:
+            # Written past the call, which the runtime refused: its quota and memory nodes
+            # are given by the move's retry.
+            self._move_retry.soon()
         refused_nodes = update.asked is not None and reply.status is not Status.OK
         if refused_nodes or self._gone(tracked, request, reply):
             async with self.lock:
                 await self._after_update(tracked, request, update, reply)
         return reply
+
+    async def _forward_update(
+        self,
+        tracked: Tracked,
+        update: _Update,
+        request: pb.UpdateContainerResourcesRequest,
+        forward: Forward,
+    ) -> Reply:
+        """Forward kubelet's update, cpushim's cpuset in it, holding the container's write
+        lock (:meth:`Mover.hand_on` gives it back)."""
+        reply = await forward(request.SerializeToString())
+        self._updated(tracked, update, reply)
+        return reply
+
+    async def _grown_after_resize(self) -> None:
+        """CPUs a resize gave back go to the shared containers now that it has left them,
+        and, as after any release, to a container waiting for room."""
+        await self._apply()
+        self._tell_room_made()
 
     @staticmethod
     def _gone(tracked: Tracked, request: pb.UpdateContainerResourcesRequest, reply: Reply) -> bool:
@@ -1573,7 +1609,12 @@ class Engine:
         and would otherwise wait for a release or a full look."""
         changed = tracked.resize_noted != noted
         tracked.resize_noted = noted
-        if changed and tracked.adoption_refused and self.room_made is not None:
+        if changed and tracked.adoption_refused:
+            self._room_for_resize()
+
+    def _room_for_resize(self) -> None:
+        """Have the containers waiting for room looked at again, as after a release."""
+        if self.room_made is not None:
             self.room_tried = None
             self.room_made()
 

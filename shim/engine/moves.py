@@ -329,14 +329,13 @@ class Mover:
         # Still running, or failed: the cgroup is as written, the delayed record tries again.
         return await self._hand_on(tracked, record, self.stuck_after) or MoveResult(ok=True)
 
-    async def _hand_on(
-        self, tracked: Tracked, call: Callable[[], Awaitable[MoveResult]], wait: float
-    ) -> MoveResult | None:
+    def hand_on(self, tracked: Tracked, call: Callable[[], Awaitable[_T]]) -> asyncio.Task[_T]:
         """Run ``call``, a runtime call about the container, in a task of its own that is
-        handed the caller's write lock and gives it back when it ends, and wait ``wait``
-        seconds at most for it: the caller holds the engine's lock, which a call to a hung
-        shim would hold until its deadline. Its result; None when it runs on past the wait
-        (the container's runtime is taken for stuck) or failed (a defect, logged)."""
+        handed the caller's write lock and gives it back when it ends (also when cancelled
+        before it ran, as when the loop is torn down; a defect in it is logged): the
+        caller, who holds the engine's lock, can then wait for it a moment only
+        (:meth:`answered_within`), since a call to a hung shim would hold it until its
+        deadline."""
         released = False
 
         def release() -> None:
@@ -345,15 +344,13 @@ class Mover:
                 released = True
                 tracked.write_lock.release()
 
-        async def run() -> MoveResult:
+        async def run() -> _T:
             try:
                 return await call()
             finally:
                 release()
 
-        def done(task: asyncio.Task[MoveResult]) -> None:
-            # Also for a task cancelled before it ran (the loop torn down): the lock goes
-            # back. A defect in it is logged here, whenever it ends.
+        def done(task: asyncio.Task[_T]) -> None:
             release()
             if not task.cancelled() and task.exception() is not None:
                 self.counters["internal_errors"] += 1
@@ -365,9 +362,29 @@ class Mover:
 
         calling = self._spawn(run())
         calling.add_done_callback(done)
-        await asyncio.wait({calling}, timeout=wait)
-        if not calling.done():
-            self._stuck(tracked, waited=wait)
+        return calling
+
+    def call_wait(self, tracked: Tracked) -> float:
+        """How long a call about the container is waited for under the engine's lock: not at
+        all while its runtime is taken for stuck, which would most likely hold it too."""
+        return 0.0 if tracked.runtime_stuck else self.stuck_after
+
+    async def answered_within(self, tracked: Tracked, call: asyncio.Task[Any], wait: float) -> bool:
+        """Wait ``wait`` seconds at most for a call :meth:`hand_on` runs; whether it ended.
+        When it has not, the container's runtime is taken for stuck."""
+        await asyncio.wait({call}, timeout=wait)
+        if call.done():
+            return True
+        self._stuck(tracked, waited=wait)
+        return False
+
+    async def _hand_on(
+        self, tracked: Tracked, call: Callable[[], Awaitable[MoveResult]], wait: float
+    ) -> MoveResult | None:
+        """:meth:`hand_on`, waited for ``wait`` seconds at most: its result; None when it
+        runs on past that or failed."""
+        calling = self.hand_on(tracked, call)
+        if not await self.answered_within(tracked, calling, wait):
             return None
         if calling.cancelled() or calling.exception() is not None:
             return None
@@ -543,9 +560,9 @@ class Mover:
         a direct write waits for it (:meth:`turn`); the call is waited for ``stuck_after``
         seconds at most, and not at all while the runtime is taken for stuck. A call about
         the container that holds either up has the move written into the cgroup past it
-        (:meth:`_write_past_call`)."""
+        (:meth:`write_past_call`)."""
         if not await self.turn(tracked):
-            return self._write_past_call(tracked, cpus, mems, quota)
+            return self.write_past_call(tracked, cpus, mems, quota)
         return await self._update_handed_on(tracked, cpus, mems, quota, tree_first=tree_first)
 
     async def _update_handed_on(
@@ -556,14 +573,12 @@ class Mover:
         def update() -> Awaitable[MoveResult]:
             return self.update_locked(tracked, cpus, mems, quota, tree_first=tree_first)
 
-        # A runtime taken for stuck would most likely hold this call too: not waited for.
-        wait = 0.0 if tracked.runtime_stuck else self.stuck_after
-        result = await self._hand_on(tracked, update, wait)
+        result = await self._hand_on(tracked, update, self.call_wait(tracked))
         if result is None:
-            return self._write_past_call(tracked, cpus, mems, quota)
+            return self.write_past_call(tracked, cpus, mems, quota)
         return result
 
-    def _write_past_call(
+    def write_past_call(
         self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None
     ) -> MoveResult:
         """A move through the runtime held up by a call about the container (its runtime

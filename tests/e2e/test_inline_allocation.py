@@ -6,6 +6,7 @@ exclusively. Each test starts its own cpushim (static policy) on a fresh state d
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import subprocess
@@ -42,6 +43,7 @@ from tests.harness.kubelet import (
     ContainerResources,
     KubeletClient,
     cgroup_file,
+    kernel_cpus_of_pid,
     milli_cpu_to_quota,
     new_pod_uid,
     read_status_field,
@@ -223,6 +225,50 @@ def test_a_hung_shim_holds_up_no_other_pods_pinning_or_release(
     )
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
     assert_kernel(kubelet.kernel_cpus(second_id), "1")
+
+
+def test_kubelets_resize_of_a_pinned_container_whose_shim_hangs_holds_up_no_other_pod(
+    shim: Shim, direct: KubeletClient, via: Callable[[], KubeletClient]
+) -> None:
+    """kubelet resizes a pinned container in place to half a CPU while its pod's shim hangs:
+    the resize gives CPU 1 back. cpushim waits for containerd a moment only, then writes the
+    container's cgroup past the call, so a Guaranteed pod created meanwhile gets CPU 1 and
+    runs there alone, the resized container moved off it. Once the shim goes on, the resize
+    is answered and the runtime's record holds the latest cpuset."""
+    shim.start()
+    kubelet = via()
+    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
+    pinned_pid = direct.container_pid(pinned_id)
+    half = kubelet.linux_resources("guaranteed", ContainerResources(500, 500, 32 * MIB, 32 * MIB))
+    resizer = via()
+    process = shim.process
+    assert process is not None
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with shim_stopped(direct, pinned_pod.id):
+            resize = pool.submit(resizer.update_container_resources, pinned_id, half)
+            wait_for(
+                lambda: kernel_cpus_of_pid(pinned_pid).cgroup_cpuset_cpus == "0-1",
+                REACTION_TIMEOUT,
+                "the resized container moved past the held call",
+                on_timeout=process.log,
+            )
+            second_pod, second_id = start_pinned(kubelet)
+            assert_kernel(kubelet.kernel_cpus(second_id), "1")
+            assert_kernel(kernel_cpus_of_pid(pinned_pid), "0")
+            assert_kernel(kubelet.kernel_cpus(shared_id), "0")
+            assert not resize.done()
+        resize.result(timeout=60)
+
+    wait_for(
+        lambda: direct.recorded_cpuset_cpus(pinned_id) == "0",
+        30.0,
+        "the latest cpuset recorded",
+        on_timeout=process.log,
+    )
+    assert_kernel(kernel_cpus_of_pid(pinned_pid), "0")
+    assert_kernel(kubelet.kernel_cpus(second_id), "1")
+    assert shim.assignments() == {second_pod.uid: {"main": "1"}}
 
 
 def test_a_container_kubelets_static_policy_pinned_is_adopted_with_its_cpu_and_no_quota(

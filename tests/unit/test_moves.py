@@ -30,11 +30,13 @@ from shim.engine.watching import Watcher
 from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver, wait_for
 from tests.unit.engine_env import (
+    ALL,
     FIRST_SINGLE,
     GIB,
     SHARED_AFTER_FIRST_SINGLE,
     TOPOLOGY,
     Env,
+    assert_consistent,
     make_env,
     static_policy,
     unreadable,
@@ -42,6 +44,7 @@ from tests.unit.engine_env import (
     updates,
     updates_to,
 )
+from tests.unit.test_engine import kubelet_resize
 
 pytestmark = pytest.mark.anyio
 
@@ -970,6 +973,65 @@ async def test_kubelets_update_behind_a_hung_record_holds_up_no_other_pod(
 
         await resize_lands(env, hung, update, shared_id, latest)
         assert not tracked.runtime_stuck
+        env.channel.close()
+
+
+async def test_kubelets_resize_of_exclusive_cpus_whose_shim_hangs_holds_up_no_other_pod(
+    tmp_path: Path,
+) -> None:
+    """kubelet's in-place resize of a pinned container's count of exclusive CPUs was forwarded
+    under the engine's lock, so that CPUs it gives back are not handed out before it has left
+    them: with its shim hung, every decision on the node waited until kubelet's deadline,
+    minutes. The call is waited for ``stuck_after`` at most: the container is moved in its
+    cgroup past it, the CPUs it gave back go to the shared containers and may be handed out,
+    and the call, when it lands, leaves the latest cpuset."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        shared_id = await start_located(env, "web")
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+        tracked = env.engine.containers[pinned_id]
+        await until(lambda: tracked.cgroup is not None, "located")
+        held = env.engine.state.assignments[tracked.key].cpus
+        assert len(held) == 2
+        hung = fake.gate("UpdateContainerResources")
+
+        resize = asyncio.create_task(
+            env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
+        )
+        await until(lambda: updates_to(fake, pinned_id) != [], "kubelet's resize held")
+        kept = env.engine.state.assignments[tracked.key].cpus
+        assert len(kept) == 1
+        assert kept.issubset(held)
+        await until(lambda: env.kernel_cpus(pinned_id) == str(kept), "moved past the call")
+        assert env.kernel_cpus(shared_id) == str(env.engine.state.shared)
+        assert (held - kept).issubset(env.engine.state.shared)
+
+        # Decisions go on: every CPU left, the one it gave back among them, is handed out,
+        # and the other pod runs there alone.
+        other = await env.kubelet.run_pod("db-2", "guaranteed")
+        left = ALL - CPUSet.parse("0") - kept
+        pinning = asyncio.create_task(env.kubelet.start_new(other, "main", 1000 * len(left)))
+        started, _ = await asyncio.wait({pinning}, timeout=5.0)
+        assert started, "a pinning waited for another pod's hung shim"
+        other_id = pinning.result()
+        assert env.kernel_cpus(other_id) == str(left)
+        assert env.kernel_cpus(pinned_id) == str(kept)
+        assert not resize.done()
+
+        hung.set()
+        fake.ungate("UpdateContainerResources")
+        reply = await resize
+        assert reply.status is Status.OK
+        await env.engine.drain(5.0)
+        assert env.kernel_cpus(pinned_id) == str(kept)
+        assert env.cpus(pinned_id) == str(kept)
+        assert fake.containers[pinned_id].resources.cpu_quota == -1
+        assert not tracked.runtime_stuck
+        assert_consistent(env)
         env.channel.close()
 
 
