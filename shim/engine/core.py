@@ -1290,8 +1290,9 @@ class Engine:
             # count, and planned for the old one.
             self._room_for_resize()
         if tracked.settings_stale and reply.status is not Status.NOT_FOUND:
-            # Written past the call, which the runtime refused: its quota and memory nodes
-            # are given by the move's retry.
+            # Written past the call, which the runtime refused or which carried older
+            # settings (_gave_settings): its quota and memory nodes are given by the move's
+            # retry.
             self._move_retry.soon()
         refused_nodes = update.asked is not None and reply.status is not Status.OK
         if refused_nodes or self._gone(tracked, request, reply):
@@ -1371,7 +1372,8 @@ class Engine:
                 # Told once the runtime took them: a refused update leaves the
                 # container's own nodes, and the mark of their warning, as they were.
                 self._note_narrowing(tracked, update.asked)
-            self._restored(tracked)
+            if not overtaken or self._gave_settings(tracked, update):
+                self._restored(tracked)
         elif update.written:
             self.mover.refused_after_tree_write(tracked, cpus, update.mems, update.quota, reply)
             if tracked.settings_stale:
@@ -1388,6 +1390,17 @@ class Engine:
             self.mover.write_past(tracked)
         if reply.status is Status.OK or update.written or overtaken:
             self.project(tracked)
+
+    def _gave_settings(self, tracked: Tracked, update: _Update) -> bool:
+        """Whether an update a move went past carried the memory nodes and quota the
+        container should have now. A move through the runtime past the call (its runtime
+        not answering: Mover.write_past_call) writes the container's CPUs and memory nodes
+        into its cgroup and leaves the rest to the move's retry (settings_stale): an answer
+        to a call that carried other settings does not give them. Taken for given, the
+        runtime's write of the call's older memory nodes would stay in the cgroup and its
+        record, and a container that lost its exclusive CPUs would share with their quota."""
+        _, mems, quota = self._desired(tracked)
+        return (update.mems, update.quota) == (mems, quota)
 
     async def _after_update(
         self,

@@ -1035,6 +1035,55 @@ async def test_kubelets_resize_of_exclusive_cpus_whose_shim_hangs_holds_up_no_ot
         env.channel.close()
 
 
+async def test_kubelets_update_a_move_went_past_leaves_the_moves_memory_nodes_to_give(
+    tmp_path: Path,
+) -> None:
+    """kubelet's update of a pinned container is held by its hung shim; a reload moves the
+    container to the other socket past the call, its memory node with it, and leaves its
+    settings for the runtime (settings_stale). The call then lands, answered, with the nodes
+    of when it was sent: its answer took the container's settings for given, and nothing
+    gave the runtime the move's; the cgroup kept the older node for good."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        tracked = env.engine.containers[pinned_id]
+        await until(lambda: tracked.cgroup is not None, "located")
+        assert tracked.cgroup is not None
+        hung = fake.gate("UpdateContainerResources")
+        update = asyncio.create_task(
+            env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
+        )
+        await until(lambda: updates_to(fake, pinned_id) == [FIRST_SINGLE], "kubelet's update held")
+
+        reserved = TOPOLOGY.cpus_in_numa_node(0)
+        reload = asyncio.create_task(env.engine.change_policy(static_policy(str(reserved))))
+        done, _ = await asyncio.wait({reload}, timeout=5.0)
+        assert done, "a move waited for kubelet's held update"
+        latest = env.engine.state.assignments[tracked.key].cpus
+        assert env.kernel_cpus(pinned_id) == str(latest)
+        assert cgroups.read_list(tracked.cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
+        assert tracked.settings_stale
+
+        hung.set()
+        fake.ungate("UpdateContainerResources")
+        reply = await update
+        assert reply.status is Status.OK
+        await until(
+            lambda: not tracked.settings_stale and not env.engine._move_retry.running,
+            "the move's settings given",
+        )
+        assert env.kernel_cpus(pinned_id) == str(latest)
+        assert cgroups.read_list(tracked.cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
+        assert fake.containers[pinned_id].resources.cpuset_mems == "1"
+        assert env.cpus(pinned_id) == str(latest)
+        await env.engine.drain(5.0)
+        env.channel.close()
+
+
 async def test_a_refused_move_through_the_runtime_overtaken_leaves_the_record_unknown(
     tmp_path: Path,
 ) -> None:
