@@ -630,13 +630,17 @@ class Mover:
         self.heard(tracked, reply)
         if tracked.moved_at != moved_at:
             # A direct write went past this call (its runtime was stuck): that write's cpuset
-            # is the latest, whatever the runtime did with this one.
+            # is the latest, whatever the runtime did with this one. One that left memory
+            # nodes or a quota to the runtime (write_past_call) is not given them by this
+            # call's answer, which carried its own: not ok, or the caller would take them
+            # for given (Engine._restored) and the move's retry would find nothing to do.
             if reply.status is Status.OK:
                 tracked.recorded = cpus
             elif reply.status is not Status.NOT_FOUND:
                 tracked.recorded = None  # as in _record_refused: runc may have told systemd
             self.write_past(tracked)
-            return MoveResult(ok=reply.status is Status.OK, gone=reply.status is Status.NOT_FOUND)
+            ok = reply.status is Status.OK and not tracked.settings_stale
+            return MoveResult(ok=ok, gone=reply.status is Status.NOT_FOUND)
         if reply.status is Status.OK:
             tracked.applied = tracked.recorded = cpus
             self.counters["cpuset_updates"] += 1

@@ -1211,6 +1211,56 @@ async def test_a_repair_waiting_its_turn_never_lands_the_cpuset_a_move_went_past
         env.channel.close()
 
 
+async def test_a_repair_a_move_went_past_leaves_the_moves_memory_nodes_to_give(
+    tmp_path: Path,
+) -> None:
+    """A drift repair of a pinned container tells the runtime, and its shim hangs; a reload
+    moves the container to the other socket past that call, its memory node with it, and
+    leaves its settings for the runtime. The repair's call then landed, answered, with the
+    node of before: taken for a move that went through, it had the container's settings
+    taken for given, and the cgroup kept the older node for good."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        watcher = Watcher(env.engine, resync_period=0)
+        watcher.start()
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        tracked = env.engine.containers[pinned_id]
+        await until(lambda: pinned_id in watcher._containers, "watched")
+        cgroup = tracked.cgroup
+        assert cgroup is not None
+        hung = fake.gate("UpdateContainerResources")
+        (cgroup / "cpuset.cpus").write_text("3\n")
+        await until(lambda: updates_to(fake, pinned_id) == [FIRST_SINGLE], "the repair's held")
+
+        reserved = TOPOLOGY.cpus_in_numa_node(0)
+        reload = asyncio.create_task(env.engine.change_policy(static_policy(str(reserved))))
+        done, _ = await asyncio.wait({reload}, timeout=5.0)
+        assert done, "a move waited for the repair's held update"
+        latest = env.engine.state.assignments[tracked.key].cpus
+        assert env.kernel_cpus(pinned_id) == str(latest)
+        assert cgroups.read_list(cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
+        assert tracked.settings_stale
+
+        hung.set()
+        fake.ungate("UpdateContainerResources")
+        await until(
+            lambda: not tracked.settings_stale and not env.engine._move_retry.running,
+            "the move's settings given",
+        )
+        await until(lambda: watcher.jobs.pending == 0, "the repair done")
+        assert env.kernel_cpus(pinned_id) == str(latest)
+        assert cgroups.read_list(cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
+        assert fake.containers[pinned_id].resources.cpuset_mems == "1"
+        await watcher.stop()
+        await env.engine.drain(5.0)
+        assert env.cpus(pinned_id) == str(latest)
+        env.channel.close()
+
+
 async def test_a_sweep_taking_in_a_container_whose_shim_hangs_holds_up_no_other_pod(
     tmp_path: Path,
 ) -> None:
