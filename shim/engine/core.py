@@ -210,6 +210,7 @@ class Engine:
             concurrency=self.options.update_concurrency,
             stuck_after=self.options.stuck_after,
         )
+        self.mover.answering_again = self._move_retry.hurry
         self.projection = projection
         # None: no projection directories (shim/engine/projecting.py).
         self.projector: Projector | None = None

@@ -193,6 +193,9 @@ class Mover:
         self.record_max_delay = record_max_delay
         self._spawn = spawn
         self._recorders: dict[str, asyncio.Task[None]] = {}
+        # Called when the runtime answers again for a container that owes it the settings
+        # of a move written past its calls (the engine hurries its move retry).
+        self.answering_again: Callable[[], None] | None = None
         # Records fall due together (every shared container moves at once): each is a
         # ``runc update``, and holds its container's write lock while it runs.
         self._recording = asyncio.Semaphore(concurrency)
@@ -445,6 +448,10 @@ class Mover:
                     "the runtime answers for a container again", extra={"fields": tracked.named()}
                 )
             tracked.runtime_stuck = tracked.runtime_hung = False
+            if tracked.settings_stale and self.answering_again is not None:
+                # Moves written past its calls left the runtime its part (write_past_call):
+                # their retry need not wait out a delay grown while it did not answer.
+                self.answering_again()
 
     def write_past(self, tracked: Tracked) -> None:
         """A call through the runtime has ended after a direct write went past it (its runtime

@@ -18,18 +18,38 @@ MAX_RETRY_DELAY: Final = 60.0
 
 
 async def retry_until_done(
-    attempt: Callable[[], Awaitable[bool]], first_delay: float, stop: asyncio.Event
+    attempt: Callable[[], Awaitable[bool]],
+    first_delay: float,
+    stop: asyncio.Event,
+    hurry: asyncio.Event | None = None,
 ) -> None:
     """Run ``attempt`` after ``first_delay``, then after twice as long each time (up to
     ``MAX_RETRY_DELAY``), until it returns True or ``stop`` is set; ``stop`` ends a wait at
-    once."""
+    once. So does ``hurry``, which is then cleared, the waits starting over from
+    ``first_delay``: what held the work up has gone."""
     delay = first_delay
     while True:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
+        await _until_either(stop, hurry, delay)
+        hurried = False
+        if hurry is not None and hurry.is_set():
+            hurry.clear()
+            hurried = True
         if stop.is_set() or await attempt():
             return
-        delay = min(delay * 2, MAX_RETRY_DELAY)
+        delay = first_delay if hurried else min(delay * 2, MAX_RETRY_DELAY)
+
+
+async def _until_either(first: asyncio.Event, second: asyncio.Event | None, wait: float) -> None:
+    if second is None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(first.wait(), wait)
+        return
+    waits = {asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())}
+    try:
+        await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
 
 
 class Retry:
@@ -49,6 +69,7 @@ class Retry:
         self._stop = stop
         self._spawn = spawn
         self._task: asyncio.Task[None] | None = None
+        self._hurry = asyncio.Event()
 
     @property
     def running(self) -> bool:
@@ -59,6 +80,13 @@ class Retry:
         ``stop`` is set."""
         if self._task is None and not self._stop.is_set():
             self._task = self._spawn(self._run())
+
+    def hurry(self) -> None:
+        """Have the running retry try now, its waits starting over from the first delay:
+        what failed may go through now (a runtime that did not answer answers again). No
+        retry running: nothing to do."""
+        if self._task is not None:
+            self._hurry.set()
 
     def end(self) -> None:
         """End the running retry now, its work done otherwise, without waiting for it: it
@@ -83,8 +111,10 @@ class Retry:
     async def _run(self) -> None:
         first_delay = self._first_delay() if callable(self._first_delay) else self._first_delay
         try:
-            await retry_until_done(self._attempt, first_delay, self._stop)
+            await retry_until_done(self._attempt, first_delay, self._stop, self._hurry)
         finally:
             # Not a new one started after end().
             if self._task is asyncio.current_task():
                 self._task = None
+                # Set during its last attempt: the next retry waits its first delay.
+                self._hurry.clear()

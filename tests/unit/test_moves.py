@@ -1303,10 +1303,11 @@ async def test_a_move_through_the_runtime_of_a_hung_shims_container_holds_up_not
     and every pinning and release after waited for the one shim. The call is waited for
     ``stuck_after`` at most, a move behind a stuck call not at all: the CPUs and memory
     nodes are written into the cgroup past it, and the runtime gets the rest once it
-    answers."""
+    answers: at once then, whatever wait the move's retry has grown to meanwhile (here an
+    hour)."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
         options = EngineOptions(
-            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
+            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=NEVER
         )
         env = await make_env(fake, tmp_path / "state", options=options)
         pod = await env.kubelet.run_pod("db", "guaranteed")
@@ -1348,7 +1349,7 @@ async def test_a_move_through_the_runtime_of_a_hung_shims_container_holds_up_not
         assert started, "a pinning waited for another pod's hung shim"
 
         # The shim answers: the held call lands with the older set, the latest is written
-        # again after it, and the move's retry gives the runtime the rest.
+        # again after it, and the move's retry, hurried, gives the runtime the rest.
         fake.ungate("UpdateContainerResources")
         hung.set()
         await until(lambda: not tracked.settings_stale, "the move retried through the runtime")

@@ -155,3 +155,57 @@ async def test_end_cuts_the_running_retry_at_once_and_a_soon_after_starts_anothe
     await retry.cancel()
     retry.end()  # with none running, nothing to do
     assert not retry.running
+
+
+async def test_hurry_tries_now_and_starts_the_waits_over() -> None:
+    """A move retry whose wait grew to a minute while a runtime did not answer tries at once
+    when it answers again; with no retry running there is nothing to hurry."""
+    attempt, spawn = Attempts(), Spawner()
+    delay = Delay(3600)
+    retry = Retry(attempt, delay, asyncio.Event(), spawn)
+    retry.hurry()  # none running: nothing to hurry
+    assert not retry.running
+    retry.soon()
+    await until(lambda: delay.reads == 1, "waiting its hour")
+    retry.hurry()
+    await until(lambda: attempt.calls == 1, "tried at once")
+    assert retry.running  # failed: it waits again
+    attempt.done = True
+    retry.hurry()
+    await until(lambda: not retry.running, "done")
+    assert attempt.calls == 2
+
+
+async def test_a_hurry_during_an_attempt_tries_once_more_at_once() -> None:
+    """What held the work up went while it was being tried: the next try does not wait."""
+    spawn = Spawner()
+    calls = 0
+    retry: Retry
+
+    async def attempt() -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            retry.hurry()
+            return False
+        return True
+
+    delay = Delay(3600)
+    retry = Retry(attempt, delay, asyncio.Event(), spawn)
+    retry.soon()
+    await until(lambda: delay.reads == 1, "waiting its hour")
+    retry.hurry()
+    await until(lambda: not retry.running, "tried twice without waiting")
+    assert calls == 2
+
+
+async def test_after_a_hurry_the_waits_start_over_from_the_first_delay() -> None:
+    attempt, spawn = Attempts(), Spawner()
+    retry = Retry(attempt, 0.001, asyncio.Event(), spawn)
+    retry.soon()
+    # Waits of 1, 2, ... 512 ms so far: the next is about a second, the one after two.
+    await until(lambda: attempt.calls >= 11, "the wait grown to a second")
+    retry.hurry()
+    await until(lambda: attempt.calls >= 12, "tried at once", deadline=0.5)
+    await until(lambda: attempt.calls >= 13, "tried again after the first delay", deadline=0.5)
+    await retry.cancel()
