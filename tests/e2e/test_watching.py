@@ -26,7 +26,13 @@ from tests.e2e.pods import (
 )
 from tests.e2e.test_operations import Scrape, free_port, get
 from tests.harness.containerd import PrivateContainerd, wait_for
-from tests.harness.kubelet import ONE_CPU, KubeletClient, cgroup_file, kernel_cpus_of_pid
+from tests.harness.kubelet import (
+    ONE_CPU,
+    KubeletClient,
+    Sandbox,
+    cgroup_file,
+    kernel_cpus_of_pid,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("two_cpus")]
 
@@ -115,15 +121,27 @@ def test_the_state_file_is_rewritten_when_someone_else_changes_it(
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
 
 
-def test_a_config_edit_applies_live_and_a_bad_one_is_refused(
-    shim: Shim, via: Callable[[], KubeletClient], tmp_path: Path
-) -> None:
-    config = tmp_path / "config.toml"
-    config.write_text('reservedSystemCPUs = "0"\n')
+def started_on_a_config(
+    shim: Shim, via: Callable[[], KubeletClient], config: Path, text: str
+) -> tuple[KubeletClient, str, Sandbox, str]:
+    """cpushim started on the config file ``config`` holding ``text`` (and no reserved-CPU
+    flags of its own), then a shared container and a pinned one started through it: the
+    client, the shared container's id, the pinned pod and its container's id."""
+    config.write_text(text)
     shim.reserved_flags = ()
     shim.start("--config", str(config))
     kubelet = via()
     shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
+    return kubelet, shared_id, pinned_pod, pinned_id
+
+
+def test_a_config_edit_applies_live_and_a_bad_one_is_refused(
+    shim: Shim, via: Callable[[], KubeletClient], tmp_path: Path
+) -> None:
+    config = tmp_path / "config.toml"
+    kubelet, shared_id, pinned_pod, pinned_id = started_on_a_config(
+        shim, via, config, 'reservedSystemCPUs = "0"\n'
+    )
     assert_kernel(kubelet.kernel_cpus(pinned_id), "1")
     assert_kernel(kubelet.kernel_cpus(shared_id), "0")
 
@@ -169,11 +187,9 @@ def test_a_config_edit_moves_a_pinned_container_whose_shim_hangs_past_it(
     into the cgroup past it, other pods are pinned meanwhile, and once the shim goes on the
     runtime gets the rest."""
     config = tmp_path / "config.toml"
-    config.write_text('reservedSystemCPUs = "0"\n')
-    shim.reserved_flags = ()
-    shim.start("--config", str(config))
-    kubelet = via()
-    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
+    kubelet, shared_id, pinned_pod, pinned_id = started_on_a_config(
+        shim, via, config, 'reservedSystemCPUs = "0"\n'
+    )
     pinned_pid = direct.container_pid(pinned_id)
     cgroup = kernel_cpus_of_pid(pinned_pid).cgroup_path
     process = shim.process
@@ -210,11 +226,9 @@ def test_a_config_edit_from_none_to_static_pins_a_running_guaranteed_container(
     """As a restart under the new config would: no drain, no container restarted. (``direct``
     clears the pods of earlier tests first: they would compete for CPU 1.)"""
     config = tmp_path / "config.toml"
-    config.write_text('cpuManagerPolicy = "none"\nreservedSystemCPUs = "0"\n')
-    shim.reserved_flags = ()
-    shim.start("--config", str(config))
-    kubelet = via()
-    shared_id, pinned_pod, pinned_id = start_shared_and_pinned(kubelet)
+    kubelet, shared_id, pinned_pod, pinned_id = started_on_a_config(
+        shim, via, config, 'cpuManagerPolicy = "none"\nreservedSystemCPUs = "0"\n'
+    )
     pinned = kubelet.kernel_cpus(pinned_id)
     assert_kernel(pinned, "0-1")
     assert cgroup_file("cpu", pinned.cgroup_path, "cpu.cfs_quota_us") != "-1"

@@ -26,6 +26,7 @@ from shim.cri.calls import Reply, Status, UnaryCall
 from shim.engine import EngineOptions, moves, resync
 from shim.engine import requests as rq
 from shim.engine.sweeping import sweep
+from shim.engine.tracked import Tracked
 from shim.engine.watching import Watcher
 from tests.fake_runtime import FakeRuntime
 from tests.harness.containerd import CgroupDriver, wait_for
@@ -1035,6 +1036,23 @@ async def test_kubelets_resize_of_exclusive_cpus_whose_shim_hangs_holds_up_no_ot
         env.channel.close()
 
 
+async def moved_to_the_other_socket(env: Env, tracked: Tracked, past: str) -> CPUSet:
+    """A reload reserves the first socket's CPUs: the pinned container moves to the other
+    socket, its memory node with it, written into its cgroup past ``past``, a held call that
+    holds its write lock; the runtime's part is left to it (settings_stale). Its new CPUs."""
+    reserved = TOPOLOGY.cpus_in_numa_node(0)
+    reload = asyncio.create_task(env.engine.change_policy(static_policy(str(reserved))))
+    done, _ = await asyncio.wait({reload}, timeout=5.0)
+    assert done, f"a move waited for {past}"
+    latest = env.engine.state.assignments[tracked.key].cpus
+    assert TOPOLOGY.memory_nodes_of(latest) == CPUSet.parse("1")
+    assert env.kernel_cpus(tracked.id) == str(latest)
+    assert tracked.cgroup is not None
+    assert cgroups.read_list(tracked.cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
+    assert tracked.settings_stale
+    return latest
+
+
 async def test_kubelets_update_a_move_went_past_leaves_the_moves_memory_nodes_to_give(
     tmp_path: Path,
 ) -> None:
@@ -1059,14 +1077,7 @@ async def test_kubelets_update_a_move_went_past_leaves_the_moves_memory_nodes_to
         )
         await until(lambda: updates_to(fake, pinned_id) == [FIRST_SINGLE], "kubelet's update held")
 
-        reserved = TOPOLOGY.cpus_in_numa_node(0)
-        reload = asyncio.create_task(env.engine.change_policy(static_policy(str(reserved))))
-        done, _ = await asyncio.wait({reload}, timeout=5.0)
-        assert done, "a move waited for kubelet's held update"
-        latest = env.engine.state.assignments[tracked.key].cpus
-        assert env.kernel_cpus(pinned_id) == str(latest)
-        assert cgroups.read_list(tracked.cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
-        assert tracked.settings_stale
+        latest = await moved_to_the_other_socket(env, tracked, "kubelet's held update")
 
         hung.set()
         fake.ungate("UpdateContainerResources")
@@ -1236,14 +1247,7 @@ async def test_a_repair_a_move_went_past_leaves_the_moves_memory_nodes_to_give(
         (cgroup / "cpuset.cpus").write_text("3\n")
         await until(lambda: updates_to(fake, pinned_id) == [FIRST_SINGLE], "the repair's held")
 
-        reserved = TOPOLOGY.cpus_in_numa_node(0)
-        reload = asyncio.create_task(env.engine.change_policy(static_policy(str(reserved))))
-        done, _ = await asyncio.wait({reload}, timeout=5.0)
-        assert done, "a move waited for the repair's held update"
-        latest = env.engine.state.assignments[tracked.key].cpus
-        assert env.kernel_cpus(pinned_id) == str(latest)
-        assert cgroups.read_list(cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
-        assert tracked.settings_stale
+        latest = await moved_to_the_other_socket(env, tracked, "the repair's held update")
 
         hung.set()
         fake.ungate("UpdateContainerResources")
@@ -1333,15 +1337,7 @@ async def test_a_move_through_the_runtime_of_a_hung_shims_container_holds_up_not
         # Moved again behind the held call, which holds its lock: not waited for at all. To
         # the other socket: its memory node with it.
         assert TOPOLOGY.memory_nodes_of(moved) == CPUSet.parse("0")
-        reserved = TOPOLOGY.cpus_in_numa_node(0)
-        reload = asyncio.create_task(env.engine.change_policy(static_policy(str(reserved))))
-        done, _ = await asyncio.wait({reload}, timeout=5.0)
-        assert done, "a move waited for the container's held call"
-        latest = env.engine.state.assignments[key].cpus
-        assert TOPOLOGY.memory_nodes_of(latest) == CPUSet.parse("1")
-        assert env.kernel_cpus(pinned_id) == str(latest)
-        assert tracked.cgroup is not None
-        assert cgroups.read_list(tracked.cgroup, cgroups.CPUSET_MEMS) == CPUSet.parse("1")
+        latest = await moved_to_the_other_socket(env, tracked, "the container's held call")
         assert env.engine.counters["writes_past_stuck_runtime"] == 2
         other = await env.kubelet.run_pod("db-2", "guaranteed")
         pinning = asyncio.create_task(env.kubelet.start_new(other, "main", 1000))
