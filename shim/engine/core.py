@@ -1248,30 +1248,27 @@ class Engine:
                 # them), and waited for as a move waits: a record in flight to a hung shim
                 # holds it until its deadline, and every other pod's decisions would wait.
                 if await self.mover.turn(tracked):
-                    try:
-                        update = await self._prepare_update(tracked, request)
-                    except BaseException:
-                        tracked.write_lock.release()
-                        raise
-                    forwarding = self.mover.hand_on(
-                        tracked, partial(self._forward_update, tracked, update, request, forward)
-                    )
+                    update, forwarding = await self._forwarding(tracked, request, forward)
                     if not resized:
                         break
                     # A new count of exclusive CPUs is waited for under the lock: CPUs it
                     # gives back must not be handed out before it has left them.
                     wait = self.mover.call_wait(tracked)
                     if await self.mover.answered_within(tracked, forwarding, wait):
-                        reply = forwarding.result()
-                        await self._after_update(tracked, request, update, reply)
-                        await self._grown_after_resize()
-                        return reply
+                        return await self._resize_answered(tracked, request, update, forwarding)
                 if resized:
+                    if not self.mover.write_past_call(tracked, *self._desired(tracked)).moved:
+                        # Not written past the call either (its cgroup unknown, or the kernel
+                        # refused): CPUs it gives back are not handed out before the runtime
+                        # has taken them from it, however long its shim takes.
+                        if forwarding is None:
+                            await tracked.write_lock.acquire()
+                            update, forwarding = await self._forwarding(tracked, request, forward)
+                        return await self._resize_answered(tracked, request, update, forwarding)
                     # Its runtime does not answer for it (a hung shim would hold the call
                     # until kubelet's deadline, minutes): it is moved in its cgroup past
                     # the call, which writes the latest cpuset again when it ends, and the
                     # CPUs it gave back go to the others now.
-                    self.mover.write_past_call(tracked, *self._desired(tracked))
                     self.project(tracked)
                     await self._grown_after_resize()
                     if forwarding is not None:
@@ -1299,6 +1296,33 @@ class Engine:
         if refused_nodes or self._gone(tracked, request, reply):
             async with self.lock:
                 await self._after_update(tracked, request, update, reply)
+        return reply
+
+    async def _forwarding(
+        self, tracked: Tracked, request: pb.UpdateContainerResourcesRequest, forward: Forward
+    ) -> tuple[_Update, asyncio.Task[Reply]]:
+        """kubelet's update with cpushim's cpuset written into it, forwarded in a task that is
+        handed the container's write lock (the caller's, taken under the engine's lock)."""
+        try:
+            update = await self._prepare_update(tracked, request)
+        except BaseException:
+            tracked.write_lock.release()
+            raise
+        call = partial(self._forward_update, tracked, update, request, forward)
+        return update, self.mover.hand_on(tracked, call)
+
+    async def _resize_answered(
+        self,
+        tracked: Tracked,
+        request: pb.UpdateContainerResourcesRequest,
+        update: _Update,
+        forwarding: asyncio.Task[Reply],
+    ) -> Reply:
+        """A resize of exclusive CPUs waited for under the engine's lock: its answer, what
+        that leaves to do, and the CPUs it gave back handed on."""
+        reply = await forwarding
+        await self._after_update(tracked, request, update, reply)
+        await self._grown_after_resize()
         return reply
 
     async def _forward_update(

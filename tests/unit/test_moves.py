@@ -1095,6 +1095,46 @@ async def test_kubelets_update_a_move_went_past_leaves_the_moves_memory_nodes_to
         env.channel.close()
 
 
+async def test_a_resize_not_written_past_its_hung_call_hands_out_nothing_it_gives_back(
+    tmp_path: Path,
+) -> None:
+    """A resize of exclusive CPUs whose call the shim holds is written into the cgroup past
+    it, and the CPUs it gives back handed on. When that write cannot be made (the cgroup
+    not located, or the kernel refuses), the container still runs on them: they are kept
+    from every other pod until the runtime has taken them from it, as before."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05)
+        env = await make_env(fake, tmp_path / "state", options=options)
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 2000)
+        tracked = env.engine.containers[pinned_id]
+        await until(lambda: tracked.cgroup is not None, "located")
+        held = env.engine.state.assignments[tracked.key].cpus
+        tracked.cgroup = None  # as for a container whose cgroup was not found
+        hung = fake.gate("UpdateContainerResources")
+        resize = asyncio.create_task(
+            env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
+        )
+        await until(lambda: updates_to(fake, pinned_id) != [], "kubelet's resize held")
+        kept = env.engine.state.assignments[tracked.key].cpus
+
+        other = await env.kubelet.run_pod("db-2", "guaranteed")
+        left = ALL - CPUSet.parse("0") - kept
+        pinning = asyncio.create_task(env.kubelet.start_new(other, "main", 1000 * len(left)))
+        started, _ = await asyncio.wait({pinning}, timeout=0.5)
+        assert not started, "the CPU it gives back was handed out while it ran there"
+        assert env.kernel_cpus(pinned_id) == str(held)
+
+        hung.set()
+        fake.ungate("UpdateContainerResources")
+        assert (await resize).status is Status.OK
+        other_id = await pinning
+        assert env.kernel_cpus(pinned_id) == str(kept)
+        assert env.kernel_cpus(other_id) == str(left)
+        await env.engine.drain(5.0)
+        env.channel.close()
+
+
 async def test_a_refused_move_through_the_runtime_overtaken_leaves_the_record_unknown(
     tmp_path: Path,
 ) -> None:
