@@ -596,9 +596,13 @@ class Mover:
         (:meth:`write_past`)."""
         if tracked.cgroup is None or tracked.phase is not Phase.RUNNING:
             return MoveResult(ok=False)
-        if not self._write_cgroup(tracked, cpus):
-            return MoveResult(ok=False)
-        self.counters["writes_past_stuck_runtime"] += 1
+        # A retry of the move while the runtime still does not answer: the CPUs are in place
+        # (a late call's older ones are written over when it ends), the memory nodes written
+        # again, since that call may have written its own.
+        if tracked.applied != cpus:
+            if not self._write_cgroup(tracked, cpus):
+                return MoveResult(ok=False)
+            self.counters["writes_past_stuck_runtime"] += 1
         if mems:
             try:
                 self.write_tree(tracked, cgroups.CPUSET_MEMS, CPUSet.parse(mems))

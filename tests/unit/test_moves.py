@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from grpclib.const import Status as GrpcStatus
@@ -1394,6 +1395,46 @@ async def test_a_move_through_the_runtime_of_a_hung_shims_container_holds_up_not
         assert env.cpus(pinned_id) == str(latest)
         assert fake.containers[pinned_id].resources.cpu_quota == -1
         assert not tracked.runtime_stuck
+        env.channel.close()
+
+
+async def test_retries_while_the_runtime_does_not_answer_count_no_new_write_past_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The move retry tries a container whose shim hangs again and again: its CPUs are in
+    place after the first write past the call, so the retries neither write them again nor
+    count a write past a stuck runtime each; its memory nodes are written again (a late
+    call may have written its own)."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.001
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+        tracked = env.engine.containers[pinned_id]
+        await until(lambda: tracked.cgroup is not None, "located")
+        mover = env.engine.mover
+        tries = 0
+        write_past_call = mover.write_past_call
+
+        def counted(*args: Any) -> moves.MoveResult:
+            nonlocal tries
+            tries += 1
+            return write_past_call(*args)
+
+        monkeypatch.setattr(mover, "write_past_call", counted)
+        hung = fake.gate("UpdateContainerResources")
+        latest = await moved_to_the_other_socket(env, tracked, "the container's held call")
+        await until(lambda: tries >= 4, "the move tried again")
+        assert env.engine.counters["writes_past_stuck_runtime"] == 1
+        assert env.kernel_cpus(pinned_id) == str(latest)
+
+        fake.ungate("UpdateContainerResources")
+        hung.set()
+        await until(lambda: not tracked.settings_stale, "the move given through the runtime")
+        await env.engine.drain(5.0)
+        assert env.cpus(pinned_id) == str(latest)
         env.channel.close()
 
 
