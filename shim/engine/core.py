@@ -1309,7 +1309,8 @@ class Engine:
             tracked.write_lock.release()
             raise
         call = partial(self._forward_update, tracked, update, request, forward)
-        return update, self.mover.hand_on(tracked, call)
+        # Always awaited (the handler's failure policy tells a defect in it).
+        return update, self.mover.hand_on(tracked, call, awaited=True)
 
     async def _resize_answered(
         self,

@@ -332,13 +332,15 @@ class Mover:
         # Still running, or failed: the cgroup is as written, the delayed record tries again.
         return await self._hand_on(tracked, record, self.stuck_after) or MoveResult(ok=True)
 
-    def hand_on(self, tracked: Tracked, call: Callable[[], Awaitable[_T]]) -> asyncio.Task[_T]:
+    def hand_on(
+        self, tracked: Tracked, call: Callable[[], Awaitable[_T]], *, awaited: bool = False
+    ) -> asyncio.Task[_T]:
         """Run ``call``, a runtime call about the container, in a task of its own that is
         handed the caller's write lock and gives it back when it ends (also when cancelled
-        before it ran, as when the loop is torn down; a defect in it is logged): the
-        caller, who holds the engine's lock, can then wait for it a moment only
-        (:meth:`answered_within`), since a call to a hung shim would hold it until its
-        deadline."""
+        before it ran, as when the loop is torn down): the caller, who holds the engine's
+        lock, can then wait for it a moment only (:meth:`answered_within`), since a call to
+        a hung shim would hold it until its deadline. A defect in it is logged and counted
+        here, unless ``awaited``: whoever awaits the task gets it, and tells it."""
         released = False
 
         def release() -> None:
@@ -355,7 +357,7 @@ class Mover:
 
         def done(task: asyncio.Task[_T]) -> None:
             release()
-            if not task.cancelled() and task.exception() is not None:
+            if not awaited and not task.cancelled() and task.exception() is not None:
                 self.counters["internal_errors"] += 1
                 log.error(
                     "a runtime call about a container failed",

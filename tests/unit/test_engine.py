@@ -1165,6 +1165,29 @@ async def test_a_create_the_runtime_did_is_never_forwarded_again_after_a_failure
         env.channel.close()
 
 
+async def test_a_defect_after_kubelets_update_is_forwarded_is_counted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kubelet's update runs in a task of its own that is handed the container's lock: a
+    defect there is told by the call's failure handling, not once more by the task's."""
+    async with FakeRuntime() as fake:
+        env = await make_env(fake, tmp_path)
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
+
+        def broken(*args: object) -> None:
+            raise RuntimeError("a bug after the forward")
+
+        monkeypatch.setattr(env.engine, "_updated", broken)
+        reply = await env.kubelet.call("UpdateContainerResources", kubelet_resize(pinned_id, 1000))
+        # The runtime took it once; kubelet hears what the runtime said.
+        assert reply.status is Status.OK
+        assert len(fake.calls_of("UpdateContainerResources")) == 1
+        assert env.engine.counters["internal_errors"] == 1
+        assert not env.engine.containers[pinned_id].write_lock.locked()
+        env.channel.close()
+
+
 async def test_calls_with_nothing_to_wait_for_are_followed_at_once(env: Env) -> None:
     pod = await env.kubelet.run_pod("db", "guaranteed")
     container_id = await env.kubelet.start_new(pod, "main", 1000)
