@@ -569,9 +569,10 @@ class Mover:
         a direct write waits for it (:meth:`turn`); the call is waited for ``stuck_after``
         seconds at most, and not at all while the runtime is taken for stuck. A call about
         the container that holds either up has the move written into the cgroup past it
-        (:meth:`write_past_call`)."""
+        (:meth:`write_past_call`), unless the kernel has just refused that write (not
+        ``tree_first``): the move is then not made, and its retry tries again."""
         if not await self.turn(tracked):
-            return self.write_past_call(tracked, cpus, mems, quota)
+            return self._past_call(tracked, cpus, mems, quota, tree_first=tree_first)
         return await self._update_handed_on(tracked, cpus, mems, quota, tree_first=tree_first)
 
     async def _update_handed_on(
@@ -584,8 +585,16 @@ class Mover:
 
         result = await self._hand_on(tracked, update, self.call_wait(tracked))
         if result is None:
-            return self.write_past_call(tracked, cpus, mems, quota)
+            return self._past_call(tracked, cpus, mems, quota, tree_first=tree_first)
         return result
+
+    def _past_call(
+        self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None, *, tree_first: bool
+    ) -> MoveResult:
+        if not tree_first:
+            # The kernel refused this very write a moment ago: it would again.
+            return MoveResult(ok=False)
+        return self.write_past_call(tracked, cpus, mems, quota)
 
     def write_past_call(
         self, tracked: Tracked, cpus: CPUSet, mems: str, quota: int | None

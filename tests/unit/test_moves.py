@@ -614,6 +614,42 @@ async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
     assert env.engine.counters["cgroup_writes"] == 0
 
 
+async def test_a_refused_direct_write_whose_call_hangs_is_not_made_again_past_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel refuses a direct write, so the move goes through the runtime, whose shim
+    hangs: the move is not written past the call (the kernel would refuse the same write
+    again, and it was logged twice); it is left to the retry, and the pinning goes on."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        env = await cgroup_env(tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05)
+        shared_id = await start_located(env, "web")
+        cgroup = fake.cgroup_dir(shared_id)
+        write = cgroups.write_list
+        tried: list[str] = []
+
+        def refused_in_the_container(directory: Path, name: str, values: CPUSet) -> None:
+            if directory == cgroup:
+                tried.append(str(values))
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(directory / name))
+            write(directory, name, values)
+
+        monkeypatch.setattr(cgroups, "write_list", refused_in_the_container)
+        hung = fake.gate("UpdateContainerResources")
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        pinning = asyncio.create_task(env.kubelet.start_new(pod, "main", 1000))
+        started, _ = await asyncio.wait({pinning}, timeout=5.0)
+        assert started, "a pinning waited for the hung shim"
+        assert tried == [SHARED_AFTER_FIRST_SINGLE]
+        assert env.engine.counters["writes_past_stuck_runtime"] == 0
+
+        monkeypatch.setattr(cgroups, "write_list", write)
+        fake.ungate("UpdateContainerResources")
+        hung.set()
+        await env.engine.drain(5.0)
+        assert env.kernel_cpus(shared_id) == SHARED_AFTER_FIRST_SINGLE  # runc's write
+        env.channel.close()
+
+
 async def test_a_container_not_started_yet_moves_through_the_runtime(env: Env) -> None:
     pod = await env.kubelet.run_pod("web", "besteffort")
     reply = await env.kubelet.create(pod, "main")
