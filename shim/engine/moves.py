@@ -60,6 +60,27 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+class _Turn:
+    """One of a semaphore's turns, which may be given back before the ``async with`` ends."""
+
+    def __init__(self, semaphore: asyncio.Semaphore) -> None:
+        self._semaphore = semaphore
+        self._held = False
+
+    async def __aenter__(self) -> _Turn:
+        await self._semaphore.acquire()
+        self._held = True
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.give_back()
+
+    def give_back(self) -> None:
+        if self._held:
+            self._held = False
+            self._semaphore.release()
+
+
 class Spawn(Protocol):
     """Runs work in the background, as the engine's own (drained and cancelled with it)."""
 
@@ -757,11 +778,12 @@ class Mover:
                 await self._until_due(tracked, behind_since, retry_at)
                 # The turn first, then the lock: one waiting its turn holding the lock would
                 # hold up a direct write of the container.
-                async with self._recording, tracked.write_lock:
+                turn = _Turn(self._recording)
+                async with turn, tracked.write_lock:
                     cpus = tracked.applied
                     if cpus is None or cpus == tracked.recorded:
                         return
-                    reply = await self._send_record(tracked, cpus)
+                    reply = await self._send_record_in_turn(tracked, cpus, turn)
                     if reply.status is Status.NOT_FOUND:
                         return  # gone: nothing left to record
                     if reply.status is not Status.OK:
@@ -780,6 +802,17 @@ class Mover:
                 behind_since = loop.time()
         finally:
             self._recorders.pop(tracked.id, None)
+
+    async def _send_record_in_turn(self, tracked: Tracked, cpus: CPUSet, turn: _Turn) -> Reply:
+        """:meth:`_send_record`, giving the turn back once the call has gone unanswered for
+        ``stuck_after`` (at once while the runtime is taken for stuck): a record to a hung
+        shim would keep it until its deadline, and with as many hung shims as turns, no
+        other container on the node would be recorded."""
+        giving_back = asyncio.get_running_loop().call_later(self.call_wait(tracked), turn.give_back)
+        try:
+            return await self._send_record(tracked, cpus)
+        finally:
+            giving_back.cancel()
 
     def _record_refused(
         self, tracked: Tracked, cpus: CPUSet, reply: Reply, retry: float | str

@@ -834,6 +834,52 @@ async def test_records_run_no_more_at_once_than_moves_through_the_runtime(
 # --- a runtime that does not answer for a container (a hung containerd shim) -----------------
 
 
+async def test_a_record_to_a_hung_shim_keeps_no_turn_from_other_containers_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records run ``update_concurrency`` at a time. One to a hung shim kept its turn until
+    its deadline (and again at each retry): with as many hung shims as turns, no other
+    container on the node was recorded. A record gives its turn back once it has gone
+    unanswered for ``stuck_after``."""
+    async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
+        options = EngineOptions(
+            record_delay=0.0,
+            record_max_delay=NEVER,
+            update_timeout=NEVER,
+            stuck_after=0.05,
+            update_concurrency=1,
+        )
+        env = await make_env(fake, tmp_path / "state", options=options)
+        hung_id = await start_located(env, "hung")
+        other_id = await start_located(env, "web")
+        channel = env.engine.mover.runtime
+        unary = channel.unary
+        answer = asyncio.Event()
+
+        async def hung_for_one(call: UnaryCall, request: bytes | None = None) -> Reply:
+            if call.path == rq.UPDATE_CONTAINER_RESOURCES:
+                named = pb.UpdateContainerResourcesRequest.FromString(call.request).container_id
+                if named == hung_id:
+                    await answer.wait()
+            return await unary(call, request)
+
+        monkeypatch.setattr(channel, "unary", hung_for_one)
+        pod = await env.kubelet.run_pod("db", "guaranteed")
+        await env.kubelet.start_new(pod, "main", 1000)
+        await until(
+            lambda: updates_to(fake, other_id) == [SHARED_AFTER_FIRST_SINGLE],
+            "the other container recorded beside the hung one",
+        )
+        assert updates_to(fake, hung_id) == []  # held before the fake saw it
+        answer.set()
+        await until(
+            lambda: updates_to(fake, hung_id) == [SHARED_AFTER_FIRST_SINGLE],
+            "the hung one recorded",
+        )
+        await env.engine.drain(5.0)
+        env.channel.close()
+
+
 @pytest.mark.parametrize(("version", "driver"), [(1, "cgroupfs"), (2, "systemd")])
 async def test_a_shim_that_hangs_holds_up_no_other_pods_pinning_or_release(
     tmp_path: Path, version: int, driver: CgroupDriver
