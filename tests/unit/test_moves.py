@@ -62,12 +62,14 @@ async def cgroup_env(
     *,
     update_timeout: float = EngineOptions.update_timeout,
     stuck_after: float = EngineOptions.stuck_after,
+    retry_delay: float = EngineOptions.retry_delay,
 ) -> Env:
     options = EngineOptions(
         record_delay=record_delay,
         record_max_delay=record_max_delay,
         update_timeout=update_timeout,
         stuck_after=stuck_after,
+        retry_delay=retry_delay,
     )
     return await make_env(fake, tmp_path / "state", options=options)
 
@@ -78,6 +80,16 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
         environment = await cgroup_env(tmp_path, fake, NEVER)
         yield environment
         environment.channel.close()
+
+
+async def start_pinned_located(env: Env, milli_cpu: int) -> tuple[str, Tracked]:
+    """A Guaranteed pod "db" whose container asks for ``milli_cpu``, started, once the
+    engine knows where its cgroup is: its container's id and its tracking."""
+    pod = await env.kubelet.run_pod("db", "guaranteed")
+    pinned_id = await env.kubelet.start_new(pod, "main", milli_cpu)
+    tracked = env.engine.containers[pinned_id]
+    await until(lambda: tracked.cgroup is not None, "located")
+    return pinned_id, tracked
 
 
 async def start_located(env: Env, name: str) -> str:
@@ -583,6 +595,22 @@ async def test_a_failing_status_read_by_another_call_in_between_is_told_again(
     assert told == [container_id, container_id]
 
 
+def refused_in(monkeypatch: pytest.MonkeyPatch, cgroup: Path) -> list[str]:
+    """Writes into ``cgroup`` refused by the kernel (EACCES), as cgroup v1 refuses CPUs its
+    parent lacks; the sets tried there, in order."""
+    write = cgroups.write_list
+    tried: list[str] = []
+
+    def refused_in_the_container(directory: Path, name: str, values: CPUSet) -> None:
+        if directory == cgroup:
+            tried.append(str(values))
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(directory / name))
+        write(directory, name, values)
+
+    monkeypatch.setattr(cgroups, "write_list", refused_in_the_container)
+    return tried
+
+
 @pytest.mark.parametrize("child_cpus", [None, "0-3"])
 async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
     env: Env, monkeypatch: pytest.MonkeyPatch, child_cpus: str | None
@@ -596,16 +624,7 @@ async def test_a_refused_direct_write_is_left_to_the_runtime_not_made_again(
     if child_cpus is not None:
         (cgroup / "inner").mkdir()
         (cgroup / "inner" / "cpuset.cpus").write_text(child_cpus + "\n")
-    write = cgroups.write_list
-    tried: list[str] = []
-
-    def refused_in_the_container(directory: Path, name: str, values: CPUSet) -> None:
-        if directory == cgroup:
-            tried.append(str(values))
-            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(directory / name))
-        write(directory, name, values)
-
-    monkeypatch.setattr(cgroups, "write_list", refused_in_the_container)
+    tried = refused_in(monkeypatch, cgroup)
     pod = await env.kubelet.run_pod("db", "guaranteed")
     await env.kubelet.start_new(pod, "main", 1000)
     assert tried == [SHARED_AFTER_FIRST_SINGLE]
@@ -624,16 +643,9 @@ async def test_a_refused_direct_write_whose_call_hangs_is_not_made_again_past_it
         env = await cgroup_env(tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05)
         shared_id = await start_located(env, "web")
         cgroup = fake.cgroup_dir(shared_id)
+        assert cgroup is not None
         write = cgroups.write_list
-        tried: list[str] = []
-
-        def refused_in_the_container(directory: Path, name: str, values: CPUSet) -> None:
-            if directory == cgroup:
-                tried.append(str(values))
-                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(directory / name))
-            write(directory, name, values)
-
-        monkeypatch.setattr(cgroups, "write_list", refused_in_the_container)
+        tried = refused_in(monkeypatch, cgroup)
         hung = fake.gate("UpdateContainerResources")
         pod = await env.kubelet.run_pod("db", "guaranteed")
         pinning = asyncio.create_task(env.kubelet.start_new(pod, "main", 1000))
@@ -1000,8 +1012,7 @@ async def test_kubelets_update_of_a_container_whose_shim_hangs_holds_up_no_other
     container's write lock alone; a pinning meanwhile moves the container past it, and the
     update, once it lands with the pool of when it was sent, has the latest written again."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05)
-        env = await make_env(fake, tmp_path / "state", options=options)
+        env = await cgroup_env(tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05)
         pod = await env.kubelet.run_pod("web", "burstable")
         shared_id = await env.kubelet.start_new(pod, "main", 500)
         await until(lambda: env.engine.containers[shared_id].cgroup is not None, "located")
@@ -1070,15 +1081,11 @@ async def test_kubelets_resize_of_exclusive_cpus_whose_shim_hangs_holds_up_no_ot
     cgroup past it, the CPUs it gave back go to the shared containers and may be handed out,
     and the call, when it lands, leaves the latest cpuset."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(
-            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
+        env = await cgroup_env(
+            tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
         )
-        env = await make_env(fake, tmp_path / "state", options=options)
         shared_id = await start_located(env, "web")
-        pod = await env.kubelet.run_pod("db", "guaranteed")
-        pinned_id = await env.kubelet.start_new(pod, "main", 2000)
-        tracked = env.engine.containers[pinned_id]
-        await until(lambda: tracked.cgroup is not None, "located")
+        pinned_id, tracked = await start_pinned_located(env, 2000)
         held = env.engine.state.assignments[tracked.key].cpus
         assert len(held) == 2
         hung = fake.gate("UpdateContainerResources")
@@ -1145,14 +1152,10 @@ async def test_kubelets_update_a_move_went_past_leaves_the_moves_memory_nodes_to
     of when it was sent: its answer took the container's settings for given, and nothing
     gave the runtime the move's; the cgroup kept the older node for good."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(
-            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
+        env = await cgroup_env(
+            tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
         )
-        env = await make_env(fake, tmp_path / "state", options=options)
-        pod = await env.kubelet.run_pod("db", "guaranteed")
-        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
-        tracked = env.engine.containers[pinned_id]
-        await until(lambda: tracked.cgroup is not None, "located")
+        pinned_id, tracked = await start_pinned_located(env, 1000)
         assert tracked.cgroup is not None
         hung = fake.gate("UpdateContainerResources")
         update = asyncio.create_task(
@@ -1186,12 +1189,8 @@ async def test_a_resize_not_written_past_its_hung_call_hands_out_nothing_it_give
     not located, or the kernel refuses), the container still runs on them: they are kept
     from every other pod until the runtime has taken them from it, as before."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05)
-        env = await make_env(fake, tmp_path / "state", options=options)
-        pod = await env.kubelet.run_pod("db", "guaranteed")
-        pinned_id = await env.kubelet.start_new(pod, "main", 2000)
-        tracked = env.engine.containers[pinned_id]
-        await until(lambda: tracked.cgroup is not None, "located")
+        env = await cgroup_env(tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05)
+        pinned_id, tracked = await start_pinned_located(env, 2000)
         held = env.engine.state.assignments[tracked.key].cpus
         tracked.cgroup = None  # as for a container whose cgroup was not found
         hung = fake.gate("UpdateContainerResources")
@@ -1354,10 +1353,9 @@ async def test_a_repair_a_move_went_past_leaves_the_moves_memory_nodes_to_give(
     node of before: taken for a move that went through, it had the container's settings
     taken for given, and the cgroup kept the older node for good."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(
-            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
+        env = await cgroup_env(
+            tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.05
         )
-        env = await make_env(fake, tmp_path / "state", options=options)
         watcher = Watcher(env.engine, resync_period=0)
         watcher.start()
         pod = await env.kubelet.run_pod("db", "guaranteed")
@@ -1433,14 +1431,10 @@ async def test_a_move_through_the_runtime_of_a_hung_shims_container_holds_up_not
     answers: at once then, whatever wait the move's retry has grown to meanwhile (here an
     hour)."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(
-            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=NEVER
+        env = await cgroup_env(
+            tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=NEVER
         )
-        env = await make_env(fake, tmp_path / "state", options=options)
-        pod = await env.kubelet.run_pod("db", "guaranteed")
-        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
-        tracked = env.engine.containers[pinned_id]
-        await until(lambda: tracked.cgroup is not None, "located")
+        pinned_id, tracked = await start_pinned_located(env, 1000)
         key = tracked.key
         hung = fake.gate("UpdateContainerResources")
 
@@ -1488,14 +1482,10 @@ async def test_retries_while_the_runtime_does_not_answer_count_no_new_write_past
     count a write past a stuck runtime each; its memory nodes are written again (a late
     call may have written its own)."""
     async with FakeRuntime(cgroup_root=tmp_path / "cpuset") as fake:
-        options = EngineOptions(
-            record_delay=NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.001
+        env = await cgroup_env(
+            tmp_path, fake, NEVER, update_timeout=NEVER, stuck_after=0.05, retry_delay=0.001
         )
-        env = await make_env(fake, tmp_path / "state", options=options)
-        pod = await env.kubelet.run_pod("db", "guaranteed")
-        pinned_id = await env.kubelet.start_new(pod, "main", 1000)
-        tracked = env.engine.containers[pinned_id]
-        await until(lambda: tracked.cgroup is not None, "located")
+        pinned_id, tracked = await start_pinned_located(env, 1000)
         mover = env.engine.mover
         tries = 0
         write_past_call = mover.write_past_call
