@@ -9,7 +9,6 @@ grow up to the same ``MAX_RETRY_DELAY``."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Final
 
@@ -21,7 +20,7 @@ async def retry_until_done(
     attempt: Callable[[], Awaitable[bool]],
     first_delay: float,
     stop: asyncio.Event,
-    hurry: asyncio.Event | None = None,
+    hurry: asyncio.Event,
 ) -> None:
     """Run ``attempt`` after ``first_delay``, then after twice as long each time (up to
     ``MAX_RETRY_DELAY``), until it returns True or ``stop`` is set; ``stop`` ends a wait at
@@ -30,20 +29,14 @@ async def retry_until_done(
     delay = first_delay
     while True:
         await _until_either(stop, hurry, delay)
-        hurried = False
-        if hurry is not None and hurry.is_set():
-            hurry.clear()
-            hurried = True
+        hurried = hurry.is_set()
+        hurry.clear()
         if stop.is_set() or await attempt():
             return
         delay = first_delay if hurried else min(delay * 2, MAX_RETRY_DELAY)
 
 
-async def _until_either(first: asyncio.Event, second: asyncio.Event | None, wait: float) -> None:
-    if second is None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(first.wait(), wait)
-        return
+async def _until_either(first: asyncio.Event, second: asyncio.Event, wait: float) -> None:
     waits = {asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())}
     try:
         await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
